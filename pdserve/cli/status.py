@@ -1,0 +1,72 @@
+"""Show each process of a cluster (role, state, pid, address, uptime, restarts) and the router's reuse
+counters; with no NAME, list all clusters. Exit 3 when the named cluster is not running."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from pdserve import cluster
+from pdserve.errors import NotRunningError
+from pdserve.state import ClusterDir, list_clusters
+from pdserve.ui import console
+
+NAME = "status"
+
+
+def _uptime(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def command(
+    name: str = typer.Argument(None, help="Cluster name (default: list all clusters)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    if name is None:
+        rows = [cluster.cluster_status(ClusterDir(n)) for n in list_clusters()]
+        if json_out:
+            console.print_json(rows)
+            return
+        table = Table("cluster", "phase", "ready", "router", "supervisor")
+        for r in rows:
+            ready = sum(1 for p in r["processes"] if p["state"] == "ready")
+            table.add_row(r["name"], r["phase"] or "-", f"{ready}/{len(r['processes'])}", r["router_url"] or "-",
+                          "alive" if r["supervisor_alive"] else "gone")
+        console.out.print(table if rows else "no clusters")
+        return
+    cdir = ClusterDir(name)
+    if not cdir.exists():
+        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
+    st = cluster.cluster_status(cdir)
+    if json_out:
+        console.print_json(st)
+    else:
+        _render(st)
+    if not st["running"]:
+        raise NotRunningError(f"cluster {name} is not running", hint=f"`pdserve up` to start it")
+
+
+def _render(st: dict) -> None:
+    table = Table(title=f"{st['name']}: {st['phase']}", title_justify="left")
+    for col in ("process", "role", "state", "pid", "address", "uptime", "restarts"):
+        table.add_column(col)
+    for p in st["processes"]:
+        table.add_row(p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
+                      _uptime(p["uptime_s"]), str(p["restarts"]))
+    console.out.print(table)
+    if st["running"] and not st["supervisor_alive"]:
+        console.error("the supervisor is gone: processes are not restarted if they die",
+                      hint="`pdserve down` then `pdserve up` to restore supervision")
+    if st.get("error"):
+        console.error(st["error"])
+    r = st.get("router")
+    if r:
+        decided = r["reuse_hits"] + r["reuse_misses"]
+        rate = f"{100 * r['reuse_hits'] / decided:.0f}%" if decided else "-"
+        console.out.print(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hits "
+                          f"{r['reuse_hits']:.0f}/{decided:.0f} ({rate}), tokens offered "
+                          f"{r['reuse_tokens_offered']:.0f}, handles unavailable {r['entries_unavailable']:.0f}",
+                          highlight=False)

@@ -1,0 +1,82 @@
+"""Validate a cluster.yaml, start prefill, decode and router under a background supervisor, and return
+when all answer their health checks. With no file, runs the embedded CPU default (configs/local-cpu.yaml),
+building its small random-weight model on first use."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from pdserve import cluster
+from pdserve.errors import PdserveError
+from pdserve.ui import console
+
+NAME = "up"
+STATE_STYLE = {"ready": "green", "starting": "yellow", "backoff": "yellow", "unhealthy": "red",
+               "fatal": "bold red", "stopping": "dim", "stopped": "dim"}
+
+
+def progress_table(state: dict, started: float) -> Table:
+    table = Table(title=f"starting {state.get('cluster', '')} ({time.monotonic() - started:.0f}s)",
+                  title_justify="left")
+    for col in ("process", "state", "pid", "address", "detail"):
+        table.add_column(col)
+    for name, proc in (state.get("processes") or {}).items():
+        st = proc.get("state", "?")
+        table.add_row(name, f"[{STATE_STYLE.get(st, '')}]{st}[/]", str(proc.get("pid") or ""),
+                      f"{proc.get('host')}:{proc.get('port')}", proc.get("message") or "")
+    return table
+
+
+def command(
+    config: Path = typer.Argument(None, help="cluster.yaml (default: the embedded configs/local-cpu.yaml)"),
+    foreground: bool = typer.Option(False, "--foreground", "-f",
+                                    help="Stay attached; Ctrl-C stops the cluster (like `down`)."),
+) -> None:
+    spec, plan, cdir = cluster.plan_from_file(config)
+    if plan.builtin_model:
+        console.info(f"model: built-in {spec.model} at {plan.model_path} (built on first use)")
+    cluster.prepare(spec, plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
+    started = time.monotonic()
+    supervisor = cluster.start_supervisor(cdir)
+    console.info(f"starting {spec.name}: {len(plan.processes)} processes; logs in {cdir.logs_dir}")
+    try:
+        state = _wait(cdir, supervisor, started)
+    except KeyboardInterrupt:
+        console.info("interrupted: stopping the cluster")
+        cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
+        raise typer.Exit(130) from None
+    if state.get("phase") != "running":
+        name, lines = cluster.failure_details(cdir, state)
+        cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
+        for line in lines:
+            console.err.print(f"  {name}| {line}", markup=False, highlight=False)
+        raise PdserveError(f"{spec.name} failed to start: {state.get('error') or 'unknown reason'}",
+                           hint=f"full log: {cdir.log_path(name) if name != 'supervisor' else cdir.supervisor_log}")
+    console.info(f"{spec.name} is ready in {time.monotonic() - started:.0f}s")
+    console.out.print(plan.router.url + "/v1", highlight=False)
+    if foreground:
+        try:
+            while supervisor.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            console.info("stopping")
+            cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
+
+
+def _wait(cdir, supervisor, started: float) -> dict:
+    if not console.is_tty():
+        last: dict[str, str] = {}
+
+        def plain(state: dict) -> None:
+            for name, proc in (state.get("processes") or {}).items():
+                if last.get(name) != proc.get("state"):
+                    last[name] = proc.get("state")
+                    console.info(f"{time.monotonic() - started:6.1f}s {name:<10} {proc.get('state')}")
+        return cluster.wait_for_phase(cdir, supervisor, plain)
+    with Live(progress_table({}, started), console=console.err, refresh_per_second=4, transient=False) as live:
+        return cluster.wait_for_phase(cdir, supervisor, lambda s: live.update(progress_table(s, started)))

@@ -1,0 +1,199 @@
+"""Orchestration: from a cluster.yaml to a supervised deployment and back. No rendering here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from pdserve.errors import PdserveError
+from pdserve.launchers import local
+from pdserve.plan import ClusterPlan, build_plan
+from pdserve.spec.load import load_spec
+from pdserve.spec.schema import ClusterSpec
+from pdserve.state import ClusterDir, models_dir, tail_lines, write_json_atomic
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
+TERMINAL_PHASES = ("running", "failed", "stopped", "degraded")
+
+
+def plan_from_file(path: str | Path | None) -> tuple[ClusterSpec, ClusterPlan, ClusterDir]:
+    spec = load_spec(path or DEFAULT_CONFIG)
+    cdir = ClusterDir(spec.name)
+    plan = build_plan(spec, python=sys.executable, cluster_dir=cdir.root, models_dir=models_dir())
+    return spec, plan, cdir
+
+
+def supervisor_process(state: dict[str, Any] | None) -> psutil.Process | None:
+    sup = (state or {}).get("supervisor") or {}
+    return local.same_process(sup.get("pid"), sup.get("create_time"))
+
+
+def live_processes(cdir: ClusterDir, state: dict[str, Any] | None = None) -> dict[str, bool]:
+    """Process name -> whether a process of it is alive (checked by pid + start time, then marker)."""
+    state = state if state is not None else cdir.read_state() or {}
+    alive = {}
+    for name, proc in (state.get("processes") or {}).items():
+        alive[name] = bool(local.same_process(proc.get("pid"), proc.get("create_time"))
+                           or local.marked_processes(proc.get("marker", "")))
+    return alive
+
+
+def is_running(cdir: ClusterDir) -> bool:
+    state = cdir.read_state()
+    return bool(supervisor_process(state)) or any(live_processes(cdir, state).values())
+
+
+def busy_ports(plan: ClusterPlan) -> list[str]:
+    """Ports of the plan that something else already listens on (checked by binding)."""
+    busy = []
+    for proc in plan.processes:
+        for port in [proc.port, *proc.side_channel_ports]:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((proc.host if proc.host not in ("localhost",) else "127.0.0.1", port))
+                except OSError:
+                    busy.append(f"{proc.name}: port {port}")
+    return busy
+
+
+def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None) -> None:
+    """Everything `up` does before a process starts: refuse duplicates, build the model, write files."""
+    if is_running(cdir):
+        raise PdserveError(f"cluster {spec.name} is already running",
+                           hint=f"`pdserve status {spec.name}` to see it, `pdserve down {spec.name}` to stop it")
+    busy = busy_ports(plan)
+    if busy:
+        raise PdserveError(f"ports already in use: {', '.join(busy)}",
+                           hint="stop what uses them or change the ports in the config")
+    if plan.builtin_model:
+        from pdserve.modelgen import ensure_model
+        ensure_model(plan.builtin_model, models_dir())
+    cdir.root.mkdir(parents=True, exist_ok=True)
+    cdir.logs_dir.mkdir(exist_ok=True)
+    if config_path:
+        shutil.copyfile(config_path, cdir.spec_path)
+    write_json_atomic(cdir.plan_path, plan.to_dict())
+    write_json_atomic(Path(plan.router_config_path), plan.router_config)
+    cdir.state_path.unlink(missing_ok=True)
+
+
+def start_supervisor(cdir: ClusterDir) -> subprocess.Popen:
+    """The supervisor runs in its own session so it outlives this command (and a closed terminal)."""
+    with open(cdir.supervisor_log, "ab") as logf:
+        return subprocess.Popen([sys.executable, "-m", "pdserve.supervise", str(cdir.root)],
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+
+
+def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Callable[[dict], None],
+                   poll: float = 0.5) -> dict[str, Any]:
+    """Poll state.json until the cluster is up, failed, or the supervisor died."""
+    while True:
+        state = cdir.read_state() or {}
+        on_update(state)
+        if state.get("phase") in TERMINAL_PHASES:
+            return state
+        if supervisor.poll() is not None:
+            state = cdir.read_state() or {}
+            if state.get("phase") not in TERMINAL_PHASES:
+                state["phase"] = "failed"
+                state["error"] = state.get("error") or (
+                    "the supervisor exited: " + " | ".join(tail_lines(cdir.supervisor_log, 3)))
+            return state
+        time.sleep(poll)
+
+
+def failure_details(cdir: ClusterDir, state: dict[str, Any], lines: int = 20) -> tuple[str, list[str]]:
+    """The process that failed and the end of its log."""
+    for name, proc in (state.get("processes") or {}).items():
+        if proc.get("state") == "fatal":
+            return name, tail_lines(cdir.log_path(name), lines)
+    return "supervisor", tail_lines(cdir.supervisor_log, lines)
+
+
+def stop_cluster(cdir: ClusterDir, timeout: float = 20.0) -> list[str]:
+    """Stop everything: the supervisor (which stops its processes in order), then any survivor, in the
+    same order (router, decode, prefill). Works when the supervisor is gone; never kills a recycled pid."""
+    state = cdir.read_state() or {}
+    sup = supervisor_process(state)
+    if sup is not None:
+        sup.send_signal(signal.SIGTERM)
+        try:
+            sup.wait(timeout=timeout * 3 + 10)
+        except psutil.TimeoutExpired:
+            sup.kill()
+    state = cdir.read_state() or state
+    plan_data = cdir.read_plan()
+    order = [p.name for p in ClusterPlan.from_dict(plan_data).stop_order()] if plan_data else []
+    procs = state.get("processes") or {}
+    killed = []
+    for name in sorted(procs, key=lambda n: order.index(n) if n in order else len(order)):
+        proc = procs[name]
+        if local.stop(proc.get("pid"), proc.get("create_time"), proc.get("marker", ""), timeout):
+            killed.append(name)
+        proc.update(state="stopped", pid=None)
+    if state:
+        state["phase"] = "stopped" if state.get("phase") != "failed" else "failed"
+        cdir.write_state(state)
+    return killed
+
+
+def router_counters(router_url: str, timeout: float = 2.0) -> dict[str, float] | None:
+    """The router's reuse counters, read from its /metrics; None when it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(router_url + "/metrics", timeout=timeout) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    out = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
+           "entries_unavailable": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "pdserve_router_turns_total":
+                out["turns"] += s.value
+            elif s.name == "pdserve_router_reuse_decisions_total":
+                out["reuse_hits" if s.labels.get("result") == "hit" else "reuse_misses"] += s.value
+            elif s.name == "pdserve_router_reuse_tokens_offered_total":
+                out["reuse_tokens_offered"] += s.value
+            elif s.name == "pdserve_router_reuse_entries_total" and s.labels.get("outcome") == "unavailable":
+                out["entries_unavailable"] += s.value
+    return out
+
+
+def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
+    state = cdir.read_state() or {}
+    alive = live_processes(cdir, state)
+    sup_alive = supervisor_process(state) is not None
+    now = time.time()
+    processes = []
+    for name, proc in (state.get("processes") or {}).items():
+        row = {"name": name, **{k: proc.get(k) for k in ("role", "state", "pid", "host", "port", "restarts",
+                                                           "message")}}
+        if not alive.get(name) and row["state"] not in ("stopped", "fatal", "backoff"):
+            row["state"] = "stopped" if not sup_alive else row["state"]
+        started = proc.get("started_at")
+        row["uptime_s"] = round(now - started, 1) if started and alive.get(name) else None
+        row["alive"] = alive.get(name, False)
+        processes.append(row)
+    running = sup_alive or any(alive.values())
+    router_url = state.get("router_url")
+    return {
+        "name": cdir.name, "phase": state.get("phase") if running else "stopped", "running": running,
+        "supervisor_alive": sup_alive, "error": state.get("error"), "router_url": router_url,
+        "processes": processes,
+        "router": router_counters(router_url) if running and router_url else None,
+        "state_dir": str(cdir.root),
+    }

@@ -1,0 +1,113 @@
+"""Start and stop processes on this machine, each in its own process group (session).
+
+vLLM's API server can die while its EngineCore and worker children live on and hold memory, so a server is
+always signalled as a whole group, and stragglers are found by the marker variable they inherited.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from pdserve.plan import MARKER_ENV, ProcessPlan
+
+
+@dataclass
+class Handle:
+    pid: int
+    create_time: float
+    popen: subprocess.Popen | None = None   # set when this process is the parent (lets us reap it)
+
+
+def start(plan: ProcessPlan, log_path: Path, base_env: dict[str, str] | None = None) -> Handle:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**(os.environ if base_env is None else base_env), **plan.env}
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== pdserve: starting {plan.name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+        log.flush()
+        popen = subprocess.Popen(plan.argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    try:
+        create_time = psutil.Process(popen.pid).create_time()
+    except psutil.NoSuchProcess:
+        create_time = 0.0
+    return Handle(popen.pid, create_time, popen)
+
+
+def same_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
+    """The live process with this pid AND start time; None for a dead or recycled pid."""
+    if not pid:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def is_alive(handle: Handle) -> bool:
+    if handle.popen is not None and handle.popen.poll() is not None:
+        return False
+    return same_process(handle.pid, handle.create_time) is not None
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER_ENV) == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def _signal_all(leader: psutil.Process | None, members: list[psutil.Process], sig: int) -> None:
+    if leader is not None:
+        try:
+            os.killpg(leader.pid, sig)   # we started it with start_new_session: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in members:
+        try:
+            proc.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def stop(pid: int | None, create_time: float | None, marker: str, timeout: float,
+         popen: subprocess.Popen | None = None) -> bool:
+    """SIGTERM the group, SIGKILL after `timeout`; returns True when something had to be killed."""
+    leader = same_process(pid, create_time)
+    members = marked_processes(marker)
+    if leader is None and not members:
+        _reap(popen)
+        return False
+    _signal_all(leader, members, signal.SIGTERM)
+    everyone = ([leader] if leader else []) + members
+    _, alive = psutil.wait_procs(everyone, timeout=timeout)
+    _reap(popen)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] + marked_processes(marker)
+    if alive:
+        _signal_all(leader if leader and leader.is_running() else None, alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+    _reap(popen)
+    return True
+
+
+def _reap(popen: subprocess.Popen | None) -> None:
+    if popen is not None:
+        try:
+            popen.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass

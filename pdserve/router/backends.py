@@ -1,0 +1,82 @@
+"""Backend pools: live load, background health probes, least-loaded choice among the healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from pdserve.router.config import BackendConfig
+from pdserve.router.metrics import RouterMetrics
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    role: str
+    healthy: bool = False      # unknown until the first probe answers
+    in_flight: int = 0
+    generation: int = 0        # bumps when the backend is seen down: handles it gave out are stale
+
+
+class Pool:
+    def __init__(self, role: str, configs: list[BackendConfig], metrics: RouterMetrics):
+        self.role = role
+        self.metrics = metrics
+        self.backends = [Backend(c.name, c.url.rstrip("/"), role) for c in configs]
+        self._rr = 0
+
+    def by_name(self, name: str) -> Backend | None:
+        return next((b for b in self.backends if b.name == name), None)
+
+    def pick(self, exclude: set[str] = frozenset()) -> Backend | None:
+        """Least outstanding requests among healthy backends; ties rotate so load spreads."""
+        candidates = [b for b in self.backends if b.healthy and b.name not in exclude]
+        if not candidates:
+            # Health is probed every few seconds; a backend not yet seen healthy may still answer.
+            candidates = [b for b in self.backends if b.name not in exclude]
+        if not candidates:
+            return None
+        self._rr += 1
+        n = len(candidates)
+        rotated = candidates[self._rr % n:] + candidates[:self._rr % n]
+        return min(rotated, key=lambda b: b.in_flight)
+
+    def acquire(self, backend: Backend) -> None:
+        backend.in_flight += 1
+        self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+
+    def release(self, backend: Backend) -> None:
+        backend.in_flight -= 1
+        self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+
+
+async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, interval: float,
+                        on_down: Callable[[Backend], None]) -> None:
+    """Probe every backend's /health; a backend that goes down invalidates what it handed out."""
+    timeout = aiohttp.ClientTimeout(total=max(1.0, interval))
+
+    async def one(b: Backend) -> None:
+        try:
+            async with session.get(f"{b.url}/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        if b.healthy and not ok:
+            b.generation += 1
+            log.warning("%s %s is down", b.role, b.name)
+            on_down(b)
+        elif ok and not b.healthy:
+            log.info("%s %s is healthy", b.role, b.name)
+        b.healthy = ok
+        pools[0].metrics.healthy.labels(b.name, b.role).set(1 if ok else 0)
+
+    while True:
+        await asyncio.gather(*(one(b) for pool in pools for b in pool.backends))
+        await asyncio.sleep(interval)

@@ -1,0 +1,42 @@
+"""The router's configuration, read from the JSON file the planner wrote."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: list[BackendConfig]
+    decode: list[BackendConfig]
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cluster: str = ""
+    reuse_ttl: float = 432.0
+    kv_recompute_threshold: int = 64
+    bidirectional_kv_xfer: bool = True
+    request_timeout: float = 600.0
+    health_interval: float = 2.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RouterConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["prefill"] = [BackendConfig(**b) for b in data["prefill"]]
+        kwargs["decode"] = [BackendConfig(**b) for b in data["decode"]]
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RouterConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))

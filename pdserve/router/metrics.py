@@ -1,0 +1,37 @@
+"""The router's Prometheus metrics (one registry per app, so tests can run several routers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdserve_router_requests", "Client requests by route and HTTP status.",
+                                ["route", "status"], registry=r)
+        self.backend_requests = Counter("pdserve_router_backend_requests",
+                                        "Requests sent to backends by backend and outcome (ok, error).",
+                                        ["backend", "outcome"], registry=r)
+        self.turns = Counter("pdserve_router_turns", "Completed P->D turns (client got an answer).", registry=r)
+        self.reuse = Counter("pdserve_router_reuse_decisions",
+                             "Reuse decisions for requests that name a conversation: result hit/miss and why.",
+                             ["result", "reason"], registry=r)
+        self.reuse_tokens_offered = Counter("pdserve_router_reuse_tokens_offered",
+                                            "Tokens of D's KV offered to P (D's remote_num_tokens).", registry=r)
+        self.entries = Counter("pdserve_router_reuse_entries",
+                               "D's block handles after a turn: stored, or unavailable (backend did not report them).",
+                               ["outcome"], registry=r)
+        self.read_retries = Counter("pdserve_router_prefill_retries",
+                                    "Prefill retried without D's blocks after a failed attempt with them.", registry=r)
+        self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token seen by the client.",
+                              ["stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("pdserve_router_request_seconds", "End-to-end request latency.",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("pdserve_router_backend_in_flight", "Outstanding requests per backend.",
+                               ["backend"], registry=r)
+        self.healthy = Gauge("pdserve_router_backend_healthy", "1 when the backend answers its health probe.",
+                             ["backend", "role"], registry=r)
+        self.entries_live = Gauge("pdserve_router_reuse_entries_live", "Reuse entries held now.", registry=r)

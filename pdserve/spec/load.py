@@ -1,0 +1,153 @@
+"""cluster.yaml -> ClusterSpec, with every problem reported as `field.path: what is wrong`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from pdserve.errors import ConfigError
+from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
+
+ROLES = ("prefill", "decode")
+
+
+class SpecErrors(ConfigError):
+    """All problems of one file; `problems` holds one line each."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        first = problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
+        super().__init__(f"{source}: {first}", hint="see the config reference in README.md (or `pdserve schema`)")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _pydantic_problems(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors():
+        where = _loc(e["loc"])
+        if e["type"] == "extra_forbidden":
+            problems.append(f"{where}: unknown field")
+        elif e["type"] == "missing":
+            problems.append(f"{where}: required field is missing")
+        else:
+            got = e.get("input")
+            shown = f" (got {got!r})" if isinstance(got, (str, int, float, bool)) and len(repr(got)) < 60 else ""
+            problems.append(f"{where}: {e['msg']}{shown}")
+    return problems
+
+
+def replica_ports(role: RoleSpec, i: int) -> tuple[int, list[int]]:
+    """HTTP port and the side-channel ports that replica i of a role reserves."""
+    tp = role.tensor_parallel_size
+    base = role.nixl_side_channel_port + i * tp
+    return role.port + i, list(range(base, base + tp))
+
+
+def replica_devices(devices: list[int] | None, replicas: int, i: int) -> list[int]:
+    if not devices:
+        return []
+    per = len(devices) // replicas
+    return devices[i * per:(i + 1) * per]
+
+
+def is_model_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~"))
+
+
+def semantic_problems(spec: ClusterSpec) -> list[str]:
+    """Checks that need the whole topology: clashes between servers, device splits, reserved flags."""
+    problems: list[str] = []
+    ports: dict[tuple[str, int], str] = {}
+    devices: dict[tuple[str, str, int], str] = {}
+
+    def claim_port(host: str, port: int, owner: str, field: str) -> None:
+        key = ("*" if host in ("0.0.0.0", "::") else host, port)
+        clash = ports.get(key) or next((o for (h, p), o in ports.items() if p == port and "*" in (h, key[0])), None)
+        if clash:
+            problems.append(f"{field}: {port} is already used by {clash}")
+        else:
+            ports[key] = owner
+
+    claim_port(spec.router.host, spec.router.port, "router", "router.port")
+    for role_name in ROLES:
+        role: RoleSpec = getattr(spec, role_name)
+        for flag in role.vllm_args:
+            name = flag.split("=", 1)[0]
+            if name in RESERVED_VLLM_FLAGS:
+                problems.append(f"{role_name}.vllm_args: {name} is set by pdserve from the topology; remove it")
+        for kind in ("gpus", "cpus"):
+            devs = getattr(role, kind)
+            if devs is None:
+                continue
+            need = role.replicas * (role.tensor_parallel_size if kind == "gpus" else 1)
+            if kind == "gpus" and len(devs) != need:
+                problems.append(f"{role_name}.gpus: {len(devs)} given, need replicas x tensor_parallel_size = {need}")
+            elif kind == "cpus" and (not devs or len(devs) % role.replicas):
+                problems.append(f"{role_name}.cpus: {len(devs)} cores do not split evenly over {role.replicas} replicas")
+        for i in range(role.replicas):
+            owner = f"{role_name}[{i}]"
+            http, side = replica_ports(role, i)
+            claim_port(role.host, http, owner, f"{role_name}.port")
+            for p in side:
+                claim_port(role.host, p, f"{owner} (nixl side channel)", f"{role_name}.nixl_side_channel_port")
+            for kind in ("gpus", "cpus"):
+                for dev in replica_devices(getattr(role, kind), role.replicas, i):
+                    key = (role.host, kind, dev)
+                    if key in devices:
+                        problems.append(f"{role_name}.{kind}: {kind[:-1].upper()} {dev} is already used by {devices[key]}")
+                    else:
+                        devices[key] = owner
+    if spec.reuse_ttl >= spec.kv_transfer.decoder_kv_blocks_ttl:
+        problems.append(f"router.reuse_ttl: {spec.reuse_ttl:g} must be below kv_transfer.decoder_kv_blocks_ttl "
+                        f"({spec.kv_transfer.decoder_kv_blocks_ttl:g}): D frees its blocks after that")
+    if spec.model.startswith(BUILTIN_MODEL_PREFIX):
+        from pdserve.modelgen import BUILTIN_MODELS  # light module: sizes only
+        kind = spec.model[len(BUILTIN_MODEL_PREFIX):]
+        if kind not in BUILTIN_MODELS:
+            problems.append(f"model: unknown built-in model {spec.model!r} (known: "
+                            + ", ".join(BUILTIN_MODEL_PREFIX + k for k in BUILTIN_MODELS) + ")")
+    elif is_model_path(spec.model) and not Path(os.path.expanduser(spec.model)).exists():
+        problems.append(f"model: path {spec.model} does not exist")
+    return problems
+
+
+def parse_spec(data: Any, source: str = "cluster.yaml") -> ClusterSpec:
+    if not isinstance(data, dict):
+        raise SpecErrors(source, ["(top level): expected a mapping of fields (name, model, prefill, decode, ...)"])
+    try:
+        spec = ClusterSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecErrors(source, _pydantic_problems(err)) from None
+    problems = semantic_problems(spec)
+    if problems:
+        raise SpecErrors(source, problems)
+    return spec
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}", hint="check the path") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{path}:{where}: invalid YAML: {problem}", hint="fix the YAML syntax") from None
+    # Relative model paths are relative to the config file, like every other tool that reads one.
+    if isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"].startswith(("./", "../")):
+        data["model"] = str((path.parent / data["model"]).resolve())
+    return parse_spec(data, str(path))

@@ -1,0 +1,89 @@
+"""The cluster.yaml models. Knobs that are vLLM's keep vLLM's names so users can map them one to one."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+BUILTIN_MODEL_PREFIX = "pdserve:"
+# Flags pdserve sets itself from the topology; giving them in vllm_args would contradict the plan.
+RESERVED_VLLM_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config", "--served-model-name",
+                       "--tensor-parallel-size", "-tp")
+
+Port = Field(ge=1, le=65535)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RoleSpec(Strict):
+    """One role (prefill or decode): `replicas` identical vLLM servers."""
+
+    replicas: int = Field(1, ge=1, le=64, description="Number of vLLM servers in this role.")
+    host: str = Field("127.0.0.1", description="Address the servers bind to and are reached at (local launcher).")
+    port: int = Field(..., ge=1, le=65535, description="HTTP port of the first replica; next replicas count up.")
+    nixl_side_channel_port: int = Field(
+        ..., ge=1, le=65535,
+        description="VLLM_NIXL_SIDE_CHANNEL_PORT of the first replica; replica i uses port + i * tensor_parallel_size.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size per replica.")
+    gpus: list[int] | None = Field(None, description="GPU indices (CUDA_VISIBLE_DEVICES), split across replicas.")
+    cpus: list[int] | None = Field(None, description="CPU cores to bind (VLLM_CPU_OMP_THREADS_BIND), split across replicas.")
+    vllm_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments, passed verbatim.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for these servers.")
+
+
+class KVTransferSpec(Strict):
+    """Goes into vLLM's --kv-transfer-config; kv_role is set by pdserve per role."""
+
+    kv_connector: Literal["NixlConnector"] = "NixlConnector"
+    kv_buffer_device: Literal["cuda", "cpu"] = "cuda"
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    bidirectional_kv_xfer: bool = True
+    kv_recompute_threshold: int = Field(64, ge=0)
+    decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
+    kv_lease_duration: float = Field(30.0, gt=0)
+    backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="More kv_connector_extra_config keys, passed verbatim.")
+
+
+class RouterSpec(Strict):
+    host: str = Field("127.0.0.1", description="Router bind address; 127.0.0.1 unless you mean to expose it.")
+    port: int = Field(8000, ge=1, le=65535)
+    reuse_ttl: float | None = Field(
+        None, gt=0, description="Seconds the router keeps D's block handles; default 90% of decoder_kv_blocks_ttl.")
+    request_timeout: float = Field(600.0, gt=0, description="Seconds before a backend leg is abandoned.")
+
+
+class SupervisorSpec(Strict):
+    startup_timeout: float = Field(900.0, gt=0, description="Seconds a server may take to answer /health.")
+    health_interval: float = Field(2.0, gt=0)
+    unhealthy_grace: float = Field(30.0, ge=0, description="Seconds unhealthy before a live server is restarted.")
+    backoff_initial: float = Field(1.0, gt=0)
+    backoff_max: float = Field(30.0, gt=0)
+    max_restarts: int = Field(5, ge=0, description="Restarts within restart_window before a process is fatal.")
+    restart_window: float = Field(600.0, gt=0)
+    stop_timeout: float = Field(20.0, gt=0, description="Seconds between SIGTERM and SIGKILL.")
+
+
+class ClusterSpec(Strict):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    model: str = Field(..., min_length=1, description="Model path or id given to vLLM; `pdserve:tiny` builds one.")
+    served_model_name: str | None = None
+    prefill: RoleSpec
+    decode: RoleSpec
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    supervisor: SupervisorSpec = Field(default_factory=SupervisorSpec)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def reuse_ttl(self) -> float:
+        if self.router.reuse_ttl is not None:
+            return self.router.reuse_ttl
+        return 0.9 * self.kv_transfer.decoder_kv_blocks_ttl

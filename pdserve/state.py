@@ -1,0 +1,82 @@
+"""The cluster's state folder: $PDSERVE_HOME/clusters/<name>/ with plan, state, logs (atomic writes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def pdserve_home() -> Path:
+    return Path(os.environ.get("PDSERVE_HOME") or Path.home() / ".pdserve").expanduser()
+
+
+def models_dir() -> Path:
+    return pdserve_home() / "models"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Readers never see a half-written file: write a sibling, then rename over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class ClusterDir:
+    def __init__(self, name: str, home: Path | None = None):
+        self.name = name
+        self.root = (home or pdserve_home()) / "clusters" / name
+
+    plan_path = property(lambda self: self.root / "plan.json")
+    state_path = property(lambda self: self.root / "state.json")
+    spec_path = property(lambda self: self.root / "cluster.yaml")
+    lock_path = property(lambda self: self.root / "supervisor.lock")
+    logs_dir = property(lambda self: self.root / "logs")
+    supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log")
+
+    def log_path(self, process: str) -> Path:
+        return self.logs_dir / f"{process}.log"
+
+    def exists(self) -> bool:
+        return self.state_path.exists() or self.plan_path.exists()
+
+    def read_state(self) -> dict[str, Any] | None:
+        return read_json(self.state_path)
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        write_json_atomic(self.state_path, state)
+
+    def read_plan(self) -> dict[str, Any] | None:
+        return read_json(self.plan_path)
+
+
+def list_clusters(home: Path | None = None) -> list[str]:
+    base = (home or pdserve_home()) / "clusters"
+    if not base.is_dir():
+        return []
+    return sorted(p.name for p in base.iterdir() if (p / "plan.json").exists())
+
+
+def tail_lines(path: Path, n: int = 20) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return f.read().decode(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []

@@ -1,0 +1,37 @@
+"""The background supervisor process: `python -m pdserve.supervise CLUSTER_DIR`.
+
+`pdserve up` starts it in its own session; it holds the cluster's lock for its whole life.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import sys
+from pathlib import Path
+
+from pdserve.plan import ClusterPlan
+from pdserve.state import ClusterDir
+from pdserve.supervise.supervisor import Supervisor
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.supervise")
+    parser.add_argument("cluster_dir", type=Path)
+    args = parser.parse_args(argv)
+    root: Path = args.cluster_dir
+    cdir = ClusterDir(root.name, home=root.parent.parent)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    lock = open(cdir.lock_path, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logging.error("another supervisor holds %s", cdir.lock_path)
+        return 1
+    plan = ClusterPlan.from_dict(cdir.read_plan())
+    return Supervisor(plan, cdir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

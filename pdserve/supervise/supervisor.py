@@ -1,0 +1,174 @@
+"""The supervision loop: ordered start, readiness by health probe, restarts with backoff, ordered stop.
+
+It never renders anything: it records each process's state in state.json, which the CLI reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+
+from pdserve.launchers import local
+from pdserve.plan import ClusterPlan
+from pdserve.spec.schema import SupervisorSpec
+from pdserve.state import ClusterDir
+from pdserve.states import ProcState
+from pdserve.supervise.health import probe
+from pdserve.supervise.process import ManagedProcess
+
+log = logging.getLogger("pdserve.supervisor")
+
+TICK = 0.25
+STARTUP_PROBE_INTERVAL = 0.5
+FAILED_PROBES_BEFORE_UNHEALTHY = 3
+
+
+class Supervisor:
+    def __init__(self, plan: ClusterPlan, cdir: ClusterDir):
+        self.plan = plan
+        self.cdir = cdir
+        self.policy = SupervisorSpec.model_validate(plan.supervisor)
+        self.procs = [ManagedProcess(p, self.policy) for p in plan.processes]
+        self.phase = "starting"
+        self.error: str | None = None
+        self.stop_requested = False
+        self._failed_probes: dict[str, int] = {}
+        self._own_create_time = psutil.Process().create_time()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        self.stop_requested = True
+
+    def run(self, install_signals: bool = True) -> int:
+        if install_signals:
+            signal.signal(signal.SIGTERM, self.request_stop)
+            signal.signal(signal.SIGINT, self.request_stop)
+        try:
+            for proc in self.procs:
+                self._start(proc)
+            self.write_state()
+            while not self.stop_requested:
+                self.tick()
+                self.write_state()
+                time.sleep(TICK)
+        finally:
+            self.shutdown()
+        return 1 if self.phase == "failed" else 0
+
+    def shutdown(self) -> None:
+        if self.phase != "failed":
+            self.phase = "stopping"
+        self.write_state()
+        order = {p.name: i for i, p in enumerate(self.plan.stop_order())}
+        for proc in sorted(self.procs, key=lambda p: order[p.name]):
+            if proc.state == ProcState.STOPPED:
+                continue
+            proc.to(ProcState.STOPPING)
+            self.write_state()
+            h = proc.handle
+            local.stop(h.pid if h else None, h.create_time if h else None, proc.marker,
+                       self.policy.stop_timeout, h.popen if h else None)
+            proc.to(ProcState.STOPPED)
+            proc.handle = None
+            self.write_state()
+        if self.phase != "failed":
+            self.phase = "stopped"
+        self.write_state()
+
+    # -- one pass over every process ---------------------------------------------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        for proc in self.procs:
+            self._step(proc, now)
+            if self.stop_requested:
+                return
+        if self.phase == "starting" and all(p.state == ProcState.READY for p in self.procs):
+            self.phase = "running"
+            log.info("all processes ready")
+        elif self.phase == "running" and any(p.state == ProcState.FATAL for p in self.procs):
+            self.phase = "degraded"
+
+    def _step(self, proc: ManagedProcess, now: float) -> None:
+        st = proc.state
+        if st.running and not local.is_alive(proc.handle):
+            self._on_exit(proc, now)
+        elif st == ProcState.STARTING:
+            if now - proc.last_probe >= STARTUP_PROBE_INTERVAL:
+                proc.last_probe = now
+                if probe(proc.plan.health_url):
+                    proc.ever_ready = True
+                    proc.to(ProcState.READY, "health check passed")
+                    log.info("%s ready", proc.name)
+                elif now - proc.state_since > self.policy.startup_timeout:
+                    self._kill(proc)
+                    self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
+        elif st in (ProcState.READY, ProcState.UNHEALTHY):
+            if now - proc.last_probe >= self.policy.health_interval:
+                proc.last_probe = now
+                self._check_health(proc, now)
+        elif st == ProcState.BACKOFF and now >= proc.next_start:
+            if len(proc.failures) > self.policy.max_restarts:
+                proc.to(ProcState.FATAL, f"crash loop: {len(proc.failures)} failures within "
+                                         f"{self.policy.restart_window:g}s; last: {proc.message}")
+                log.error("%s fatal: %s", proc.name, proc.message)
+            else:
+                proc.restarts += 1
+                self._start(proc)
+
+    def _check_health(self, proc: ManagedProcess, now: float) -> None:
+        if probe(proc.plan.health_url):
+            self._failed_probes[proc.name] = 0
+            if proc.state == ProcState.UNHEALTHY:
+                proc.to(ProcState.READY, "health check passed again")
+            return
+        fails = self._failed_probes[proc.name] = self._failed_probes.get(proc.name, 0) + 1
+        if proc.state == ProcState.READY and fails >= FAILED_PROBES_BEFORE_UNHEALTHY:
+            proc.to(ProcState.UNHEALTHY, f"{fails} health checks failed while the process lives")
+            log.warning("%s unhealthy", proc.name)
+        elif proc.state == ProcState.UNHEALTHY and now - proc.state_since > self.policy.unhealthy_grace:
+            self._kill(proc)
+            self._on_exit(proc, now, f"unhealthy for {self.policy.unhealthy_grace:g}s; restarted")
+
+    def _on_exit(self, proc: ManagedProcess, now: float, why: str | None = None) -> None:
+        if why is None:
+            rc = proc.handle.popen.poll() if proc.handle and proc.handle.popen else None
+            why = f"exited with code {rc}" if rc is not None else "process disappeared"
+        self._kill(proc)   # the API server may be gone while its engine children still hold memory
+        if self.phase == "starting" and not proc.ever_ready:
+            proc.to(ProcState.FATAL, why)
+            self.phase = "failed"
+            self.error = f"{proc.name} {why} before it became ready"
+            log.error(self.error)
+            self.stop_requested = True
+            return
+        proc.record_failure(now)
+        proc.next_start = now + proc.backoff_delay()
+        proc.to(ProcState.BACKOFF, why)
+        log.warning("%s %s; restart in %.1fs", proc.name, why, proc.next_start - now)
+
+    def _start(self, proc: ManagedProcess) -> None:
+        proc.handle = local.start(proc.plan, self.cdir.log_path(proc.name))
+        proc.started_at = time.time()
+        proc.last_probe = 0.0
+        self._failed_probes[proc.name] = 0
+        proc.to(ProcState.STARTING, f"pid {proc.handle.pid}")
+        log.info("%s started, pid %d", proc.name, proc.handle.pid)
+
+    def _kill(self, proc: ManagedProcess) -> None:
+        h = proc.handle
+        if h is not None:
+            local.stop(h.pid, h.create_time, proc.marker, self.policy.stop_timeout, h.popen)
+
+    # -- state file --------------------------------------------------------------------------------
+    def write_state(self) -> None:
+        self.cdir.write_state({
+            "cluster": self.plan.name, "phase": self.phase, "error": self.error, "updated_at": time.time(),
+            "supervisor": {"pid": os.getpid(), "create_time": self._own_create_time},
+            "router_url": self.plan.router.url,
+            "processes": {p.name: p.snapshot() for p in self.procs},
+        })

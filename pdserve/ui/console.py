@@ -1,0 +1,32 @@
+"""Data goes to stdout, messages to stderr; NO_COLOR and non-TTY output are honoured by rich."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+
+out = Console(no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=True)
+err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=True)
+
+
+def error(message: str, hint: str | None = None) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    if hint:
+        err.print(f"[yellow]hint:[/] {hint}", markup=True, highlight=False)
+
+
+def info(message: str) -> None:
+    err.print(message, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def is_tty() -> bool:
+    return err.is_terminal
