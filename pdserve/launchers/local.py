@@ -62,12 +62,24 @@ def is_alive(handle: Handle) -> bool:
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries this marker (children inherit it).
+
+    Reads /proc/PID/environ directly: psutil's parser returns nothing for processes that rewrote their
+    title (vLLM's `VLLM::EngineCore` does), which is exactly the orphan this search exists to find.
+    """
+    if not marker:
+        return []
+    needle = f"{MARKER_ENV}={marker}\0".encode()
     found = []
-    for proc in psutil.process_iter():
+    for pid in psutil.pids():
         try:
-            if proc.environ().get(MARKER_ENV) == marker and proc.status() != psutil.STATUS_ZOMBIE:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read():
+                    continue
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        except (OSError, psutil.Error):
             continue
     return found
 
