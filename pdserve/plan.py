@@ -106,7 +106,7 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
                  cluster_dir: Path) -> ProcessPlan:
     name = f"{role_name}-{i}"
     http_port, side_ports = replica_ports(role, i)
-    argv = [python, "-m", VLLM_SERVER_MODULE,
+    argv = [*(spec.server_command or [python, "-m", VLLM_SERVER_MODULE]),
             "--model", model,
             "--served-model-name", spec.model_name,
             "--host", role.host,

@@ -46,7 +46,7 @@ def command(
     else:
         _render(st)
     if not st["running"]:
-        raise NotRunningError(f"cluster {name} is not running", hint=f"`pdserve up` to start it")
+        raise NotRunningError(f"cluster {name} is not running", hint="`pdserve up` to start it")
 
 
 def _render(st: dict) -> None:

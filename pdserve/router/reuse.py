@@ -84,36 +84,39 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, threshold: int,
-           new_prompt: list[int] | None = None, block_size: int | None = None) -> Decision:
+           new_prompt: list[int] | None, block_size: int | None) -> Decision:
     """Whether (and how much of) D's blocks P may read for the new prompt.
 
-    P reads D's blocks by position, so only the common token prefix of D's sequence and the new prompt is
-    valid KV; when both sequences are known, the offer is trimmed to that prefix, block-aligned.
+    P reads D's blocks by position and never checks the tokens, so only the common token prefix of D's
+    sequence (its prompt + generated tokens) and the new prompt is valid KV. A partial match is trimmed
+    to whole blocks; anything that cannot be verified is not offered.
     """
     if not holder_healthy or holder_generation != entry.generation:
         return Decision(MISS, "holder_unhealthy")
+    if entry.sequence is None or new_prompt is None:
+        return Decision(MISS, "unverifiable")
     params = dict(entry.params)
-    tokens = entry.num_tokens
+    offered = entry.num_tokens
+    # P must compute at least the last prompt token itself to produce logits.
+    common = min(common_prefix_len(entry.sequence[:offered], new_prompt), len(new_prompt) - 1)
     reason = "continuation"
-    if new_prompt is not None and entry.sequence is not None and block_size:
-        common = common_prefix_len(entry.sequence[:tokens] if tokens else entry.sequence, new_prompt)
-        # P must compute at least the last prompt token itself to produce logits.
-        common = min(common, len(new_prompt) - 1)
-        usable = (common // block_size) * block_size
-        if usable < tokens:
-            blocks = params.get("remote_block_ids") or []
-            params["remote_block_ids"] = _trim_blocks(blocks, usable // block_size)
-            params["remote_num_tokens"] = usable
-            tokens, reason = usable, "trimmed"
-    if tokens < max(1, threshold):
-        return Decision(MISS, "not_a_continuation" if reason == "trimmed" and tokens == 0 else "below_threshold")
+    if common < offered:
+        usable = (common // block_size) * block_size if block_size else 0
+        if usable == 0:
+            return Decision(MISS, "not_a_continuation")
+        params["remote_block_ids"] = _trim_blocks(params.get("remote_block_ids") or [], usable // block_size)
+        params["remote_num_tokens"] = offered = usable
+        reason = "trimmed"
+    if offered < max(1, threshold):
+        return Decision(MISS, "below_threshold")
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
-    return Decision(HIT, reason, params, tokens)
+    return Decision(HIT, reason, params, offered)
 
 
 def _trim_blocks(blocks: Any, keep: int) -> Any:
-    # Block ids are a flat list, or one list per KV-cache group in newer vLLM.
+    # One list per KV-cache group (a flat list in older vLLM); P maps D's blocks from the front, so
+    # cutting remote_num_tokens without cutting every group would make P read the wrong blocks.
     if blocks and isinstance(blocks[0], list):
         return [group[:keep] for group in blocks]
     return list(blocks)[:keep]

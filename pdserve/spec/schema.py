@@ -72,6 +72,10 @@ class ClusterSpec(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     model: str = Field(..., min_length=1, description="Model path or id given to vLLM; `pdserve:tiny` builds one.")
     served_model_name: str | None = None
+    server_command: list[str] | None = Field(
+        None, min_length=1,
+        description="Command that starts one vLLM OpenAI server, before its arguments (default: this "
+                    "Python with -m vllm.entrypoints.openai.api_server). For wrappers such as numactl.")
     prefill: RoleSpec
     decode: RoleSpec
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)

@@ -1,0 +1,85 @@
+"""Token ids for the continuation check: what D generated (vLLM's `return_token_ids`) and what the next
+prompt tokenizes to (P's `/tokenize`), plus scrubbing the fields the client did not ask for."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                        "chat_template_kwargs", "tools", "mm_processor_kwargs")
+TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+def tokenize_body(route: str, body: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """The /tokenize request giving the token ids vLLM will prefill for `body`; None when unsupported."""
+    if route.endswith("/chat/completions"):
+        return {"model": model, **{k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}}
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return {"model": model, "prompt": prompt}
+    return None
+
+
+def prompt_ids_if_given(body: dict[str, Any]) -> list[int] | None:
+    """A completions prompt given as token ids needs no tokenization."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return None
+
+
+class SequenceCollector:
+    """Gathers D's prompt + generated token ids from a response or stream chunks (choice 0 only: one
+    conversation has one continuation) and removes them unless the client asked for them."""
+
+    def __init__(self, keep_for_client: bool):
+        self.keep = keep_for_client
+        self.prompt: list[int] | None = None
+        self.generated: list[int] = []
+        self.kv_params: dict[str, Any] | None = None
+
+    @property
+    def sequence(self) -> list[int] | None:
+        return None if self.prompt is None else self.prompt + self.generated
+
+    def scrub(self, obj: dict[str, Any]) -> bool:
+        """Take kv_transfer_params and token ids out of one response object; True if it changed."""
+        changed = False
+        params = obj.pop("kv_transfer_params", None)
+        if params is not None:
+            self.kv_params, changed = params, True
+        if isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt = obj["prompt_token_ids"]
+            if not self.keep:
+                del obj["prompt_token_ids"]
+                changed = True
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            first = choice.get("index", 0) == 0
+            if first and isinstance(choice.get("prompt_token_ids"), list):
+                self.prompt = choice["prompt_token_ids"]
+            if first and isinstance(choice.get("token_ids"), list):
+                self.generated.extend(choice["token_ids"])
+            if not self.keep:
+                for f in TOKEN_FIELDS:
+                    if f in choice:
+                        del choice[f]
+                        changed = True
+        return changed
+
+    def scrub_sse_line(self, line: bytes) -> bytes:
+        """One SSE line from D, with router-only fields removed."""
+        if not line.startswith(b"data:"):
+            return line
+        payload = line[5:].strip()
+        if payload == b"[DONE]" or not payload:
+            return line
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return line
+        if not isinstance(event, dict) or not self.scrub(event):
+            return line
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n"

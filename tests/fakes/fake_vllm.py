@@ -1,0 +1,175 @@
+"""A small stand-in for a vLLM OpenAI server with NixlConnector, for router and supervisor edge cases that
+real vLLM can't be made to produce on demand (failed KV reads, mid-stream death, slow answers).
+
+It mimics the request shapes of vLLM's P/D flow: P answers `max_tokens: 1` requests carrying
+`do_remote_decode` with its own block handles; D answers with generated text and, for bidirectional
+transfer, handles to its finished blocks. Tokens: one per whitespace-separated word (ids from a stable
+hash); generated tokens are ids >= 50000 whose text re-tokenizes differently, as real replies often do.
+
+Run: python -m tests.fakes.fake_vllm --port 8100 [--fail-reads] [--stream-kv-params] [--die-mid-stream]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+import zlib
+
+from aiohttp import web
+
+BLOCK = 16
+
+
+def tokenize_text(text: str) -> list[int]:
+    return [zlib.crc32(w.encode()) % 40000 for w in text.split()]
+
+
+def chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    parts = [f"<{m.get('role')}> {m.get('content') or ''} </s>" for m in messages]
+    return " ".join(parts) + (" <assistant>" if add_generation_prompt else "")
+
+
+class FakeVLLM:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.engine_id = uuid.uuid4().hex
+        self.received: list[dict] = []      # every completion body, for tests to inspect
+        self.external_tokens = 0            # like vllm:prompt_tokens_by_source{source="external_kv_transfer"}
+        self.healthy = True
+
+    def prompt_ids(self, route: str, body: dict) -> list[int]:
+        if "messages" in body:
+            return tokenize_text(chat_text(body["messages"], body.get("add_generation_prompt", True)))
+        p = body.get("prompt")
+        return p if isinstance(p, list) else tokenize_text(str(p))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        if self.args.delay:
+            await asyncio.sleep(self.args.delay)
+        if self.args.status != 200:
+            return web.json_response({"error": {"message": "fake failure", "type": "BadRequestError",
+                                                "param": None, "code": self.args.status}}, status=self.args.status)
+        kv = body.get("kv_transfer_params") or {}
+        prompt = self.prompt_ids(request.path, body)
+        if kv.get("remote_block_ids") and kv.get("do_remote_decode"):   # P pulling D's blocks
+            if self.args.fail_reads:
+                return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
+                                                    "param": None, "code": 500}}, status=500)
+            self.external_tokens += min(int(kv.get("remote_num_tokens", 0)), len(prompt))
+        n = int(body.get("max_tokens") or 8)
+        generated = [50000 + i for i in range(n)]
+        text = " ".join(f"w{i}" for i in range(n))
+        params = None
+        if kv.get("do_remote_decode"):           # prefill leg: hand out P's blocks for D
+            params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                      "remote_request_id": uuid.uuid4().hex, "remote_block_ids": [list(range(len(prompt) // BLOCK + 1))],
+                      "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+        elif kv.get("do_remote_prefill") and self.args.bidirectional:   # decode leg: hand out D's blocks
+            total = len(prompt) + n - 1
+            params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": self.engine_id,
+                      "remote_request_id": uuid.uuid4().hex, "remote_block_ids": [list(range(total // BLOCK + 1))],
+                      "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": total,
+                      "remote_blocks_expiry_time": time.perf_counter() + 480, "transfer_mode": "pull", "tp_size": 1}
+        chat = "messages" in body
+        ids = bool(body.get("return_token_ids"))
+        if body.get("stream"):
+            return await self.stream(request, chat, text.split(), generated, prompt, params, ids)
+        choice = {"index": 0, "finish_reason": "length"}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        resp = {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"),
+                "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                              "total_tokens": len(prompt) + n}}
+        if ids:
+            choice["token_ids"] = generated
+            if chat:
+                resp["prompt_token_ids"] = prompt
+            else:
+                choice["prompt_token_ids"] = prompt
+        if params:
+            resp["kv_transfer_params"] = params
+        return web.json_response(resp)
+
+    async def stream(self, request, chat, words, generated, prompt, params, ids) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i, word in enumerate(words):
+            if self.args.die_mid_stream and i == 2:
+                os._exit(1)   # like a decode server killed mid-generation
+            choice = {"index": 0, "delta": {"content": word + " "}} if chat else {"index": 0, "text": word + " "}
+            event = {"id": "cmpl-fake", "choices": [choice]}
+            if ids:
+                choice["token_ids"] = [generated[i]]
+                if i == 0:
+                    (event if chat else choice)["prompt_token_ids"] = prompt
+            if i == len(words) - 1 and params and self.args.stream_kv_params:
+                event["kv_transfer_params"] = params   # vLLM >= 0.33 puts them in the final chunk
+            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await asyncio.sleep(self.args.token_delay)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"tokens": self.prompt_ids("", body), "count": 0, "max_model_len": 8192})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=(
+            f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0"}} 1.0\n'
+            f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="external_kv_transfer"}} '
+            f"{float(self.external_tokens)}\n"))
+
+    async def received_endpoint(self, request: web.Request) -> web.Response:
+        return web.json_response(self.received)
+
+
+def build_app(args: argparse.Namespace) -> web.Application:
+    fake = FakeVLLM(args)
+    app = web.Application()
+    app["fake"] = fake
+    app.router.add_post("/v1/chat/completions", fake.completions)
+    app.router.add_post("/v1/completions", fake.completions)
+    app.router.add_post("/tokenize", fake.tokenize)
+    app.router.add_get("/health", fake.health)
+    app.router.add_get("/metrics", fake.metrics)
+    app.router.add_get("/fake/received", fake.received_endpoint)
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--fail-reads", action="store_true", help="500 when asked to pull D's blocks")
+    p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false")
+    p.add_argument("--stream-kv-params", action="store_true", help="kv_transfer_params in the last chunk")
+    p.add_argument("--die-mid-stream", action="store_true")
+    p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
+    p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
+    p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
+    args, _ = p.parse_known_args(argv)   # ignore vLLM's own flags when started by pdserve
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    time.sleep(args.startup_delay)
+    if args.exit_after:
+        threading.Timer(args.exit_after, os._exit, (3,)).start()
+    web.run_app(build_app(args), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
