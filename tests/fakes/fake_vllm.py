@@ -23,6 +23,7 @@ import zlib
 from aiohttp import web
 
 BLOCK = 16
+FAKE = web.AppKey("fake", object)
 
 
 def tokenize_text(text: str) -> list[int]:
@@ -50,7 +51,7 @@ class FakeVLLM:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body})
         if self.args.delay:
             await asyncio.sleep(self.args.delay)
         if self.args.status != 200:
@@ -101,7 +102,8 @@ class FakeVLLM:
         await out.prepare(request)
         for i, word in enumerate(words):
             if self.args.die_mid_stream and i == 2:
-                os._exit(1)   # like a decode server killed mid-generation
+                request.transport.close()   # like a decode server killed mid-generation
+                raise ConnectionResetError("fake death")
             choice = {"index": 0, "delta": {"content": word + " "}} if chat else {"index": 0, "text": word + " "}
             event = {"id": "cmpl-fake", "choices": [choice]}
             if ids:
@@ -136,7 +138,7 @@ class FakeVLLM:
 def build_app(args: argparse.Namespace) -> web.Application:
     fake = FakeVLLM(args)
     app = web.Application()
-    app["fake"] = fake
+    app[FAKE] = fake
     app.router.add_post("/v1/chat/completions", fake.completions)
     app.router.add_post("/v1/completions", fake.completions)
     app.router.add_post("/tokenize", fake.tokenize)

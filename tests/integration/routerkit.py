@@ -24,9 +24,6 @@ class Deployment:
     session: aiohttp.ClientSession
     runners: list[web.AppRunner] = field(default_factory=list)
 
-    def fake(self, app: web.Application):
-        return app["fake"]
-
     async def post(self, path: str, body: dict, headers: dict | None = None):
         async with self.session.post(self.url + path, json=body, headers=headers or {}) as resp:
             return resp.status, await resp.json(content_type=None)

