@@ -49,3 +49,7 @@ def register() -> None:
 
 
 register()
+
+
+if __name__ == "__main__":
+    app()

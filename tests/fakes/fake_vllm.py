@@ -15,6 +15,8 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -161,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay", type=float, default=0.0)
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
+    p.add_argument("--spawn-child", action="store_true", help="start a long-lived child, like vLLM's EngineCore")
     args, _ = p.parse_known_args(argv)   # ignore vLLM's own flags when started by pdserve
     return args
 
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     time.sleep(args.startup_delay)
     if args.exit_after:
         threading.Timer(args.exit_after, os._exit, (3,)).start()
+    if args.spawn_child:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     web.run_app(build_app(args), host=args.host, port=args.port, print=None, access_log=None)
 
 

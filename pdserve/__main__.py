@@ -1,0 +1,5 @@
+"""`python -m pdserve`"""
+
+from pdserve.cli.main import app
+
+app(prog_name="pdserve")

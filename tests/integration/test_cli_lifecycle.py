@@ -1,0 +1,172 @@
+"""`pdserve up / status / down` with real processes (fake vLLM servers as subprocesses): supervision,
+restarts, failed starts, orphan-free shutdown, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from pdserve.launchers.local import marked_processes
+
+FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "fake_vllm.py")
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens, and a server could bind it again (SO_REUSEADDR, as servers do: TIME_WAIT is fine)."""
+    with socket.socket() as c:
+        if c.connect_ex(("127.0.0.1", port)) == 0:
+            return False
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    return tmp_path / "home"
+
+
+def write_config(tmp_path: Path, name: str, server_args=(), server_command=None, **extra) -> tuple[Path, dict]:
+    ports = free_ports(5)
+    cfg = {
+        "name": name, "model": "fake-model",
+        "server_command": server_command or [sys.executable, FAKE, *server_args],
+        "prefill": {"port": ports[0], "nixl_side_channel_port": ports[1]},
+        "decode": {"port": ports[2], "nixl_side_channel_port": ports[3]},
+        "router": {"port": ports[4]},
+        "supervisor": {"backoff_initial": 0.2, "stop_timeout": 5, "health_interval": 0.5},
+        **extra,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def pdserve(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def status_json(name: str) -> dict:
+    return json.loads(pdserve("status", name, "--json").stdout)
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def all_markers(home: Path, name: str) -> list[psutil.Process]:
+    root = home / "clusters" / name
+    return [p for proc in ("prefill-0", "decode-0", "router") for p in marked_processes(f"{root}#{proc}")]
+
+
+def test_up_restart_down_leaves_nothing(tmp_path, home):
+    path, cfg = write_config(tmp_path, "life", server_args=["--spawn-child"])
+    up = pdserve("up", str(path))
+    assert up.returncode == 0, up.stderr
+    assert up.stdout.strip() == f"http://127.0.0.1:{cfg['router']['port']}/v1"
+    st = status_json("life")
+    assert st["phase"] == "running" and {p["state"] for p in st["processes"]} == {"ready"}
+    again = pdserve("up", str(path))
+    assert again.returncode == 1 and "already running" in again.stderr and "hint:" in again.stderr
+
+    # SIGKILL the decode API server: the supervisor kills its orphaned child and restarts it.
+    decode = next(p for p in st["processes"] if p["name"] == "decode-0")
+    children = psutil.Process(decode["pid"]).children(recursive=True)
+    assert children, "the fake server should have a child like vLLM's EngineCore"
+    os.kill(decode["pid"], signal.SIGKILL)
+    wait_for(lambda: next(p for p in status_json("life")["processes"] if p["name"] == "decode-0")
+             ["restarts"] == 1, what="decode restart")
+    wait_for(lambda: all(p["state"] == "ready" for p in status_json("life")["processes"]), what="ready again")
+    assert not any(c.is_running() for c in children), "the killed server's child outlived it"
+
+    down = pdserve("down", "life")
+    assert down.returncode == 0, down.stderr
+    assert all_markers(home, "life") == []
+    for port in (cfg["prefill"]["port"], cfg["decode"]["port"], cfg["router"]["port"]):
+        assert port_free(port)
+    assert pdserve("status", "life").returncode == 3
+
+
+def test_down_works_after_the_supervisor_was_killed(tmp_path, home):
+    path, _ = write_config(tmp_path, "orphan", server_args=["--spawn-child"])
+    assert pdserve("up", str(path)).returncode == 0
+    sup = status_json("orphan")
+    state = json.loads((home / "clusters" / "orphan" / "state.json").read_text())
+    os.kill(state["supervisor"]["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    st = status_json("orphan")
+    assert st["running"] and not st["supervisor_alive"]
+    assert "supervisor is gone" in pdserve("status", "orphan").stderr
+    assert pdserve("down", "orphan").returncode == 0
+    assert all_markers(home, "orphan") == []
+    assert sup["processes"]
+
+
+def test_failed_start_reports_log_and_stops_the_rest(tmp_path, home):
+    boom = [sys.executable, "-c", "import sys; print('boom: no such model'); sys.exit(7)"]
+    path, _ = write_config(tmp_path, "broken", server_command=boom)
+    up = pdserve("up", str(path))
+    assert up.returncode == 1
+    assert "failed to start" in up.stderr and "exited with code 7" in up.stderr
+    assert "boom: no such model" in up.stderr           # the last lines of the failing server's log
+    assert all_markers(home, "broken") == []
+
+
+def test_bad_config_exits_2_and_starts_nothing(tmp_path, home):
+    path, cfg = write_config(tmp_path, "bad")
+    cfg["decode"]["port"] = cfg["prefill"]["port"]
+    path.write_text(yaml.safe_dump(cfg))
+    res = pdserve("up", str(path))
+    assert res.returncode == 2
+    assert f"decode.port: {cfg['prefill']['port']} is already used by prefill[0]" in res.stderr
+    assert not (home / "clusters" / "bad").exists()
+
+
+def test_status_and_down_of_unknown_cluster(home):
+    assert pdserve("status", "nope").returncode == 3
+    assert pdserve("down", "nope").returncode == 3
+    listing = pdserve("status", "--json")
+    assert listing.returncode == 0 and json.loads(listing.stdout) == []
+
+
+def test_plan_json_starts_nothing(tmp_path, home):
+    path, cfg = write_config(tmp_path, "planned")
+    res = pdserve("plan", str(path), "--json")
+    assert res.returncode == 0
+    plan = json.loads(res.stdout)
+    assert [p["name"] for p in plan["processes"]] == ["prefill-0", "decode-0", "router"]
+    assert not (home / "clusters" / "planned").exists()
