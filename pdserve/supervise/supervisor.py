@@ -87,10 +87,16 @@ class Supervisor:
             self._step(proc, now)
             if self.stop_requested:
                 return
-        if self.phase == "starting" and all(p.state == ProcState.READY for p in self.procs):
+        fatal = [p for p in self.procs if p.state == ProcState.FATAL]
+        if self.phase == "starting" and fatal:
+            # gave up on a process before the cluster was ever fully up: `up` fails and stops the rest
+            self.phase = "failed"
+            self.error = f"{fatal[0].name}: {fatal[0].message}"
+            self.stop_requested = True
+        elif self.phase == "starting" and all(p.state == ProcState.READY for p in self.procs):
             self.phase = "running"
             log.info("all processes ready")
-        elif self.phase == "running" and any(p.state == ProcState.FATAL for p in self.procs):
+        elif self.phase == "running" and fatal:
             self.phase = "degraded"
 
     def _step(self, proc: ManagedProcess, now: float) -> None:

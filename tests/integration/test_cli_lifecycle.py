@@ -56,7 +56,7 @@ def home(tmp_path, monkeypatch):
 
 def write_config(tmp_path: Path, name: str, server_args=(), server_command=None, **extra) -> tuple[Path, dict]:
     ports = free_ports(5)
-    cfg = {
+    cfg: dict = {
         "name": name, "model": "fake-model",
         "server_command": server_command or [sys.executable, FAKE, *server_args],
         "prefill": {"port": ports[0], "nixl_side_channel_port": ports[1]},
@@ -170,3 +170,21 @@ def test_plan_json_starts_nothing(tmp_path, home):
     plan = json.loads(res.stdout)
     assert [p["name"] for p in plan["processes"]] == ["prefill-0", "decode-0", "router"]
     assert not (home / "clusters" / "planned").exists()
+
+
+def test_crash_loop_ends_fatal_with_reason(tmp_path, home):
+    # Each server answers /health, then exits 3 s after every start: a crash loop after `up` succeeded.
+    path, _ = write_config(tmp_path, "loop", server_args=["--exit-after", "3"],
+                           supervisor={"backoff_initial": 0.2, "stop_timeout": 5, "health_interval": 0.5,
+                                       "max_restarts": 2, "restart_window": 60})
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        wait_for(lambda: {p["name"]: p["state"] for p in status_json("loop")["processes"]}["decode-0"] == "fatal",
+                 timeout=40, what="decode fatal")
+        st = status_json("loop")
+        decode = next(p for p in st["processes"] if p["name"] == "decode-0")
+        assert decode["restarts"] == 2 and "crash loop" in decode["message"]
+        assert st["phase"] == "degraded"
+    finally:
+        assert pdserve("down", "loop").returncode == 0
+    assert all_markers(home, "loop") == []

@@ -113,7 +113,7 @@ async def test_streaming_strips_params_and_stores_them_when_reported():
         assert status == 200 and lines[-1] == b"data: [DONE]\n"
         text = b"".join(lines)
         assert b"kv_transfer_params" not in text and b"token_ids" not in text
-        content = "".join(json.loads(l[5:])["choices"][0]["delta"]["content"] for l in lines[:-1])
+        content = "".join(json.loads(line[5:])["choices"][0]["delta"]["content"] for line in lines[:-1])
         await dep.stream(CHAT, chat("beta", first["messages"] + [{"role": "assistant", "content": content}],
                                     conversation_id="c"))
         assert "remote_block_ids" in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
