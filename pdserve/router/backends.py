@@ -13,6 +13,7 @@ from pdserve.router.config import BackendConfig
 from pdserve.router.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
+PIN_SLACK = 4
 
 
 @dataclass
@@ -35,9 +36,16 @@ class Pool:
     def by_name(self, name: str) -> Backend | None:
         return next((b for b in self.backends if b.name == name), None)
 
-    def pick(self, exclude: set[str] = frozenset()) -> Backend | None:
-        """Least outstanding requests among healthy backends; ties rotate so load spreads."""
+    def pick(self, exclude: set[str] = frozenset(), prefer: str | None = None) -> Backend | None:
+        """Least outstanding requests among healthy backends; ties rotate so load spreads.
+
+        `prefer` (the decode server holding a conversation's blocks, whose prefix cache is warm) wins
+        while it is healthy and not more than PIN_SLACK requests busier than the least-loaded one.
+        """
         candidates = [b for b in self.backends if b.healthy and b.name not in exclude]
+        pinned = next((b for b in candidates if b.name == prefer), None)
+        if pinned and pinned.in_flight <= min(b.in_flight for b in candidates) + PIN_SLACK:
+            return pinned
         if not candidates:
             # Health is probed every few seconds; a backend not yet seen healthy may still answer.
             candidates = [b for b in self.backends if b.name not in exclude]

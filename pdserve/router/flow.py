@@ -6,6 +6,7 @@ conversation for the next turn.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -77,9 +78,12 @@ class Flow:
         collector = SequenceCollector(keep_for_client=bool(body.get("return_token_ids")))
         if key is not None:
             d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
+        backend = self.decode.pick(prefer=decision.holder if decision else None)
+        if backend is None:
+            return json_error(503, "no decode server available", "server_error")
         if body.get("stream"):
-            return await self._stream_decode(request, route, d_body, headers, key, collector, started)
-        return await self._decode(route, d_body, headers, key, collector, started)
+            return await self._stream_decode(request, route, backend, d_body, headers, key, collector, started)
+        return await self._decode(route, backend, d_body, headers, key, collector, started)
 
     async def _reuse_decision(self, key: tuple[str, str] | None, route: str,
                               body: dict[str, Any]) -> Decision | None:
@@ -96,6 +100,7 @@ class Flow:
                               holder_generation=holder.generation if holder else -1,
                               threshold=self.cfg.kv_recompute_threshold,
                               new_prompt=new_prompt, block_size=await self._block_size())
+            decision = dataclasses.replace(decision, holder=entry.decode)
         self.metrics.reuse.labels(decision.result, decision.reason).inc()
         if decision.result == HIT:
             self.metrics.reuse_tokens_offered.inc(decision.tokens)
@@ -214,11 +219,8 @@ class Flow:
             self.metrics.entries.labels("unavailable").inc()
         self.metrics.entries_live.set(len(self.store))
 
-    async def _decode(self, route: str, body: dict[str, Any], headers: dict[str, str],
+    async def _decode(self, route: str, backend: Backend, body: dict[str, Any], headers: dict[str, str],
                       key: tuple[str, str] | None, collector: SequenceCollector, started: float) -> web.Response:
-        backend = self.decode.pick()
-        if backend is None:
-            return json_error(503, "no decode server available", "server_error")
         try:
             status, data = await self._post_json(self.decode, backend, route, body, headers)
         except UpstreamError as err:
@@ -230,12 +232,9 @@ class Flow:
             self.metrics.ttft.labels("false").observe(time.perf_counter() - started)
         return web.json_response(data, status=status)
 
-    async def _stream_decode(self, request: web.Request, route: str, body: dict[str, Any],
+    async def _stream_decode(self, request: web.Request, route: str, backend: Backend, body: dict[str, Any],
                              headers: dict[str, str], key: tuple[str, str] | None,
                              collector: SequenceCollector, started: float) -> web.StreamResponse:
-        backend = self.decode.pick()
-        if backend is None:
-            return json_error(503, "no decode server available", "server_error")
         self.decode.acquire(backend)
         out: web.StreamResponse | None = None
         try:

@@ -35,6 +35,7 @@ class Decision:
     reason: str                          # why (for hits: "continuation" or "trimmed")
     params: dict[str, Any] | None = None
     tokens: int = 0
+    holder: str | None = None            # decode server that held the blocks (its prefix cache is warm)
 
 
 class ReuseStore:

@@ -168,3 +168,17 @@ async def test_completions_route():
                                                        "max_tokens": 3, "conversation_id": "k"})
         assert status == 200
         assert leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]["remote_num_tokens"] == 48
+
+
+async def test_next_turn_goes_to_the_decode_server_holding_the_blocks():
+    async with deployment(decode_args=([], [])) as dep:
+        for conv in ("a", "b"):
+            history: list = []
+            for turn in range(4):
+                history.append({"role": "user", "content": f"conv {conv} turn {turn} " + "x " * 30})
+                _, data = await dep.post(CHAT, {"model": "fake", "messages": history, "max_tokens": 4,
+                                                "conversation_id": conv})
+                history.append(data["choices"][0]["message"])
+        for app in dep.decode:
+            convs = {r["body"]["messages"][0]["content"].split()[1] for r in app[FAKE].received}
+            assert len(convs) == 1, convs         # each conversation stayed on the server holding its blocks
