@@ -41,10 +41,11 @@ def supervisor_process(state: dict[str, Any] | None) -> psutil.Process | None:
 def live_processes(cdir: ClusterDir, state: dict[str, Any] | None = None) -> dict[str, bool]:
     """Process name -> whether a process of it is alive (checked by pid + start time, then marker)."""
     state = state if state is not None else cdir.read_state() or {}
-    alive = {}
-    for name, proc in (state.get("processes") or {}).items():
-        alive[name] = bool(local.same_process(proc.get("pid"), proc.get("create_time"))
-                           or local.marked_processes(proc.get("marker", "")))
+    procs = state.get("processes") or {}
+    alive = {name: local.same_process(p.get("pid"), p.get("create_time")) is not None for name, p in procs.items()}
+    unseen = {procs[name].get("marker", ""): name for name, ok in alive.items() if not ok}
+    for marker, found in local.processes_by_marker(unseen).items():
+        alive[unseen[marker]] = bool(found)
     return alive
 
 
@@ -61,7 +62,7 @@ def busy_ports(plan: ClusterPlan) -> list[str]:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
-                    s.bind((proc.host if proc.host not in ("localhost",) else "127.0.0.1", port))
+                    s.bind((proc.host, port))
                 except OSError:
                     busy.append(f"{proc.name}: port {port}")
     return busy
@@ -181,8 +182,9 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
     for name, proc in (state.get("processes") or {}).items():
         row = {"name": name, **{k: proc.get(k) for k in ("role", "state", "pid", "host", "port", "restarts",
                                                            "message")}}
-        if not alive.get(name) and row["state"] not in ("stopped", "fatal", "backoff"):
-            row["state"] = "stopped" if not sup_alive else row["state"]
+        # Without a supervisor nobody updates state.json: a dead process is simply stopped.
+        if not alive.get(name) and not sup_alive and row["state"] not in ("fatal", "backoff"):
+            row["state"] = "stopped"
         started = proc.get("started_at")
         row["uptime_s"] = round(now - started, 1) if started and alive.get(name) else None
         row["alive"] = alive.get(name, False)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,27 +62,34 @@ def is_alive(handle: Handle) -> bool:
     return same_process(handle.pid, handle.create_time) is not None
 
 
-def marked_processes(marker: str) -> list[psutil.Process]:
-    """Live processes whose environment carries this marker (children inherit it).
+def processes_by_marker(markers: Iterable[str]) -> dict[str, list[psutil.Process]]:
+    """Live processes whose environment carries each marker (children inherit it), in one /proc scan.
 
     Reads /proc/PID/environ directly: psutil's parser returns nothing for processes that rewrote their
     title (vLLM's `VLLM::EngineCore` does), which is exactly the orphan this search exists to find.
     """
-    if not marker:
-        return []
-    needle = f"{MARKER_ENV}={marker}\0".encode()
-    found = []
+    needles = {f"{MARKER_ENV}={m}\0".encode(): m for m in markers if m}
+    found: dict[str, list[psutil.Process]] = {m: [] for m in needles.values()}
+    if not needles:
+        return found
     for pid in psutil.pids():
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle not in f.read():
-                    continue
+                env = f.read()
+            hits = [m for needle, m in needles.items() if needle in env]
+            if not hits:
+                continue
             proc = psutil.Process(pid)
             if proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
+                for m in hits:
+                    found[m].append(proc)
         except (OSError, psutil.Error):
             continue
     return found
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    return processes_by_marker([marker]).get(marker, [])
 
 
 def _signal_all(leader: psutil.Process | None, members: list[psutil.Process], sig: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -27,7 +27,6 @@ class RouterConfig:
     request_timeout: float = 600.0
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

@@ -71,12 +71,12 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
     devices: dict[tuple[str, str, int], str] = {}
 
     def claim_port(host: str, port: int, owner: str, field: str) -> None:
-        key = ("*" if host in ("0.0.0.0", "::") else host, port)
-        clash = ports.get(key) or next((o for (h, p), o in ports.items() if p == port and "*" in (h, key[0])), None)
+        host = "*" if host in ("0.0.0.0", "::") else host
+        clash = next((o for (h, p), o in ports.items() if p == port and (h == host or "*" in (h, host))), None)
         if clash:
             problems.append(f"{field}: {port} is already used by {clash}")
         else:
-            ports[key] = owner
+            ports[(host, port)] = owner
 
     claim_port(spec.router.host, spec.router.port, "router", "router.port")
     for role_name in ROLES:

@@ -111,7 +111,6 @@ class Supervisor:
                     proc.to(ProcState.READY, "health check passed")
                     log.info("%s ready", proc.name)
                 elif now - proc.state_since > self.policy.startup_timeout:
-                    self._kill(proc)
                     self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
         elif st in (ProcState.READY, ProcState.UNHEALTHY):
             if now - proc.last_probe >= self.policy.health_interval:
@@ -137,14 +136,14 @@ class Supervisor:
             proc.to(ProcState.UNHEALTHY, f"{fails} health checks failed while the process lives")
             log.warning("%s unhealthy", proc.name)
         elif proc.state == ProcState.UNHEALTHY and now - proc.state_since > self.policy.unhealthy_grace:
-            self._kill(proc)
             self._on_exit(proc, now, f"unhealthy for {self.policy.unhealthy_grace:g}s; restarted")
 
     def _on_exit(self, proc: ManagedProcess, now: float, why: str | None = None) -> None:
         if why is None:
             rc = proc.handle.popen.poll() if proc.handle and proc.handle.popen else None
             why = f"exited with code {rc}" if rc is not None else "process disappeared"
-        self._kill(proc)   # the API server may be gone while its engine children still hold memory
+        # Stop the whole group: the API server may be gone (or hung) while its engine children hold memory.
+        self._kill(proc)
         if self.phase == "starting" and not proc.ever_ready:
             proc.to(ProcState.FATAL, why)
             self.phase = "failed"
