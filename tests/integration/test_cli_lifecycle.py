@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,14 +23,14 @@ FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "fake_vllm.py")
 
 
 def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """Free ports below Linux's ephemeral range (32768+), so an outgoing connection of some other process
+    (health probes, HTTP clients) cannot take one between this check and the server's bind."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(20000, 32000)
+        if port not in ports and port_free(port):
+            ports.append(port)
     return ports
 
 
