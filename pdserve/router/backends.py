@@ -14,6 +14,7 @@ from pdserve.router.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 PIN_SLACK = 4
+FAILED_PROBES_BEFORE_DOWN = 3
 
 
 @dataclass
@@ -24,6 +25,25 @@ class Backend:
     healthy: bool = False      # unknown until the first probe answers
     in_flight: int = 0
     generation: int = 0        # bumps when the backend is seen down: handles it gave out are stale
+    failed_probes: int = 0
+
+    def record_probe(self, ok: bool, refused: bool = False) -> bool:
+        """Update health from one probe; True when this probe took a healthy backend down.
+
+        A refused connection means the server process is gone (and its KV blocks with it): down at once.
+        A slow or failing answer only counts: a server busy with a long prefill on a loaded machine may
+        miss one probe, and taking it down would needlessly drop every reuse entry it holds.
+        """
+        if ok:
+            self.failed_probes = 0
+            self.healthy = True
+            return False
+        self.failed_probes += 1
+        if self.healthy and (refused or self.failed_probes >= FAILED_PROBES_BEFORE_DOWN):
+            self.healthy = False
+            self.generation += 1
+            return True
+        return False
 
 
 class Pool:
@@ -68,22 +88,24 @@ class Pool:
 async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, interval: float,
                         on_down: Callable[[Backend], None]) -> None:
     """Probe every backend's /health; a backend that goes down invalidates what it handed out."""
-    timeout = aiohttp.ClientTimeout(total=max(1.0, interval))
+    timeout = aiohttp.ClientTimeout(total=max(2.0, interval))
 
     async def one(b: Backend) -> None:
+        ok = refused = False
         try:
             async with session.get(f"{b.url}/health", timeout=timeout) as resp:
                 ok = resp.status == 200
+        except aiohttp.ClientConnectorError:
+            refused = True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            ok = False
-        if b.healthy and not ok:
-            b.generation += 1
+            pass
+        was_healthy = b.healthy
+        if b.record_probe(ok, refused):
             log.warning("%s %s is down", b.role, b.name)
             on_down(b)
-        elif ok and not b.healthy:
+        elif b.healthy and not was_healthy:
             log.info("%s %s is healthy", b.role, b.name)
-        b.healthy = ok
-        pools[0].metrics.healthy.labels(b.name, b.role).set(1 if ok else 0)
+        pools[0].metrics.healthy.labels(b.name, b.role).set(1 if b.healthy else 0)
 
     while True:
         await asyncio.gather(*(one(b) for pool in pools for b in pool.backends))

@@ -1,0 +1,37 @@
+"""Router backend health: a refused connection is down at once; slow answers must repeat first."""
+
+from __future__ import annotations
+
+from pdserve.router.backends import FAILED_PROBES_BEFORE_DOWN, Backend
+
+
+def healthy_backend() -> Backend:
+    b = Backend("decode-0", "http://x", "decode")
+    assert b.record_probe(True) is False and b.healthy
+    return b
+
+
+def test_one_slow_probe_keeps_the_backend_and_its_entries():
+    b = healthy_backend()
+    for _ in range(FAILED_PROBES_BEFORE_DOWN - 1):
+        assert b.record_probe(False) is False
+    assert b.healthy and b.generation == 0
+    b.record_probe(True)                          # answered again: the count starts over
+    assert b.record_probe(False) is False and b.healthy
+
+
+def test_repeated_failures_take_it_down_once():
+    b = healthy_backend()
+    went_down = [b.record_probe(False) for _ in range(FAILED_PROBES_BEFORE_DOWN + 2)]
+    assert went_down.count(True) == 1 and not b.healthy and b.generation == 1
+
+
+def test_refused_connection_is_down_at_once():
+    b = healthy_backend()
+    assert b.record_probe(False, refused=True) is True
+    assert not b.healthy and b.generation == 1
+
+
+def test_never_healthy_backend_is_not_reported_down():
+    b = Backend("decode-0", "http://x", "decode")
+    assert b.record_probe(False, refused=True) is False and b.generation == 0
