@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -14,11 +17,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.router.backends import Backend, Pool, probe_forever
+from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import json_error
+from pdserve.router.cost import CostModel
+from pdserve.router.errors import error_body, json_error
 from pdserve.router.flow import Flow
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
+from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
 
@@ -26,6 +33,8 @@ COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 FLOW = web.AppKey("flow", Flow)
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
+API_KEY = web.AppKey("api_key", str)
+OPEN_PATHS = ("/health",)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -82,11 +91,36 @@ async def openai_errors(request: web.Request, handler):
         return json_error(500, "internal router error", "server_error")
 
 
-def build_app(cfg: RouterConfig) -> web.Application:
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors])
+@web.middleware
+async def require_api_key(request: web.Request, handler):
+    """With an API key configured, every endpoint but /health wants `Authorization: Bearer <key>`."""
+    key = request.app[API_KEY]
+    if key and request.path not in OPEN_PATHS:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        # Compare digests: constant time whatever the lengths.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                hashlib.sha256(given.encode()).digest(), hashlib.sha256(key.encode()).digest()):
+            body = error_body("invalid or missing API key; send 'Authorization: Bearer <key>'",
+                              "invalid_request_error", "invalid_api_key")
+            return web.json_response(body, status=401)
+    return await handler(request)
+
+
+def api_key_from_env(cfg: RouterConfig) -> str:
+    if not cfg.api_key_env:
+        return ""
+    key = os.environ.get(cfg.api_key_env, "")
+    if not key:
+        raise SystemExit(f"error: router.api_key_env names {cfg.api_key_env}, which is not set or empty")
+    return key
+
+
+def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors, require_api_key])
     metrics = RouterMetrics()
     app[CONFIG] = cfg
     app[METRICS] = metrics
+    app[API_KEY] = api_key_from_env(cfg) if api_key is None else api_key
     for route in COMPLETION_ROUTES:
         app.router.add_post(route, completions)
     app.router.add_get("/v1/models", models)
@@ -96,10 +130,16 @@ def build_app(cfg: RouterConfig) -> web.Application:
     async def lifecycle(app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         session = aiohttp.ClientSession(connector=connector)
-        prefill = Pool("prefill", cfg.prefill, metrics)
-        decode = Pool("decode", cfg.decode, metrics)
+        def breaker() -> CircuitBreaker:
+            return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
+
+        prefill = Pool("prefill", cfg.prefill, metrics, breaker)
+        decode = Pool("decode", cfg.decode, metrics, breaker)
         store = ReuseStore(cfg.reuse_ttl)
-        app[FLOW] = Flow(cfg, session, prefill, decode, store, metrics)
+        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None)
+        costs = CostModel() if cfg.cost_aware else None
+        app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),
+                         decode, store, metrics)
 
         def on_down(backend: Backend) -> None:
             if backend.role == "decode":

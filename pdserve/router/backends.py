@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
+from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import BackendConfig
 from pdserve.router.metrics import RouterMetrics
 
@@ -17,7 +18,7 @@ PIN_SLACK = 4
 FAILED_PROBES_BEFORE_DOWN = 3
 
 
-@dataclass
+@dataclass(eq=False)
 class Backend:
     name: str
     url: str
@@ -26,6 +27,7 @@ class Backend:
     in_flight: int = 0
     generation: int = 0        # bumps when the backend is seen down: handles it gave out are stale
     failed_probes: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     def record_probe(self, ok: bool, refused: bool = False) -> bool:
         """Update health from one probe; True when this probe took a healthy backend down.
@@ -47,10 +49,11 @@ class Backend:
 
 
 class Pool:
-    def __init__(self, role: str, configs: list[BackendConfig], metrics: RouterMetrics):
+    def __init__(self, role: str, configs: list[BackendConfig], metrics: RouterMetrics,
+                 breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
         self.role = role
         self.metrics = metrics
-        self.backends = [Backend(c.name, c.url.rstrip("/"), role) for c in configs]
+        self.backends = [Backend(c.name, c.url.rstrip("/"), role, breaker=breaker()) for c in configs]
         self._rr = 0
 
     def by_name(self, name: str) -> Backend | None:
@@ -62,13 +65,14 @@ class Pool:
         `prefer` (the decode server holding a conversation's blocks, whose prefix cache is warm) wins
         while it is healthy and not more than PIN_SLACK requests busier than the least-loaded one.
         """
-        candidates = [b for b in self.backends if b.healthy and b.name not in exclude]
+        usable = [b for b in self.backends if b.name not in exclude and b.breaker.allows()]
+        candidates = [b for b in usable if b.healthy]
         pinned = next((b for b in candidates if b.name == prefer), None)
         if pinned and pinned.in_flight <= min(b.in_flight for b in candidates) + PIN_SLACK:
             return pinned
         if not candidates:
             # Health is probed every few seconds; a backend not yet seen healthy may still answer.
-            candidates = [b for b in self.backends if b.name not in exclude]
+            candidates = usable
         if not candidates:
             return None
         self._rr += 1
@@ -78,11 +82,19 @@ class Pool:
 
     def acquire(self, backend: Backend) -> None:
         backend.in_flight += 1
+        backend.breaker.begin()
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
 
-    def release(self, backend: Backend) -> None:
+    def release(self, backend: Backend, ok: bool | None) -> None:
+        """The request is over: ok, failed (counts toward the breaker), or None when the outcome says
+        nothing about this backend (e.g. P failing to read another server's blocks)."""
         backend.in_flight -= 1
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+        if ok is not None and backend.breaker.record(ok):
+            log.warning("%s %s: circuit breaker open after %d failed requests", self.role, backend.name,
+                        backend.breaker.failures)
+        self.metrics.breaker_open.labels(backend.name, self.role).set(
+            0 if backend.breaker.state == "closed" else 1)
 
 
 async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, interval: float,

@@ -27,6 +27,11 @@ class RouterConfig:
     request_timeout: float = 600.0
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = 8190
+    api_key_env: str | None = None     # name of the environment variable holding the API key
+    cost_aware: bool = True
+    breaker_failures: int = 3
+    breaker_cooldown: float = 5.0
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

@@ -24,12 +24,14 @@ def sse_error(message: str, err_type: str = "server_error", code: int = 502) -> 
 class UpstreamError(Exception):
     """A backend answered with an error, or could not be reached. `body` is passed to the client."""
 
-    def __init__(self, status: int, body: dict, backend: str | None = None):
+    def __init__(self, status: int, body: dict, backend: str | None = None, never_sent: bool = False):
         super().__init__(f"{backend}: HTTP {status}")
         self.status = status
         self.body = body
         self.backend = backend
+        self.never_sent = never_sent   # no connection was made: the request surely had no effect
 
     @classmethod
-    def unreachable(cls, backend: str, why: str) -> "UpstreamError":
-        return cls(502, error_body(f"backend {backend} unreachable: {why}", "server_error", 502), backend)
+    def unreachable(cls, backend: str, why: str, never_sent: bool = False) -> "UpstreamError":
+        return cls(502, error_body(f"backend {backend} unreachable: {why}", "server_error", 502), backend,
+                   never_sent)

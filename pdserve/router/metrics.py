@@ -13,17 +13,26 @@ class RouterMetrics:
         self.requests = Counter("pdserve_router_requests", "Client requests by route and HTTP status.",
                                 ["route", "status"], registry=r)
         self.backend_requests = Counter("pdserve_router_backend_requests",
-                                        "Requests sent to backends by backend and outcome (ok, error).",
-                                        ["backend", "outcome"], registry=r)
+                                        "Requests sent to backends by backend, route and outcome (ok, error).",
+                                        ["backend", "route", "outcome"], registry=r)
         self.turns = Counter("pdserve_router_turns", "Completed P->D turns (client got an answer).", registry=r)
+        self.identity = Counter("pdserve_router_conversation_identity",
+                                "How requests were tied to a conversation: explicit (conversation_id or "
+                                "X-Session-ID), history (automatic detection looked for an earlier turn), none.",
+                                ["source"], registry=r)
         self.reuse = Counter("pdserve_router_reuse_decisions",
-                             "Reuse decisions for requests that name a conversation: result hit/miss and why.",
+                             "Reuse outcome per turn that continues a conversation: hit (P read D's blocks) or "
+                             "miss and why.",
                              ["result", "reason"], registry=r)
         self.reuse_tokens_offered = Counter("pdserve_router_reuse_tokens_offered",
                                             "Tokens of D's KV offered to P (D's remote_num_tokens).", registry=r)
         self.entries = Counter("pdserve_router_reuse_entries",
                                "D's block handles after a turn: stored, or unavailable (backend did not report them).",
                                ["outcome"], registry=r)
+        self.reuse_tokens_pulled = Counter("pdserve_router_reuse_tokens_pulled",
+                                           "Prompt tokens P reported it did not compute on turns offered D's "
+                                           "blocks (remote_prefill_cached_tokens: pulled from D, plus P's own "
+                                           "prefix-cache hits when that is on).", registry=r)
         self.read_retries = Counter("pdserve_router_prefill_retries",
                                     "Prefill retried without D's blocks after a failed attempt with them.", registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token seen by the client.",
@@ -34,4 +43,10 @@ class RouterMetrics:
                                ["backend"], registry=r)
         self.healthy = Gauge("pdserve_router_backend_healthy", "1 when the backend answers its health probe.",
                              ["backend", "role"], registry=r)
+        self.breaker_open = Gauge("pdserve_router_backend_breaker_open",
+                                  "1 while the backend's circuit breaker is open or half-open.",
+                                  ["backend", "role"], registry=r)
+        self.cost = Gauge("pdserve_router_cost_seconds_per_token",
+                          "Learned prefill cost per token: kind=recompute (per prefill server) or "
+                          "pull (per prefill/decode pair).", ["kind", "prefill", "decode"], registry=r)
         self.entries_live = Gauge("pdserve_router_reuse_entries_live", "Reuse entries held now.", registry=r)

@@ -62,6 +62,13 @@ class ReuseStore:
             return None, "expired"
         return entry, "ok"
 
+    def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
+        """`take` the first of `keys` that has an entry (candidate histories, longest first)."""
+        for key in keys:
+            if key in self._entries:
+                return self.take(key)
+        return None, "no_entry"
+
     def drop_decode(self, decode: str) -> int:
         stale = [k for k, e in self._entries.items() if e.decode == decode]
         for k in stale:

@@ -30,18 +30,48 @@ def prompt_ids_if_given(body: dict[str, Any]) -> list[int] | None:
 
 
 class SequenceCollector:
-    """Gathers D's prompt + generated token ids from a response or stream chunks (choice 0 only: one
-    conversation has one continuation) and removes them unless the client asked for them."""
+    """Gathers D's prompt + generated token ids and the reply message from a response or stream chunks
+    (choice 0 only: one conversation has one continuation), and removes the ids unless the client asked
+    for them."""
 
     def __init__(self, keep_for_client: bool):
         self.keep = keep_for_client
         self.prompt: list[int] | None = None
         self.generated: list[int] = []
         self.kv_params: dict[str, Any] | None = None
+        self._text: list[str] = []
+        self._calls: dict[int, list[str]] = {}    # tool call index -> [name, arguments]
 
     @property
     def sequence(self) -> list[int] | None:
         return None if self.prompt is None else self.prompt + self.generated
+
+    @property
+    def reply(self) -> dict[str, Any]:
+        """The assistant message the client received, as it would send it back next turn."""
+        calls = [{"type": "function", "function": {"name": n, "arguments": a}}
+                 for _, (n, a) in sorted(self._calls.items())]
+        return {"role": "assistant", "content": "".join(self._text), "tool_calls": calls}
+
+    def _collect_reply(self, choice: dict[str, Any]) -> None:
+        message = choice.get("message")
+        if isinstance(message, dict):            # a whole response
+            self._text = [message.get("content") or ""]
+            self._calls = {}
+            parts = [(i, c) for i, c in enumerate(message.get("tool_calls") or [])]
+        elif isinstance(choice.get("delta"), dict):   # a stream chunk
+            delta = choice["delta"]
+            self._text.append(delta.get("content") or "")
+            parts = [(c.get("index", i), c) for i, c in enumerate(delta.get("tool_calls") or [])
+                     if isinstance(c, dict)]
+        else:
+            return
+        for index, call in parts:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                slot = self._calls.setdefault(index, ["", ""])
+                slot[0] += fn.get("name") or ""
+                slot[1] += fn.get("arguments") or ""
 
     def scrub(self, obj: dict[str, Any]) -> bool:
         """Take kv_transfer_params and token ids out of one response object; True if it changed."""
@@ -58,6 +88,8 @@ class SequenceCollector:
             if not isinstance(choice, dict):
                 continue
             first = choice.get("index", 0) == 0
+            if first:
+                self._collect_reply(choice)
             if first and isinstance(choice.get("prompt_token_ids"), list):
                 self.prompt = choice["prompt_token_ids"]
             if first and isinstance(choice.get("token_ids"), list):

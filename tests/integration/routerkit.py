@@ -78,7 +78,7 @@ async def wait_healthy(dep: Deployment) -> None:
     from pdserve.router.app import FLOW
     for _ in range(100):
         flow = dep.router[FLOW]
-        if all(b.healthy for b in flow.prefill.backends + flow.decode.backends):
+        if all(b.healthy for b in flow.prefill.pool.backends + flow.decode.backends):
             return
         await asyncio.sleep(0.05)
     raise AssertionError("backends never became healthy in the router")

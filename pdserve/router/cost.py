@@ -1,0 +1,68 @@
+"""Cost-aware reuse: learn whether pulling D's blocks is faster than recomputing them.
+
+vLLM's only guard is a static token threshold, but a pull can be far slower than recompute (an H200 with
+NIXL's transport fallen back to TCP pulled 20k tokens in 6.8 s where recompute took 0.72 s). So the router
+learns, from the P legs it times itself:
+
+- recompute cost per token, per prefill server: P-leg seconds / tokens P computed, on turns without a pull;
+- pull cost per token, per (prefill, decode) pair: (P-leg seconds - recompute estimate for the tokens P
+  still computed) / tokens P pulled, on turns with a pull.
+
+The P leg is timed as P experiences it, transfer included; P's own `vllm:nixl_xfer_time_seconds` sums all
+decode servers and overlapping requests, so it cannot be attributed to a pair or a turn. Both rates are
+exponential moving averages. D's blocks are offered only while the pull is predicted no slower than
+recompute; while it is predicted slower, every `probe_every`-th candidate turn (or one after
+`probe_interval` seconds) pulls anyway so the estimate follows the hardware.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+MIN_SAMPLE_TOKENS = 32      # shorter legs are dominated by fixed overheads and would skew the rates
+
+
+class CostModel:
+    def __init__(self, alpha: float = 0.3, probe_every: int = 8, probe_interval: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self.probe_interval = probe_interval
+        self.clock = clock
+        self.recompute: dict[str, float] = {}             # prefill -> seconds per computed token
+        self.pull: dict[tuple[str, str], float] = {}      # (prefill, decode) -> seconds per pulled token
+        self._skipped: dict[tuple[str, str], int] = {}
+        self._last_pull: dict[tuple[str, str], float] = {}
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def observe(self, prefill: str, decode: str | None, seconds: float, prompt_tokens: int,
+                cached_tokens: int, pulled: bool) -> None:
+        """One successful P leg: `cached_tokens` were not computed (pulled from D, or P's prefix cache)."""
+        computed = max(0, prompt_tokens - cached_tokens)
+        if not pulled or decode is None:
+            if computed >= MIN_SAMPLE_TOKENS:
+                self.recompute[prefill] = self._ewma(self.recompute.get(prefill), seconds / computed)
+            return
+        pair = (prefill, decode)
+        self._last_pull[pair] = self.clock()
+        if cached_tokens < MIN_SAMPLE_TOKENS:
+            return
+        transfer = max(0.0, seconds - self.recompute.get(prefill, 0.0) * computed)
+        self.pull[pair] = self._ewma(self.pull.get(pair), transfer / cached_tokens)
+
+    def should_pull(self, prefill: str, decode: str) -> bool:
+        pair = (prefill, decode)
+        recompute, pull = self.recompute.get(prefill), self.pull.get(pair)
+        if recompute is None or pull is None or pull <= recompute:
+            self._skipped[pair] = 0
+            return True
+        skipped = self._skipped.get(pair, 0)
+        stale = self.clock() - self._last_pull.get(pair, 0.0) >= self.probe_interval
+        if stale or skipped + 1 >= self.probe_every:
+            self._skipped[pair] = 0
+            return True   # re-probe
+        self._skipped[pair] = skipped + 1
+        return False

@@ -1,0 +1,75 @@
+"""Who is asking, and which earlier turn a request continues.
+
+A reuse key is (tenant, conversation). The tenant is a hash of the caller's credentials, so one caller
+can never replay another's conversation id to make P read their blocks. The conversation comes, in
+order, from the body's `conversation_id`, the `X-Session-ID` header, or automatic detection: the router
+remembers a hash of each chat history it answered *including the reply it returned*, so an unmodified
+OpenAI client that sends that history back (plus new messages) is recognised. A false match is harmless:
+the token-level continuation check still decides what P may read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from aiohttp import web
+
+Key = tuple[str, str]
+MAX_CONVERSATION_ID = 256
+
+
+def tenant(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
+
+
+def explicit_key(request: web.Request, body: dict[str, Any]) -> Key | None:
+    conv = body.get("conversation_id") or request.headers.get("X-Session-ID")
+    if not isinstance(conv, str) or not conv or len(conv) > MAX_CONVERSATION_ID:
+        return None
+    return tenant(request), "id:" + conv
+
+
+def _content(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)   # [{"type": "text"}] parts == the plain string
+    return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+
+
+def _canonical(message: Any) -> bytes:
+    """What identifies a message for matching: role, text and tool calls (ids and reasoning left out,
+    since clients commonly rewrite or drop them)."""
+    if not isinstance(message, dict):
+        return json.dumps(message, sort_keys=True, default=str).encode()
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            calls.append([fn.get("name") or "", fn.get("arguments") or ""])
+    return json.dumps([message.get("role"), _content(message.get("content")), calls]).encode()
+
+
+def _chain(messages: list[Any]) -> list[str]:
+    """Hash of every prefix of the history: digests[i] covers messages[: i + 1]."""
+    digest, out = b"", []
+    for message in messages:
+        digest = hashlib.sha256(digest + _canonical(message)).digest()
+        out.append(digest.hex())
+    return out
+
+
+def history_keys(tenant_id: str, messages: list[Any]) -> list[Key]:
+    """Candidate keys for an automatic match, longest history first: every prefix ending with an
+    assistant message could be a reply this router returned."""
+    digests = _chain(messages)
+    return [(tenant_id, "auto:" + digests[i]) for i in range(len(messages) - 1, -1, -1)
+            if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"]
+
+
+def reply_key(tenant_id: str, messages: list[Any], reply: dict[str, Any]) -> Key:
+    """The key under which a finished turn is stored: its history plus the reply returned."""
+    return tenant_id, "auto:" + _chain([*messages, reply])[-1]

@@ -1,0 +1,156 @@
+"""The P leg: decide what of D's blocks P may read for this turn, then prefill (max_tokens 1) with
+failover across prefill servers and a recompute retry when reading D's blocks fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from typing import Any
+
+from pdserve.router.backends import Backend, Pool
+from pdserve.router.config import RouterConfig
+from pdserve.router.cost import CostModel
+from pdserve.router.errors import UpstreamError, error_body
+from pdserve.router.identity import Key
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.reuse import HIT, MISS, Decision, ReuseStore, decide
+from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
+from pdserve.router.upstream import Upstream
+
+log = logging.getLogger("pdserve.router")
+BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
+
+
+class PrefillLeg:
+    def __init__(self, cfg: RouterConfig, upstream: Upstream, pool: Pool, decode: Pool, store: ReuseStore,
+                 costs: CostModel | None, metrics: RouterMetrics):
+        self.cfg = cfg
+        self.upstream = upstream
+        self.pool = pool
+        self.decode = decode
+        self.store = store
+        self.costs = costs
+        self.metrics = metrics
+        self.block_size: int | None = None   # P's KV block size, read once from its /metrics
+
+    # -- what may P read? --------------------------------------------------------------------------
+    async def decide(self, keys: list[Key], route: str, body: dict[str, Any]) -> Decision:
+        entry, why = self.store.take_first(keys)
+        self.metrics.entries_live.set(len(self.store))
+        if entry is None:
+            return Decision(MISS, why)
+        holder = self.decode.by_name(entry.decode)
+        new_prompt = await self._prompt_ids(route, body) if entry.sequence is not None else None
+        decision = decide(entry, holder_healthy=bool(holder and holder.healthy),
+                          holder_generation=holder.generation if holder else -1,
+                          threshold=self.cfg.kv_recompute_threshold,
+                          new_prompt=new_prompt, block_size=await self._block_size())
+        return dataclasses.replace(decision, holder=entry.decode)
+
+    async def _prompt_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
+        """The token ids P will prefill for this request (P's own tokenizer and chat template)."""
+        given = prompt_ids_if_given(body)
+        if given is not None:
+            return given
+        tok = tokenize_body(route, body, self.cfg.model)
+        backend = self.pool.pick()
+        if tok is None or backend is None:
+            return None
+        try:
+            status, data = await self.upstream.post_json(self.pool, backend, "/tokenize", tok, {})
+        except UpstreamError:
+            return None
+        tokens = data.get("tokens") if status == 200 else None
+        return tokens if isinstance(tokens, list) else None
+
+    async def _block_size(self) -> int | None:
+        for backend in self.pool.backends if self.block_size is None else []:
+            m = BLOCK_SIZE_RE.search(await self.upstream.get_text(backend, "/metrics") or "")
+            if m:
+                self.block_size = int(m.group(1))
+                break
+        return self.block_size
+
+    # -- prefill -----------------------------------------------------------------------------------
+    async def run(self, route: str, body: dict[str, Any], headers: dict[str, str],
+                  decision: Decision | None) -> dict[str, Any]:
+        """P's kv_transfer_params for D. Records the reuse outcome: a hit only when P really read D's
+        blocks; otherwise the reason (the decision's, pull_slower, or read_failed)."""
+        offer = decision if decision is not None and decision.result == HIT else None
+        outcome = decision
+        tried: set[str] = set()
+        try:
+            while True:
+                backend = self.pool.pick(exclude=tried)
+                if backend is None:
+                    raise UpstreamError(503, error_body("no prefill server available", "server_error", 503))
+                tried.add(backend.name)
+                use = offer
+                if use is not None and self.costs is not None and not self.costs.should_pull(backend.name,
+                                                                                             use.holder):
+                    use, outcome = None, Decision(MISS, "pull_slower", holder=use.holder)
+                try:
+                    return await self._once(backend, route, body, headers, use)
+                except UpstreamError as err:
+                    if use is not None and err.status >= 500:
+                        # Reading D's blocks failed (stale handle, D restarted, transfer error): recompute
+                        # on the same server, so the client still gets one correct answer.
+                        log.warning("prefill with D's blocks failed on %s (%s); retrying without them",
+                                    backend.name, err)
+                        self.metrics.read_retries.inc()
+                        offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
+                        try:
+                            return await self._once(backend, route, body, headers, None)
+                        except UpstreamError as again:
+                            err = again
+                    # Nothing has reached the client yet: another prefill server may answer.
+                    if err.status < 500 or err.status == 504 or len(tried) >= len(self.pool.backends):
+                        raise err from None
+        finally:
+            if outcome is not None:
+                self.metrics.reuse.labels(outcome.result, outcome.reason).inc()
+                if outcome.result == HIT:
+                    self.metrics.reuse_tokens_offered.inc(outcome.tokens)
+
+    async def _once(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str],
+                    use: Decision | None) -> dict[str, Any]:
+        p_body = {**body, "max_tokens": 1, "stream": False,
+                  "kv_transfer_params": use.params if use else {"do_remote_decode": True,
+                                                                "do_remote_prefill": False}}
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        for field in ("stream_options", "min_tokens", "return_token_ids"):
+            p_body.pop(field, None)
+        started = time.perf_counter()
+        # With D's blocks offered, a failure may be D's (blocks gone) as much as P's: not P's breaker.
+        status, data = await self.upstream.post_json(self.pool, backend, route, p_body, headers,
+                                                     blame=use is None)
+        if status != 200:
+            raise UpstreamError(status, data, backend.name)
+        params = data.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise UpstreamError(502, error_body(
+                f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
+                "NixlConnector?", "server_error", 502), backend.name)
+        self._learn(backend, use, time.perf_counter() - started, data, params)
+        return params
+
+    def _learn(self, backend: Backend, use: Decision | None, seconds: float, data: dict[str, Any],
+               params: dict[str, Any]) -> None:
+        # vLLM's P reports the prompt tokens it did not compute (local prefix hits + pulled from D).
+        cached = params.get("remote_prefill_cached_tokens")
+        cached = cached if isinstance(cached, int) else 0
+        if use is not None:
+            self.metrics.reuse_tokens_pulled.inc(cached)
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        prompt = usage.get("prompt_tokens")
+        if self.costs is None or not isinstance(prompt, int):
+            return
+        holder = use.holder if use else None
+        self.costs.observe(backend.name, holder, seconds, prompt, cached, use is not None)
+        if backend.name in self.costs.recompute:
+            self.metrics.cost.labels("recompute", backend.name, "").set(self.costs.recompute[backend.name])
+        if holder and (backend.name, holder) in self.costs.pull:
+            self.metrics.cost.labels("pull", backend.name, holder).set(self.costs.pull[(backend.name, holder)])
