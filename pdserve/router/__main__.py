@@ -8,7 +8,7 @@ import sys
 
 from aiohttp import web
 
-from pdserve.router.app import build_app
+from pdserve.router.app import build_app, server_limits
 from pdserve.router.config import RouterConfig
 
 
@@ -21,10 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg = RouterConfig.load(args.config)
     # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
-    # Header limits apply in aiohttp's parser, before any handler: an oversized header gets a plain 400.
-    limits = {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes}
     web.run_app(build_app(cfg), host=args.host or cfg.host, port=args.port or cfg.port,
-                handler_cancellation=True, access_log=None, print=None, handler_args=limits)
+                handler_cancellation=True, access_log=None, print=None, handler_args=server_limits(cfg))
     return 0
 
 

@@ -115,6 +115,11 @@ def api_key_from_env(cfg: RouterConfig) -> str:
     return key
 
 
+def server_limits(cfg: RouterConfig) -> dict[str, int]:
+    """aiohttp parser limits: an oversized request line or header is refused (plain 400) before any handler."""
+    return {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes}
+
+
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors, require_api_key])
     metrics = RouterMetrics()
@@ -137,7 +142,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         decode = Pool("decode", cfg.decode, metrics, breaker)
         store = ReuseStore(cfg.reuse_ttl)
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None)
-        costs = CostModel() if cfg.cost_aware else None
+        costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
+            if cfg.cost_aware else None
         app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),
                          decode, store, metrics)
 

@@ -30,6 +30,8 @@ class RouterConfig:
     max_header_bytes: int = 8190
     api_key_env: str | None = None     # name of the environment variable holding the API key
     cost_aware: bool = True
+    cost_probe_every: int = 8          # while a pull is predicted slower, pull anyway every Nth turn ...
+    cost_probe_interval: float = 60.0  # ... or when the last pull is this old
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
 

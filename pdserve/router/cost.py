@@ -12,7 +12,8 @@ The P leg is timed as P experiences it, transfer included; P's own `vllm:nixl_xf
 decode servers and overlapping requests, so it cannot be attributed to a pair or a turn. Both rates are
 exponential moving averages. D's blocks are offered only while the pull is predicted no slower than
 recompute; while it is predicted slower, every `probe_every`-th candidate turn (or one after
-`probe_interval` seconds) pulls anyway so the estimate follows the hardware.
+`probe_interval` seconds) pulls anyway, and that measurement replaces the estimate, so the router
+follows the hardware both ways.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class CostModel:
         self.pull: dict[tuple[str, str], float] = {}      # (prefill, decode) -> seconds per pulled token
         self._skipped: dict[tuple[str, str], int] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
+        self._probing: set[tuple[str, str]] = set()
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -51,7 +53,10 @@ class CostModel:
         if cached_tokens < MIN_SAMPLE_TOKENS:
             return
         transfer = max(0.0, seconds - self.recompute.get(prefill, 0.0) * computed)
-        self.pull[pair] = self._ewma(self.pull.get(pair), transfer / cached_tokens)
+        # A re-probe measures hardware the estimate may no longer describe: it replaces the estimate.
+        old = None if pair in self._probing else self.pull.get(pair)
+        self._probing.discard(pair)
+        self.pull[pair] = self._ewma(old, transfer / cached_tokens)
 
     def should_pull(self, prefill: str, decode: str) -> bool:
         pair = (prefill, decode)
@@ -63,6 +68,7 @@ class CostModel:
         stale = self.clock() - self._last_pull.get(pair, 0.0) >= self.probe_interval
         if stale or skipped + 1 >= self.probe_every:
             self._skipped[pair] = 0
-            return True   # re-probe
+            self._probing.add(pair)
+            return True
         self._skipped[pair] = skipped + 1
         return False

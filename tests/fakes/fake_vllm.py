@@ -44,6 +44,7 @@ class FakeVLLM:
         self.received: list[dict] = []      # every completion body, for tests to inspect
         self.external_tokens = 0            # like vllm:prompt_tokens_by_source{source="external_kv_transfer"}
         self.healthy = True
+        self.cancelled = 0                  # streams cut off by the other side (client went away)
 
     def prompt_ids(self, route: str, body: dict) -> list[int]:
         if "messages" in body:
@@ -61,11 +62,15 @@ class FakeVLLM:
                                                 "param": None, "code": self.args.status}}, status=self.args.status)
         kv = body.get("kv_transfer_params") or {}
         prompt = self.prompt_ids(request.path, body)
+        pulled = 0
         if kv.get("remote_block_ids") and kv.get("do_remote_decode"):   # P pulling D's blocks
             if self.args.fail_reads:
                 return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
                                                     "param": None, "code": 500}}, status=500)
-            self.external_tokens += min(int(kv.get("remote_num_tokens", 0)), len(prompt))
+            pulled = min(int(kv.get("remote_num_tokens", 0)), len(prompt) - 1)
+            self.external_tokens += pulled
+        if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
+            await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
         n = int(body.get("max_tokens") or 8)
         generated = [50000 + i for i in range(n)]
         text = " ".join(f"w{i}" for i in range(n))
@@ -73,7 +78,8 @@ class FakeVLLM:
         if kv.get("do_remote_decode"):           # prefill leg: hand out P's blocks for D
             params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                       "remote_request_id": uuid.uuid4().hex, "remote_block_ids": [list(range(len(prompt) // BLOCK + 1))],
-                      "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+                      "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1,
+                      "remote_prefill_cached_tokens": pulled}
         elif kv.get("do_remote_prefill") and self.args.bidirectional:   # decode leg: hand out D's blocks
             total = len(prompt) + n - 1
             params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": self.engine_id,
@@ -102,6 +108,15 @@ class FakeVLLM:
     async def stream(self, request, chat, words, generated, prompt, params, ids) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        try:
+            await self._stream_words(request, out, chat, words, generated, prompt, params, ids)
+        except (asyncio.CancelledError, ConnectionResetError):
+            if not self.args.die_mid_stream:
+                self.cancelled += 1
+            raise
+        return out
+
+    async def _stream_words(self, request, out, chat, words, generated, prompt, params, ids) -> None:
         for i, word in enumerate(words):
             if self.args.die_mid_stream and i == 2:
                 request.transport.close()   # like a decode server killed mid-generation
@@ -118,7 +133,6 @@ class FakeVLLM:
             await asyncio.sleep(self.args.token_delay)
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
-        return out
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -136,6 +150,12 @@ class FakeVLLM:
     async def received_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response(self.received)
 
+    async def set_endpoint(self, request: web.Request) -> web.Response:
+        """Change behaviour at run time, e.g. {"pull_delay": 0.01} or {"status": 500}."""
+        for name, value in (await request.json()).items():
+            setattr(self.args, name, value)
+        return web.json_response(vars(self.args))
+
 
 def build_app(args: argparse.Namespace) -> web.Application:
     fake = FakeVLLM(args)
@@ -147,6 +167,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     app.router.add_get("/health", fake.health)
     app.router.add_get("/metrics", fake.metrics)
     app.router.add_get("/fake/received", fake.received_endpoint)
+    app.router.add_post("/fake/set", fake.set_endpoint)
     return app
 
 
@@ -161,6 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--compute-delay", type=float, default=0.0, help="prefill seconds per computed token")
+    p.add_argument("--pull-delay", type=float, default=0.0, help="prefill seconds per token pulled from D")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
     p.add_argument("--spawn-child", action="store_true", help="start a long-lived child, like vLLM's EngineCore")

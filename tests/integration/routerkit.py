@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from pdserve.router.app import build_app
+from pdserve.router.app import build_app, server_limits
 from pdserve.router.config import RouterConfig
 from tests.fakes.fake_vllm import build_app as build_fake
 from tests.fakes.fake_vllm import parse_args
@@ -37,8 +37,8 @@ class Deployment:
             return await resp.text()
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
+async def _serve(app: web.Application, **handler_args) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, **handler_args)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -47,7 +47,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 
 @asynccontextmanager
-async def deployment(prefill_args=([],), decode_args=([],), **router_overrides):
+async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", **router_overrides):
     runners: list[web.AppRunner] = []
     p_apps, d_apps, p_cfg, d_cfg = [], [], [], []
     for role, arg_sets, apps, cfgs in (("prefill", prefill_args, p_apps, p_cfg), ("decode", decode_args, d_apps, d_cfg)):
@@ -59,8 +59,8 @@ async def deployment(prefill_args=([],), decode_args=([],), **router_overrides):
             cfgs.append({"name": f"{role}-{i}", "url": url})
     cfg = RouterConfig.from_dict({"prefill": p_cfg, "decode": d_cfg, "model": "fake", "health_interval": 0.1,
                                   "kv_recompute_threshold": 4, **router_overrides})
-    router = build_app(cfg)
-    runner, url = await _serve(router)
+    router = build_app(cfg, api_key=api_key)
+    runner, url = await _serve(router, **server_limits(cfg))
     runners.append(runner)
     session = aiohttp.ClientSession()
     dep = Deployment(url, p_apps, d_apps, router, session, runners)
