@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from pdserve.errors import PdserveError
+from pdserve.errors import ConfigError, PdserveError
 from pdserve.launchers import local
 from pdserve.plan import ClusterPlan, build_plan
+from pdserve.routerstats import api_key_for, read_router
 from pdserve.spec.load import load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.state import ClusterDir, models_dir, tail_lines, write_json_atomic
@@ -70,6 +71,10 @@ def busy_ports(plan: ClusterPlan) -> list[str]:
 
 def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None) -> None:
     """Everything `up` does before a process starts: refuse duplicates, build the model, write files."""
+    key_env = spec.router.api_key_env
+    if key_env and not os.environ.get(key_env):
+        raise ConfigError(f"router.api_key_env: environment variable {key_env} is not set or empty",
+                          hint=f"export {key_env}=<key> before `pdserve up`")
     if is_running(cdir):
         raise PdserveError(f"cluster {spec.name} is already running",
                            hint=f"`pdserve status {spec.name}` to see it, `pdserve down {spec.name}` to stop it")
@@ -150,29 +155,6 @@ def stop_cluster(cdir: ClusterDir, timeout: float = 20.0) -> list[str]:
     return killed
 
 
-def router_counters(router_url: str, timeout: float = 2.0) -> dict[str, float] | None:
-    """The router's reuse counters, read from its /metrics; None when it does not answer."""
-    from prometheus_client.parser import text_string_to_metric_families
-    try:
-        with urllib.request.urlopen(router_url + "/metrics", timeout=timeout) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return None
-    out = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
-           "entries_unavailable": 0.0}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "pdserve_router_turns_total":
-                out["turns"] += s.value
-            elif s.name == "pdserve_router_reuse_decisions_total":
-                out["reuse_hits" if s.labels.get("result") == "hit" else "reuse_misses"] += s.value
-            elif s.name == "pdserve_router_reuse_tokens_offered_total":
-                out["reuse_tokens_offered"] += s.value
-            elif s.name == "pdserve_router_reuse_entries_total" and s.labels.get("outcome") == "unavailable":
-                out["entries_unavailable"] += s.value
-    return out
-
-
 def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
     state = cdir.read_state() or {}
     alive = live_processes(cdir, state)
@@ -195,6 +177,6 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "name": cdir.name, "phase": state.get("phase") if running else "stopped", "running": running,
         "supervisor_alive": sup_alive, "error": state.get("error"), "router_url": router_url,
         "processes": processes,
-        "router": router_counters(router_url) if running and router_url else None,
+        "router": read_router(router_url, api_key_for(cdir.root / "router.json")) if running and router_url else None,
         "state_dir": str(cdir.root),
     }

@@ -32,6 +32,9 @@ class ProcessPlan:
     port: int
     health_url: str
     side_channel_ports: list[int] = field(default_factory=list)
+    # Variables copied at launch from the launching environment, target <- source; secrets such as the
+    # API key travel this way so they are never written into the plan or the state folder.
+    env_from: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -39,7 +42,7 @@ class ProcessPlan:
 
     def fingerprint(self) -> str:
         """Stable identity of what would run: changes whenever argv or env change."""
-        return json.dumps([self.argv, sorted(self.env.items())])
+        return json.dumps([self.argv, sorted(self.env.items()), sorted(self.env_from.items())])
 
 
 @dataclass(frozen=True)
@@ -129,8 +132,10 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     env.update(role.env)
     env[MARKER_ENV] = marker(cluster_dir, name)
     host = connect_host(role.host)
+    env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=role.host, port=http_port,
-                       health_url=f"http://{host}:{http_port}/health", side_channel_ports=side_ports)
+                       health_url=f"http://{host}:{http_port}/health", side_channel_ports=side_ports,
+                       env_from=env_from)
 
 
 def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir: Path) -> ClusterPlan:
@@ -151,6 +156,12 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "kv_recompute_threshold": spec.kv_transfer.kv_recompute_threshold,
         "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
         "request_timeout": spec.router.request_timeout,
+        "api_key_env": spec.router.api_key_env,
+        "cost_aware": spec.router.cost_aware,
+        "breaker_failures": spec.router.breaker_failures,
+        "breaker_cooldown": spec.router.breaker_cooldown,
+        "max_body_bytes": int(spec.router.max_body_mb * 1024 * 1024),
+        "health_interval": spec.supervisor.health_interval,
     }
     rhost = connect_host(spec.router.host)
     router = ProcessPlan(

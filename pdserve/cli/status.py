@@ -1,5 +1,6 @@
-"""Show each process of a cluster (role, state, pid, address, uptime, restarts) and the router's reuse
-counters; with no NAME, list all clusters. Exit 3 when the named cluster is not running."""
+"""Show each process of a cluster (role, state, pid, address, uptime, restarts, health and load as the router
+sees them) and the router's reuse hit rate; with no NAME, list all clusters. Exit 3 when the named cluster
+is not running."""
 
 from __future__ import annotations
 
@@ -49,13 +50,25 @@ def command(
         raise NotRunningError(f"cluster {name} is not running", hint="`pdserve up` to start it")
 
 
+def _routing(backend: dict | None) -> tuple[str, str]:
+    """(health as the router sees it, requests in flight) for one backend."""
+    if not backend:
+        return "-", "-"
+    health = "up" if backend.get("healthy") else "down"
+    if backend.get("breaker_open"):
+        health += ", breaker open"
+    return health, str(backend.get("in_flight", 0))
+
+
 def _render(st: dict) -> None:
     table = Table(title=f"{st['name']}: {st['phase']}", title_justify="left")
-    for col in ("process", "role", "state", "pid", "address", "uptime", "restarts"):
+    for col in ("process", "role", "state", "pid", "address", "uptime", "restarts", "routing", "in flight"):
         table.add_column(col)
+    backends = (st.get("router") or {}).get("backends") or {}
     for p in st["processes"]:
+        health, load = _routing(backends.get(p["name"])) if p["role"] != "router" else ("", "")
         table.add_row(p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
-                      _uptime(p["uptime_s"]), str(p["restarts"]))
+                      _uptime(p["uptime_s"]), str(p["restarts"]), health, load)
     console.out.print(table)
     if st["running"] and not st["supervisor_alive"]:
         console.error("the supervisor is gone: processes are not restarted if they die",
@@ -65,8 +78,8 @@ def _render(st: dict) -> None:
     r = st.get("router")
     if r:
         decided = r["reuse_hits"] + r["reuse_misses"]
-        rate = f"{100 * r['reuse_hits'] / decided:.0f}%" if decided else "-"
-        console.out.print(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hits "
-                          f"{r['reuse_hits']:.0f}/{decided:.0f} ({rate}), tokens offered "
-                          f"{r['reuse_tokens_offered']:.0f}, handles unavailable {r['entries_unavailable']:.0f}",
-                          highlight=False)
+        rate = f"{100 * r['reuse_hit_rate']:.0f}%" if r["reuse_hit_rate"] is not None else "-"
+        misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses_by_reason"].items())) or "none"
+        console.out.print(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
+                          f"({r['reuse_hits']:.0f}/{decided:.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, "
+                          f"pulled {r['reuse_tokens_pulled']:.0f}; misses: {misses}", highlight=False)

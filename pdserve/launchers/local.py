@@ -28,7 +28,8 @@ class Handle:
 
 def start(plan: ProcessPlan, log_path: Path, base_env: dict[str, str] | None = None) -> Handle:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**(os.environ if base_env is None else base_env), **plan.env}
+    base = os.environ if base_env is None else base_env
+    env = {**base, **plan.env, **{target: base[source] for target, source in plan.env_from.items() if source in base}}
     with open(log_path, "ab") as log:
         log.write(f"\n=== pdserve: starting {plan.name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
         log.flush()

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 BUILTIN_MODEL_PREFIX = "pdserve:"
 # Flags pdserve sets itself from the topology; giving them in vllm_args would contradict the plan.
 RESERVED_VLLM_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config", "--served-model-name",
-                       "--tensor-parallel-size", "-tp")
+                       "--tensor-parallel-size", "-tp", "--api-key")
 
 Port = Field(ge=1, le=65535)
 
@@ -55,6 +55,17 @@ class RouterSpec(Strict):
     reuse_ttl: float | None = Field(
         None, gt=0, description="Seconds the router keeps D's block handles; default 90% of decoder_kv_blocks_ttl.")
     request_timeout: float = Field(600.0, gt=0, description="Seconds before a backend leg is abandoned.")
+    api_key_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable holding an API key. When set, every router endpoint but "
+                    "/health requires 'Authorization: Bearer <key>', and the vLLM servers get the same key "
+                    "(VLLM_API_KEY), so they refuse clients that bypass the router.")
+    cost_aware: bool = Field(True, description="Offer D's blocks to P only while pulling them is measured to be "
+                                               "faster than recomputing (see docs/router.md).")
+    breaker_failures: int = Field(3, ge=1, description="Consecutive failed requests that open a backend's "
+                                                       "circuit breaker.")
+    breaker_cooldown: float = Field(5.0, gt=0, description="Seconds an open breaker waits before one trial request.")
+    max_body_mb: float = Field(16.0, gt=0, description="Largest request body accepted, in MiB.")
 
 
 class SupervisorSpec(Strict):

@@ -157,9 +157,18 @@ class FakeVLLM:
         return web.json_response(vars(self.args))
 
 
+@web.middleware
+async def vllm_api_key(request: web.Request, handler):
+    """Like vLLM with VLLM_API_KEY set: /v1 paths want the bearer key."""
+    key = os.environ.get("VLLM_API_KEY")
+    if key and request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
 def build_app(args: argparse.Namespace) -> web.Application:
     fake = FakeVLLM(args)
-    app = web.Application()
+    app = web.Application(middlewares=[vllm_api_key])
     app[FAKE] = fake
     app.router.add_post("/v1/chat/completions", fake.completions)
     app.router.add_post("/v1/completions", fake.completions)

@@ -189,3 +189,36 @@ def test_crash_loop_ends_fatal_with_reason(tmp_path, home):
     finally:
         assert pdserve("down", "loop").returncode == 0
     assert all_markers(home, "loop") == []
+
+
+def test_api_key_from_the_environment_guards_router_and_servers(tmp_path, home, monkeypatch):
+    path, cfg = write_config(tmp_path, "keyed", router={"port": free_ports(1)[0], "api_key_env": "PDS_TEST_KEY"})
+    monkeypatch.delenv("PDS_TEST_KEY", raising=False)
+    missing = pdserve("up", str(path))
+    assert missing.returncode == 2 and "router.api_key_env: environment variable PDS_TEST_KEY" in missing.stderr
+    assert all_markers(home, "keyed") == []
+    monkeypatch.setenv("PDS_TEST_KEY", "k-123")
+    try:
+        assert pdserve("up", str(path)).returncode == 0
+        import urllib.error
+        import urllib.request
+        router = f"http://127.0.0.1:{cfg['router']['port']}"
+        body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(urllib.request.Request(router + "/v1/chat/completions", data=body))
+        assert denied.value.code == 401
+        # The servers got the key too (VLLM_API_KEY): a client bypassing the router is refused.
+        with pytest.raises(urllib.error.HTTPError) as bypass:
+            urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{cfg['decode']['port']}/v1/chat/completions", data=body))
+        assert bypass.value.code == 401
+        ok = urllib.request.urlopen(urllib.request.Request(
+            router + "/v1/chat/completions", data=body,
+            headers={"Authorization": "Bearer k-123", "Content-Type": "application/json"}))
+        assert ok.status == 200
+        st = status_json("keyed")                 # status reads the router's metrics with the key
+        assert st["router"]["turns"] == 1
+        assert st["router"]["backends"]["decode-0"]["healthy"] == 1
+        assert "k-123" not in "".join(p.read_text() for p in (home / "clusters" / "keyed").glob("*.json"))
+    finally:
+        assert pdserve("down", "keyed").returncode == 0

@@ -84,3 +84,13 @@ def test_fingerprint_changes_with_argv():
     a = plan_of(GOOD).by_name("prefill-0").fingerprint()
     b = plan_of(with_("prefill.vllm_args", ["--max-model-len", "1024"])).by_name("prefill-0").fingerprint()
     assert a != b
+
+
+def test_api_key_travels_by_variable_name_only(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    plan = plan_of(with_("router.api_key_env", "MY_KEY"))
+    for name in ("prefill-0", "decode-0"):
+        assert plan.by_name(name).env_from == {"VLLM_API_KEY": "MY_KEY"}
+    assert plan.router_config["api_key_env"] == "MY_KEY"
+    assert "s3cret" not in json.dumps(plan.to_dict()) + json.dumps(plan.router_config)
+    assert plan_of(GOOD).by_name("prefill-0").env_from == {}

@@ -57,6 +57,9 @@ BROKEN = [
     (with_("name", "bad name!"), "name: String should match pattern"),
     (with_("prefill.replicas", 0), "prefill.replicas: Input should be greater than or equal to 1"),
     (with_("prefill.replicas", 2), "prefill.cpus: 1 cores do not split evenly over 2 replicas"),
+    (with_("decode.vllm_args", ["--api-key", "k"]), "decode.vllm_args: --api-key is set by pdserve"),
+    (with_("router.api_key_env", "MY-KEY"), "router.api_key_env: String should match pattern"),
+    (with_("router.breaker_failures", 0), "router.breaker_failures: Input should be greater than or equal to 1"),
 ]
 
 

@@ -1,0 +1,117 @@
+"""Router building blocks without a network: circuit breaker, cost model, conversation identity, stats."""
+
+from __future__ import annotations
+
+from pdserve.router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from pdserve.router.cost import CostModel
+from pdserve.router.identity import history_keys, reply_key
+from pdserve.routerstats import parse_metrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_breaker_opens_after_consecutive_failures_only():
+    b = CircuitBreaker(threshold=3, cooldown=5, clock=Clock())
+    assert not b.record(False) and not b.record(False)
+    b.record(True)                                   # a success resets the count
+    assert not b.record(False) and not b.record(False)
+    assert b.record(False) and b.state == OPEN and not b.allows()
+
+
+def test_breaker_half_open_allows_one_trial_and_backs_off_on_failure():
+    clock = Clock()
+    b = CircuitBreaker(threshold=1, cooldown=5, max_cooldown=12, clock=clock)
+    b.record(False)
+    clock.t += 4.9
+    assert b.state == OPEN
+    clock.t += 0.2
+    assert b.state == HALF_OPEN and b.allows()
+    b.begin()
+    assert not b.allows()                            # only one trial in flight
+    assert b.record(False) and b.state == OPEN and b.cooldown == 10
+    clock.t += 10
+    b.begin()
+    b.record(False)
+    assert b.cooldown == 12                          # capped
+    clock.t += 12
+    b.begin()
+    assert not b.record(True) and b.state == CLOSED and b.cooldown == 5
+
+
+def test_cost_model_pulls_until_it_knows_better():
+    clock = Clock()
+    m = CostModel(alpha=0.5, probe_every=3, probe_interval=100, clock=clock)
+    assert m.should_pull("p", "d")                   # nothing learned: pull
+    m.observe("p", None, seconds=1.0, prompt_tokens=1000, cached_tokens=0, pulled=False)
+    assert m.recompute["p"] == 0.001
+    # 900 pulled + 100 computed in 2.0 s: 0.1 s of compute, 1.9 s of transfer for 900 tokens.
+    m.observe("p", "d", seconds=2.0, prompt_tokens=1000, cached_tokens=900, pulled=True)
+    assert abs(m.pull[("p", "d")] - 1.9 / 900) < 1e-9
+    assert [m.should_pull("p", "d") for _ in range(6)] == [False, False, True, False, False, True]
+    assert m.should_pull("p", "other")               # another pair is learned on its own
+
+
+def test_cost_model_reprobe_replaces_a_stale_estimate_and_time_triggers_it():
+    clock = Clock()
+    m = CostModel(alpha=0.1, probe_every=100, probe_interval=30, clock=clock)
+    m.observe("p", None, 1.0, 1000, 0, False)
+    m.observe("p", "d", 3.0, 1000, 900, True)
+    assert not m.should_pull("p", "d")
+    clock.t += 31
+    assert m.should_pull("p", "d")                   # the last pull is old: measure again
+    m.observe("p", "d", 0.15, 1000, 900, True)       # fast now: 0.05 s for 900 tokens
+    assert m.pull[("p", "d")] < m.recompute["p"] and m.should_pull("p", "d")
+
+
+def test_cost_model_ignores_tiny_samples():
+    m = CostModel()
+    m.observe("p", None, 0.5, 10, 0, False)
+    m.observe("p", "d", 0.5, 100, 10, True)
+    assert m.recompute == {} and m.pull == {}
+
+
+def test_history_keys_match_the_stored_reply_only():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
+    reply = {"role": "assistant", "content": "a1", "tool_calls": []}
+    stored = reply_key("t", msgs, reply)
+    nxt = msgs + [{"role": "assistant", "content": "a1", "refusal": None, "reasoning_content": "dropped"},
+                  {"role": "user", "content": "u2"}]
+    assert history_keys("t", nxt) == [stored]
+    assert history_keys("other-tenant", nxt) != [stored]
+    edited = msgs + [{"role": "assistant", "content": "a1!"}, {"role": "user", "content": "u2"}]
+    assert history_keys("t", edited) != [stored]
+    assert history_keys("t", msgs) == []             # no assistant message: nothing to continue
+
+
+def test_history_keys_longest_first_and_tool_calls_count():
+    call = {"id": "x1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    h = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "content": "42", "tool_call_id": "x1"}, {"role": "assistant", "content": "a2"},
+         {"role": "user", "content": "u3"}]
+    keys = history_keys("t", h)
+    assert keys[0] == reply_key("t", h[:3], {"role": "assistant", "content": "a2"})
+    assert keys[1] == reply_key("t", h[:1], {"role": "assistant", "content": "",
+                                             "tool_calls": [{**call, "id": "other-id"}]})
+
+
+def test_parse_router_metrics():
+    text = """
+pdserve_router_turns_total 5.0
+pdserve_router_reuse_decisions_total{reason="continuation",result="hit"} 3.0
+pdserve_router_reuse_decisions_total{reason="no_entry",result="miss"} 1.0
+pdserve_router_reuse_decisions_total{reason="pull_slower",result="miss"} 1.0
+pdserve_router_reuse_tokens_pulled_total 640.0
+pdserve_router_backend_healthy{backend="decode-0",role="decode"} 1.0
+pdserve_router_backend_breaker_open{backend="decode-0",role="decode"} 1.0
+pdserve_router_backend_in_flight{backend="decode-0"} 2.0
+"""
+    r = parse_metrics(text)
+    assert r["turns"] == 5 and r["reuse_hit_rate"] == 0.6 and r["reuse_tokens_pulled"] == 640
+    assert r["misses_by_reason"] == {"no_entry": 1, "pull_slower": 1}
+    assert r["backends"]["decode-0"] == {"healthy": 1, "breaker_open": 1, "in_flight": 2}
