@@ -49,6 +49,13 @@ class ReuseStore:
 
     def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
             sequence: list[int] | None = None) -> ReuseEntry:
+        """Store D's handles. A new engine id from the same decode server means it restarted (perhaps
+        between two health probes): handles from its previous engine are dropped."""
+        engine = params.get("remote_engine_id")
+        stale = [k for k, e in self._entries.items()
+                 if e.decode == decode and e.params.get("remote_engine_id") != engine]
+        for k in stale:
+            del self._entries[k]
         entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl, sequence)
         self._entries[key] = entry
         return entry

@@ -103,3 +103,20 @@ def test_last_prompt_token_is_left_for_p():
 def test_common_prefix_len():
     assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_len([], [1]) == 0
+
+
+def test_new_engine_id_from_a_decode_server_drops_its_old_handles():
+    store = ReuseStore(ttl=10)
+    store.put(("", "a"), PARAMS, "decode-0", 0)
+    store.put(("", "b"), PARAMS, "decode-1", 0)
+    store.put(("", "c"), {**PARAMS, "remote_engine_id": "e2"}, "decode-0", 0)   # decode-0 restarted
+    assert store.take(("", "a")) == (None, "no_entry")
+    assert store.take(("", "b"))[0] is not None and store.take(("", "c"))[0] is not None
+
+
+def test_take_first_takes_the_first_key_that_has_an_entry():
+    store = ReuseStore(ttl=10)
+    store.put(("", "short"), PARAMS, "decode-0", 0)
+    store.put(("", "long"), PARAMS, "decode-0", 0)
+    assert store.take_first([("", "none"), ("", "long"), ("", "short")])[0] is not None
+    assert len(store) == 1 and store.take_first([("", "none")]) == (None, "no_entry")
