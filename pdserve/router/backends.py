@@ -25,24 +25,28 @@ class Backend:
     role: str
     healthy: bool = False      # unknown until the first probe answers
     in_flight: int = 0
-    generation: int = 0        # bumps when the backend is seen down: handles it gave out are stale
+    generation: int = 0        # bumps when the server process is seen gone: handles it gave out are stale
     failed_probes: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    seen_alive: bool = False   # answered since the last generation bump
 
     def record_probe(self, ok: bool, refused: bool = False) -> bool:
-        """Update health from one probe; True when this probe took a healthy backend down.
+        """Update health from one probe; True when the server's KV state is lost (entries must go).
 
-        A refused connection means the server process is gone (and its KV blocks with it): down at once.
-        A slow or failing answer only counts: a server busy with a long prefill on a loaded machine may
-        miss one probe, and taking it down would needlessly drop every reuse entry it holds.
+        A refused connection means the server process is gone, and its KV blocks with it: out of routing
+        at once, and its generation moves on. Slow or failing answers only take it out of routing after
+        FAILED_PROBES_BEFORE_DOWN in a row, and keep its entries: a server busy with long prefills on a
+        loaded machine still holds its blocks (a restart shows as refused connections or a new engine id).
         """
         if ok:
             self.failed_probes = 0
-            self.healthy = True
+            self.healthy = self.seen_alive = True
             return False
         self.failed_probes += 1
-        if self.healthy and (refused or self.failed_probes >= FAILED_PROBES_BEFORE_DOWN):
+        if refused or self.failed_probes >= FAILED_PROBES_BEFORE_DOWN:
             self.healthy = False
+        if refused and self.seen_alive:
+            self.seen_alive = False
             self.generation += 1
             return True
         return False
@@ -103,8 +107,8 @@ class Pool:
 
 async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, interval: float,
                         on_down: Callable[[Backend], None]) -> None:
-    """Probe every backend's /health; a backend that goes down invalidates what it handed out."""
-    timeout = aiohttp.ClientTimeout(total=max(2.0, interval))
+    """Probe every backend's /health; a backend whose process is gone invalidates what it handed out."""
+    timeout = aiohttp.ClientTimeout(total=max(5.0, interval))
 
     async def one(b: Backend) -> None:
         ok = refused = False
@@ -117,8 +121,9 @@ async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, inter
             pass
         was_healthy = b.healthy
         if b.record_probe(ok, refused):
-            log.warning("%s %s is down", b.role, b.name)
             on_down(b)
+        if was_healthy and not b.healthy:
+            log.warning("%s %s is down (%s)", b.role, b.name, "refused" if refused else "failed probes")
         elif b.healthy and not was_healthy:
             log.info("%s %s is healthy", b.role, b.name)
         pools[0].metrics.healthy.labels(b.name, b.role).set(1 if b.healthy else 0)

@@ -181,3 +181,18 @@ async def test_decode_failover_when_a_decode_server_refuses_connections():
         for _ in range(4):
             status, _ = await dep.post(CHAT, {"model": "fake", "messages": [{"role": "user", "content": "hi"}]})
             assert status == 200
+
+
+async def test_entries_of_a_decode_server_that_died_are_dropped():
+    async with deployment(decode_args=([], [])) as dep:
+        first = {"model": "fake", "messages": [{"role": "user", "content": "alpha " * 40}], "max_tokens": 4,
+                 "conversation_id": "c"}
+        _, data = await dep.post(CHAT, first)
+        holder = next(i for i, app in enumerate(dep.decode) if app[FAKE].received)
+        await dep.runners[1 + holder].cleanup()          # the holder's process is gone: connections refused
+        await asyncio.sleep(0.4)                          # a few probe rounds
+        history = first["messages"] + [data["choices"][0]["message"], {"role": "user", "content": "more"}]
+        status, _ = await dep.post(CHAT, {**first, "messages": history})
+        assert status == 200                              # served by the other decode server
+        assert offered(dep.prefill[0]) == [None, None]    # nothing offered from the dead server
+        assert len(dep.router[FLOW].store) == 1           # only the new turn's entry

@@ -1,4 +1,5 @@
-"""Router backend health: a refused connection is down at once; slow answers must repeat first."""
+"""Router backend health: a refused connection is down at once and loses the server's entries; slow
+answers must repeat before the server leaves routing, and never lose its entries."""
 
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ def test_one_slow_probe_keeps_the_backend_and_its_entries():
     assert b.record_probe(False) is False and b.healthy
 
 
-def test_repeated_failures_take_it_down_once():
+def test_repeated_failures_take_it_out_of_routing_but_keep_its_entries():
     b = healthy_backend()
-    went_down = [b.record_probe(False) for _ in range(FAILED_PROBES_BEFORE_DOWN + 2)]
-    assert went_down.count(True) == 1 and not b.healthy and b.generation == 1
+    lost = [b.record_probe(False) for _ in range(FAILED_PROBES_BEFORE_DOWN + 2)]
+    assert lost.count(True) == 0 and not b.healthy and b.generation == 0
+    b.record_probe(True)
+    assert b.healthy
 
 
-def test_refused_connection_is_down_at_once():
+def test_refused_connection_is_down_at_once_and_loses_state_once():
     b = healthy_backend()
     assert b.record_probe(False, refused=True) is True
     assert not b.healthy and b.generation == 1
+    assert b.record_probe(False, refused=True) is False and b.generation == 1   # still the same outage
+    b.record_probe(True)
+    assert b.record_probe(False, refused=True) is True and b.generation == 2
 
 
 def test_never_healthy_backend_is_not_reported_down():
