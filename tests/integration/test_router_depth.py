@@ -196,3 +196,11 @@ async def test_entries_of_a_decode_server_that_died_are_dropped():
         assert status == 200                              # served by the other decode server
         assert offered(dep.prefill[0]) == [None, None]    # nothing offered from the dead server
         assert len(dep.router[FLOW].store) == 1           # only the new turn's entry
+
+
+async def test_a_stalled_backend_becomes_a_504_not_a_hang():
+    async with deployment(decode_args=(["--delay", "5"],), request_timeout=0.3) as dep:
+        started = asyncio.get_running_loop().time()
+        status, data = await dep.post(CHAT, {"model": "fake", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 504 and data["error"]["type"] == "timeout"
+        assert asyncio.get_running_loop().time() - started < 2
