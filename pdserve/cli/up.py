@@ -43,7 +43,8 @@ def command(
     cluster.prepare(spec, plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
     started = time.monotonic()
     supervisor = cluster.start_supervisor(cdir)
-    console.info(f"starting {spec.name}: {len(plan.processes)} processes; logs in {cdir.logs_dir}")
+    console.info(f"starting {spec.name}: {len(plan.processes)} processes; logs in {cdir.logs_dir} "
+                 f"(`pdserve logs {spec.name} PROCESS`)")
     try:
         state = _wait(cdir, supervisor, started)
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 
 from pdserve.launchers import local
+from pdserve.logfiles import rotate_if_large
 from pdserve.plan import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state import ClusterDir
@@ -24,6 +25,7 @@ from pdserve.supervise.process import ManagedProcess
 log = logging.getLogger("pdserve.supervisor")
 
 TICK = 0.25
+LOG_CHECK_INTERVAL = 5.0
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
 
@@ -39,6 +41,7 @@ class Supervisor:
         self.stop_requested = False
         self._failed_probes: dict[str, int] = {}
         self._own_create_time = psutil.Process().create_time()
+        self._next_log_check = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -83,6 +86,11 @@ class Supervisor:
     # -- one pass over every process ---------------------------------------------------------------
     def tick(self) -> None:
         now = time.monotonic()
+        if now >= self._next_log_check:
+            self._next_log_check = now + LOG_CHECK_INTERVAL
+            for path in self.cdir.logs_dir.glob("*.log"):
+                if rotate_if_large(path, int(self.policy.log_max_mb * 1024 * 1024), self.policy.log_keep):
+                    log.info("rotated %s", path.name)
         for proc in self.procs:
             self._step(proc, now)
             if self.stop_requested:

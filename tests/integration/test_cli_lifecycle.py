@@ -222,3 +222,29 @@ def test_api_key_from_the_environment_guards_router_and_servers(tmp_path, home, 
         assert "k-123" not in "".join(p.read_text() for p in (home / "clusters" / "keyed").glob("*.json"))
     finally:
         assert pdserve("down", "keyed").returncode == 0
+
+
+def test_logs_command_and_rotation_by_the_supervisor(tmp_path, home):
+    path, _ = write_config(tmp_path, "logged")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["supervisor"].update(log_max_mb=0.002, log_keep=1)     # ~2 KB: rotate soon
+    path.write_text(yaml.safe_dump(cfg))
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        log = home / "clusters" / "logged" / "logs" / "decode-0.log"
+        with open(log, "a") as f:                               # as if the server had printed them
+            f.write("first marker\nsecond marker\nthird marker\n")
+        res = pdserve("logs", "logged", "decode-0", "-n", "2")
+        assert res.returncode == 0 and res.stdout.splitlines() == ["second marker", "third marker"]
+        every = pdserve("logs", "logged", "-n", "1").stdout.splitlines()
+        assert "decode-0| third marker" in every and any(line.startswith("router| ") for line in every)
+        bad = pdserve("logs", "logged", "nope")
+        assert bad.returncode == 2 and "processes with logs:" in bad.stderr
+        assert pdserve("logs", "ghost").returncode == 3
+        with open(log, "a") as f:
+            f.write("filler\n" * 400)                           # ~2.8 KB: over the limit
+        wait_for(lambda: (log.parent / "decode-0.log.1").exists(), timeout=15, what="rotation")
+        assert "third marker" in (log.parent / "decode-0.log.1").read_text()
+        assert log.stat().st_size < 2048
+    finally:
+        assert pdserve("down", "logged").returncode == 0

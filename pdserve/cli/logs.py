@@ -1,0 +1,47 @@
+"""Show a cluster's logs: one process's (PROCESS, e.g. decode-0, router, supervisor) or the last lines of
+every process's. Logs live in $PDSERVE_HOME/clusters/NAME/logs/ and are rotated by size (NAME.log.1, ...).
+Exit 3 when there is no such cluster."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from pdserve.errors import ConfigError, NotRunningError
+from pdserve.logfiles import follow, last_lines
+from pdserve.state import ClusterDir, list_clusters
+
+NAME = "logs"
+
+
+def command(
+    name: str = typer.Argument(..., help="Cluster name.", autocompletion=lambda: list_clusters()),
+    process: str = typer.Argument(None, help="Process name (prefill-0, decode-0, router, supervisor); "
+                                             "default: all of them."),
+    lines: int = typer.Option(40, "-n", "--lines", help="How many of the last lines to show."),
+    follow_: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines (Ctrl-C stops)."),
+) -> None:
+    cdir = ClusterDir(name)
+    if not cdir.exists():
+        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
+    available = sorted(p.stem for p in cdir.logs_dir.glob("*.log"))
+    if process is not None and process not in available:
+        raise ConfigError(f"no log for process {process!r} in cluster {name}",
+                          hint=f"processes with logs: {', '.join(available) or 'none'}")
+    names = [process] if process else available
+    out = sys.stdout
+    for proc in names:
+        prefix = f"{proc}| " if len(names) > 1 else ""
+        for line in last_lines(cdir.log_path(proc), lines):
+            out.write(prefix + line + "\n")
+    out.flush()
+    if follow_:
+        if len(names) != 1:
+            raise ConfigError("--follow needs one PROCESS", hint=f"e.g. `pdserve logs {name} router -f`")
+        try:
+            for line in follow(cdir.log_path(names[0])):
+                out.write(line + "\n")
+                out.flush()
+        except KeyboardInterrupt:
+            pass
