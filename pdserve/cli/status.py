@@ -1,14 +1,20 @@
 """Show each process of a cluster (role, state, pid, address, uptime, restarts, health and load as the router
-sees them) and the router's reuse hit rate; with no NAME, list all clusters. Exit 3 when the named cluster
-is not running."""
+sees them) and the router's reuse hit rate; with no NAME, list all clusters. `--watch` keeps a live table
+with CPU and memory per server process tree. Exit 3 when the named cluster is not running."""
 
 from __future__ import annotations
 
+import time
+
 import typer
+from rich.console import Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from pdserve import cluster
 from pdserve.errors import NotRunningError
+from pdserve.resources import TreeSampler, human_bytes
 from pdserve.state import ClusterDir, list_clusters
 from pdserve.ui import console
 
@@ -25,6 +31,10 @@ def _uptime(seconds: float | None) -> str:
 def command(
     name: str = typer.Argument(None, help="Cluster name (default: list all clusters)."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="A live table refreshed every second, with CPU and "
+                                                          "memory per process tree (Ctrl-C stops)."),
+    count: int = typer.Option(0, "--count", min=0, help="With --watch: stop after this many refreshes "
+                                                        "(0: until Ctrl-C)."),
 ) -> None:
     if name is None:
         rows = [cluster.cluster_status(ClusterDir(n)) for n in list_clusters()]
@@ -42,12 +52,31 @@ def command(
     if not cdir.exists():
         raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
     st = cluster.cluster_status(cdir)
+    if watch and st["running"]:
+        return _watch(cdir, count)
     if json_out:
         console.print_json(st)
     else:
-        _render(st)
+        console.out.print(_view(st))
+        _warnings(st)
     if not st["running"]:
         raise NotRunningError(f"cluster {name} is not running", hint="`pdserve up` to start it")
+
+
+def _watch(cdir: ClusterDir, count: int) -> None:
+    sampler = TreeSampler()
+    refreshes = 0
+    with Live(console=console.out, refresh_per_second=2) as live:
+        try:
+            while True:
+                st = cluster.cluster_status(cdir)
+                live.update(_view(st, sampler))
+                refreshes += 1
+                if not st["running"] or refreshes == count:
+                    break
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
 
 
 def _routing(backend: dict | None) -> tuple[str, str]:
@@ -60,26 +89,36 @@ def _routing(backend: dict | None) -> tuple[str, str]:
     return health, str(backend.get("in_flight", 0))
 
 
-def _render(st: dict) -> None:
+def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
+    """The process table and the router line; with a sampler, CPU and memory per process tree too."""
     table = Table(title=f"{st['name']}: {st['phase']}", title_justify="left")
-    for col in ("process", "role", "state", "pid", "address", "uptime", "restarts", "routing", "in flight"):
+    cols = ["process", "role", "state", "pid", "address", "uptime", "restarts", "routing", "in flight"]
+    for col in cols + (["cpu", "memory"] if sampler else []):
         table.add_column(col)
     backends = (st.get("router") or {}).get("backends") or {}
     for p in st["processes"]:
         health, load = _routing(backends.get(p["name"])) if p["role"] != "router" else ("", "")
-        table.add_row(p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
-                      _uptime(p["uptime_s"]), str(p["restarts"]), health, load)
-    console.out.print(table)
-    if st["running"] and not st["supervisor_alive"]:
-        console.error("the supervisor is gone: processes are not restarted if they die",
-                      hint="`pdserve down` then `pdserve up` to restore supervision")
-    if st.get("error"):
-        console.error(st["error"])
+        row = [p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
+               _uptime(p["uptime_s"]), str(p["restarts"]), health, load]
+        if sampler:
+            cpu, rss = sampler.sample(p["pid"] if p["alive"] else None)
+            row += ["-" if cpu is None else f"{cpu:.0f}%", human_bytes(rss)]
+        table.add_row(*row)
+    parts: list = [table]
     r = st.get("router")
     if r:
         decided = r["reuse_hits"] + r["reuse_misses"]
         rate = f"{100 * r['reuse_hit_rate']:.0f}%" if r["reuse_hit_rate"] is not None else "-"
         misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses_by_reason"].items())) or "none"
-        console.out.print(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
+        parts.append(Text(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
                           f"({r['reuse_hits']:.0f}/{decided:.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, "
-                          f"pulled {r['reuse_tokens_pulled']:.0f}; misses: {misses}", highlight=False)
+                          f"pulled {r['reuse_tokens_pulled']:.0f}; misses: {misses}"))
+    return Group(*parts)
+
+
+def _warnings(st: dict) -> None:
+    if st["running"] and not st["supervisor_alive"]:
+        console.error("the supervisor is gone: processes are not restarted if they die",
+                      hint="`pdserve down` then `pdserve up` to restore supervision")
+    if st.get("error"):
+        console.error(st["error"])

@@ -9,7 +9,10 @@ from typing import Any
 
 from rich.console import Console
 
-out = Console(no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=True)
+# Piped output is for scripts and logs: don't squeeze tables into 80 columns (rich would, for TERM=dumb
+# or no terminal, unless given both dimensions).
+_piped = {} if sys.stdout.isatty() else {"width": int(os.environ.get("COLUMNS") or 0) or 200, "height": 50}
+out = Console(no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=True, **_piped)
 err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=True)
 
 

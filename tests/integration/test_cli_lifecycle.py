@@ -224,7 +224,8 @@ def test_api_key_from_the_environment_guards_router_and_servers(tmp_path, home, 
         assert pdserve("down", "keyed").returncode == 0
 
 
-def test_logs_command_and_rotation_by_the_supervisor(tmp_path, home):
+def test_logs_rotation_and_status_watch(tmp_path, home, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")                        # wide enough for every column
     path, _ = write_config(tmp_path, "logged")
     cfg = yaml.safe_load(path.read_text())
     cfg["supervisor"].update(log_max_mb=0.002, log_keep=1)     # ~2 KB: rotate soon
@@ -238,6 +239,11 @@ def test_logs_command_and_rotation_by_the_supervisor(tmp_path, home):
         assert res.returncode == 0 and res.stdout.splitlines() == ["second marker", "third marker"]
         every = pdserve("logs", "logged", "-n", "1").stdout.splitlines()
         assert "decode-0| third marker" in every and any(line.startswith("router| ") for line in every)
+        watch = pdserve("status", "logged", "--watch", "--count", "2")
+        assert watch.returncode == 0
+        header = next(line for line in watch.stdout.splitlines() if "process" in line)
+        assert "cpu" in header and "memory" in header, watch.stdout
+        assert "MiB" in watch.stdout and "decode-0" in watch.stdout, watch.stdout
         bad = pdserve("logs", "logged", "nope")
         assert bad.returncode == 2 and "processes with logs:" in bad.stderr
         assert pdserve("logs", "ghost").returncode == 3
