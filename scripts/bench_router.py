@@ -16,7 +16,6 @@ the proxy's CPU use is printed so a run where the proxy was not the bottleneck i
 Usage: .venv/bin/python scripts/bench_router.py [--duration 5] [--out bench-router.json]
 """
 
-from __future__ import annotations
 
 import argparse
 import asyncio

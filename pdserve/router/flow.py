@@ -23,7 +23,7 @@ from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import Decision, ReuseStore
-from pdserve.router.tokens import SequenceCollector
+from pdserve.router.tokens import SequenceCollector, StreamRelay
 from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
@@ -174,14 +174,19 @@ class Flow:
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   "X-Request-Id": turn.reply_id})
                 await out.prepare(request)
+                relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
                 first = True
-                async for line in resp.content:
-                    chunk = collector.scrub_sse_line(line)
+                async for data in resp.content.iter_any():
+                    chunk = relay.feed(data)
                     if chunk:
                         await out.write(chunk)
-                        if first and chunk.strip():
+                        if first:
                             first = False
                             self.metrics.ttft.labels("true").observe(time.perf_counter() - turn.started)
+                tail = relay.close()
+                if tail:
+                    await out.write(tail)
+                relay.finish()
             ok = True
             self.upstream.count(backend, turn.route, True)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:

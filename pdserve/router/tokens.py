@@ -73,7 +73,7 @@ class SequenceCollector:
                 slot[0] += fn.get("name") or ""
                 slot[1] += fn.get("arguments") or ""
 
-    def scrub(self, obj: dict[str, Any]) -> bool:
+    def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
         """Take kv_transfer_params and token ids out of one response object; True if it changed."""
         changed = False
         params = obj.pop("kv_transfer_params", None)
@@ -88,7 +88,7 @@ class SequenceCollector:
             if not isinstance(choice, dict):
                 continue
             first = choice.get("index", 0) == 0
-            if first:
+            if first and collect_reply:
                 self._collect_reply(choice)
             if first and isinstance(choice.get("prompt_token_ids"), list):
                 self.prompt = choice["prompt_token_ids"]
@@ -101,17 +101,72 @@ class SequenceCollector:
                         changed = True
         return changed
 
-    def scrub_sse_line(self, line: bytes) -> bytes:
+    def scrub_sse_line(self, line: bytes, collect_reply: bool = True) -> bytes:
         """One SSE line from D, with router-only fields removed."""
-        if not line.startswith(b"data:"):
-            return line
-        payload = line[5:].strip()
-        if payload == b"[DONE]" or not payload:
-            return line
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return line
-        if not isinstance(event, dict) or not self.scrub(event):
+        event = _sse_event(line)
+        if event is None or not self.scrub(event, collect_reply):
             return line
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+    def collect_reply_from(self, lines: list[bytes]) -> None:
+        """Rebuild the reply message from the stream's data lines (done only when it will be stored)."""
+        self._text, self._calls = [], {}
+        for line in lines:
+            event = _sse_event(line)
+            for choice in (event or {}).get("choices") or []:
+                if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                    self._collect_reply(choice)
+
+
+def _sse_event(line: bytes) -> dict[str, Any] | None:
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload or payload == b"[DONE]":
+        return None
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+# Only lines mentioning these can carry something the client must not see.
+ROUTER_ONLY_MARKERS = (b"kv_transfer_params", b"token_ids")
+
+
+class StreamRelay:
+    """Relays D's SSE bytes as they arrive, whole lines at a time: one write per upstream read instead of
+    one per token, and JSON is parsed only for lines that carry router-only fields. The reply text (for
+    automatic conversation detection) is rebuilt from the kept lines after the stream, and only if D
+    reported blocks worth remembering."""
+
+    def __init__(self, collector: SequenceCollector, keep_lines: bool):
+        self.collector = collector
+        self.keep_lines = keep_lines
+        self.lines: list[bytes] = []
+        self._partial = b""
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._partial + data
+        cut = data.rfind(b"\n") + 1
+        self._partial = data[cut:]
+        return self._process(data[:cut])
+
+    def close(self) -> bytes:
+        rest, self._partial = self._partial, b""
+        return self._process(rest) if rest else b""
+
+    def _process(self, block: bytes) -> bytes:
+        if not block:
+            return b""
+        if self.keep_lines:
+            self.lines.extend(line for line in block.split(b"\n") if line.startswith(b"data: {"))
+        if not any(marker in block for marker in ROUTER_ONLY_MARKERS):
+            return block
+        return b"".join(self.collector.scrub_sse_line(line, collect_reply=False)
+                        for line in block.splitlines(keepends=True))
+
+    def finish(self) -> None:
+        if self.keep_lines and self.collector.kv_params is not None:
+            self.collector.collect_reply_from(self.lines)
