@@ -55,10 +55,10 @@ def is_running(cdir: ClusterDir) -> bool:
     return bool(supervisor_process(state)) or any(live_processes(cdir, state).values())
 
 
-def busy_ports(plan: ClusterPlan) -> list[str]:
+def busy_ports(plan: ClusterPlan, skip: set[str] = frozenset()) -> list[str]:
     """Ports of the plan that something else already listens on (checked by binding)."""
     busy = []
-    for proc in plan.processes:
+    for proc in (p for p in plan.processes if p.name not in skip):
         for port in [proc.port, *proc.side_channel_ports]:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -69,16 +69,39 @@ def busy_ports(plan: ClusterPlan) -> list[str]:
     return busy
 
 
-def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None) -> None:
-    """Everything `up` does before a process starts: refuse duplicates, build the model, write files."""
+def changed_processes(old: dict[str, Any] | None, new: ClusterPlan) -> list[str]:
+    """Processes whose plan differs between a stored plan and a new one (argv, env, router config)."""
+    if not old:
+        return [p.name for p in new.processes]
+    before = ClusterPlan.from_dict(old)
+    names = {p.name for p in before.processes}
+    changed = [p.name for p in new.processes
+               if p.name not in names or before.by_name(p.name).fingerprint() != p.fingerprint()]
+    if before.router_config != new.router_config and "router" not in changed:
+        changed.append("router")
+    return changed + sorted(names - {p.name for p in new.processes})
+
+
+def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None) -> list[str]:
+    """Everything `up` does before a process starts: refuse duplicates, build the model, write files.
+
+    Returns the live processes to adopt: when the supervisor died but servers still run, `up` re-attaches
+    to them (same plan only) instead of starting duplicates."""
     key_env = spec.router.api_key_env
     if key_env and not os.environ.get(key_env):
         raise ConfigError(f"router.api_key_env: environment variable {key_env} is not set or empty",
                           hint=f"export {key_env}=<key> before `pdserve up`")
-    if is_running(cdir):
+    state = cdir.read_state()
+    if supervisor_process(state) is not None:
         raise PdserveError(f"cluster {spec.name} is already running",
                            hint=f"`pdserve status {spec.name}` to see it, `pdserve down {spec.name}` to stop it")
-    busy = busy_ports(plan)
+    alive = [name for name, ok in live_processes(cdir, state).items() if ok] if state else []
+    if alive:
+        changed = changed_processes(cdir.read_plan(), plan)
+        if changed:
+            raise PdserveError(f"{spec.name} still runs without its supervisor, and the config changed for "
+                               f"{', '.join(changed)}", hint=f"`pdserve down {spec.name}` first, then `pdserve up`")
+    busy = busy_ports(plan, skip=set(alive))
     if busy:
         raise PdserveError(f"ports already in use: {', '.join(busy)}",
                            hint="stop what uses them or change the ports in the config")
@@ -91,13 +114,16 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
         shutil.copyfile(config_path, cdir.spec_path)
     write_json_atomic(cdir.plan_path, plan.to_dict())
     write_json_atomic(Path(plan.router_config_path), plan.router_config)
-    cdir.state_path.unlink(missing_ok=True)
+    if not alive:
+        cdir.state_path.unlink(missing_ok=True)
+    return alive
 
 
-def start_supervisor(cdir: ClusterDir) -> subprocess.Popen:
+def start_supervisor(cdir: ClusterDir, adopt: bool = False) -> subprocess.Popen:
     """The supervisor runs in its own session so it outlives this command (and a closed terminal)."""
     with open(cdir.supervisor_log, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", "pdserve.supervise", str(cdir.root)],
+        return subprocess.Popen([sys.executable, "-m", "pdserve.supervise", str(cdir.root),
+                                 *(["--adopt"] if adopt else [])],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
 

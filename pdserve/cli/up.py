@@ -1,6 +1,8 @@
 """Validate a cluster.yaml, start prefill, decode and router under a background supervisor, and return
 when all answer their health checks. With no file, runs the embedded CPU default (configs/local-cpu.yaml),
-building its small random-weight model on first use."""
+building its small random-weight model on first use. If the cluster's supervisor died while its servers
+kept running, `up` with the same config re-attaches to them (checking pid, start time and marker) instead
+of starting duplicates."""
 
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ def command(
     spec, plan, cdir = cluster.plan_from_file(config)
     if plan.builtin_model:
         console.info(f"model: built-in {spec.model} at {plan.model_path} (built on first use)")
-    cluster.prepare(spec, plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
+    adopted = cluster.prepare(spec, plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
+    if adopted:
+        console.info(f"{spec.name}: its supervisor was gone; re-attaching to live {', '.join(adopted)} "
+                     "after checking their identity")
     started = time.monotonic()
-    supervisor = cluster.start_supervisor(cdir)
+    supervisor = cluster.start_supervisor(cdir, adopt=bool(adopted))
     console.info(f"starting {spec.name}: {len(plan.processes)} processes; logs in {cdir.logs_dir} "
                  f"(`pdserve logs {spec.name} PROCESS`)")
     try:

@@ -57,6 +57,22 @@ def same_process(pid: int | None, create_time: float | None) -> psutil.Process |
         return None
 
 
+def adopt(pid: int | None, create_time: float | None, marker: str) -> Handle | None:
+    """A handle on a live process started earlier (by a supervisor that has since died), only if it is
+    the same process (pid + start time) and still carries this cluster's marker for that process."""
+    proc = same_process(pid, create_time)
+    if proc is None:
+        return None
+    try:
+        with open(f"/proc/{proc.pid}/environ", "rb") as f:
+            environ = b"\0" + f.read() + b"\0"
+    except OSError:
+        return None
+    if b"\0" + f"{MARKER_ENV}={marker}".encode() + b"\0" not in environ:
+        return None
+    return Handle(proc.pid, proc.create_time())
+
+
 def is_alive(handle: Handle) -> bool:
     if handle.popen is not None and handle.popen.poll() is not None:
         return False

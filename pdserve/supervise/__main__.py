@@ -19,6 +19,8 @@ from pdserve.supervise.supervisor import Supervisor
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.supervise")
     parser.add_argument("cluster_dir", type=Path)
+    parser.add_argument("--adopt", action="store_true",
+                        help="take over live processes recorded in state.json (their supervisor died)")
     args = parser.parse_args(argv)
     root: Path = args.cluster_dir
     cdir = ClusterDir(root.name, home=root.parent.parent)
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("another supervisor holds %s", cdir.lock_path)
         return 1
     plan = ClusterPlan.from_dict(cdir.read_plan())
-    return Supervisor(plan, cdir).run()
+    return Supervisor(plan, cdir, adopt=args.adopt).run()
 
 
 if __name__ == "__main__":

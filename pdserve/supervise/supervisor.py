@@ -31,7 +31,7 @@ FAILED_PROBES_BEFORE_UNHEALTHY = 3
 
 
 class Supervisor:
-    def __init__(self, plan: ClusterPlan, cdir: ClusterDir):
+    def __init__(self, plan: ClusterPlan, cdir: ClusterDir, adopt: bool = False):
         self.plan = plan
         self.cdir = cdir
         self.policy = SupervisorSpec.model_validate(plan.supervisor)
@@ -42,6 +42,7 @@ class Supervisor:
         self._failed_probes: dict[str, int] = {}
         self._own_create_time = psutil.Process().create_time()
         self._next_log_check = 0.0
+        self.adopt = adopt
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -52,8 +53,10 @@ class Supervisor:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
         try:
+            previous = (self.cdir.read_state() or {}).get("processes") or {} if self.adopt else {}
             for proc in self.procs:
-                self._start(proc)
+                if not self._adopt(proc, previous.get(proc.name) or {}):
+                    self._start(proc)
             self.write_state()
             while not self.stop_requested:
                 self.tick()
@@ -171,6 +174,21 @@ class Supervisor:
         self._failed_probes[proc.name] = 0
         proc.to(ProcState.STARTING, f"pid {proc.handle.pid}")
         log.info("%s started, pid %d", proc.name, proc.handle.pid)
+
+    def _adopt(self, proc: ManagedProcess, before: dict[str, Any]) -> bool:
+        """Take over a process the previous (dead) supervisor started, if it is provably the same one;
+        it is ready again once its health endpoint answers."""
+        handle = local.adopt(before.get("pid"), before.get("create_time"), proc.marker)
+        if handle is None:
+            return False
+        proc.handle = handle
+        proc.started_at = before.get("started_at")
+        proc.restarts = int(before.get("restarts") or 0)
+        proc.ever_ready = True     # it served before: dying now means restart, not a failed `up`
+        proc.last_probe = 0.0
+        proc.to(ProcState.STARTING, f"adopted pid {handle.pid}")
+        log.info("%s adopted, pid %d", proc.name, handle.pid)
+        return True
 
     def _kill(self, proc: ManagedProcess) -> None:
         h = proc.handle

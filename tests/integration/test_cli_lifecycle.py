@@ -122,19 +122,36 @@ def test_up_restart_down_leaves_nothing(tmp_path, home):
     assert pdserve("status", "life").returncode == 3
 
 
-def test_down_works_after_the_supervisor_was_killed(tmp_path, home):
-    path, _ = write_config(tmp_path, "orphan", server_args=["--spawn-child"])
+def test_supervisor_killed_then_up_adopts_and_down_cleans(tmp_path, home):
+    path, cfg = write_config(tmp_path, "orphan", server_args=["--spawn-child"])
     assert pdserve("up", str(path)).returncode == 0
-    sup = status_json("orphan")
+    before = {p["name"]: p["pid"] for p in status_json("orphan")["processes"]}
     state = json.loads((home / "clusters" / "orphan" / "state.json").read_text())
     os.kill(state["supervisor"]["pid"], signal.SIGKILL)
     time.sleep(0.5)
     st = status_json("orphan")
     assert st["running"] and not st["supervisor_alive"]
     assert "supervisor is gone" in pdserve("status", "orphan").stderr
+
+    # A changed config is not adopted: that would run processes that do not match the file.
+    changed = dict(cfg, supervisor={**cfg["supervisor"], "stop_timeout": 6})
+    changed["prefill"] = {**cfg["prefill"], "env": {"X": "1"}}
+    other = tmp_path / "changed.yaml"
+    other.write_text(yaml.safe_dump(changed))
+    refused = pdserve("up", str(other))
+    assert refused.returncode == 1 and "config changed for prefill-0" in refused.stderr
+
+    again = pdserve("up", str(path))                   # same config: re-attach, no duplicates
+    assert again.returncode == 0, again.stderr
+    assert "re-attaching to live prefill-0, decode-0, router" in again.stderr
+    st = status_json("orphan")
+    assert st["supervisor_alive"] and {p["name"]: p["pid"] for p in st["processes"]} == before
+    assert {p["state"] for p in st["processes"]} == {"ready"}
+    os.kill(before["decode-0"], signal.SIGKILL)         # the new supervisor really supervises
+    wait_for(lambda: next(p for p in status_json("orphan")["processes"] if p["name"] == "decode-0")
+             ["restarts"] == 1, what="decode restart by the adopting supervisor")
     assert pdserve("down", "orphan").returncode == 0
     assert all_markers(home, "orphan") == []
-    assert sup["processes"]
 
 
 def test_failed_start_reports_log_and_stops_the_rest(tmp_path, home):

@@ -94,3 +94,12 @@ def test_api_key_travels_by_variable_name_only(monkeypatch):
     assert plan.router_config["api_key_env"] == "MY_KEY"
     assert "s3cret" not in json.dumps(plan.to_dict()) + json.dumps(plan.router_config)
     assert plan_of(GOOD).by_name("prefill-0").env_from == {}
+
+
+def test_changed_processes_compares_each_process_plan():
+    from pdserve.cluster import changed_processes
+    base = plan_of(GOOD)
+    assert changed_processes(base.to_dict(), plan_of(GOOD)) == []
+    assert changed_processes(base.to_dict(), plan_of(with_("decode.vllm_args", ["--x"]))) == ["decode-0"]
+    assert changed_processes(base.to_dict(), plan_of(with_("router.request_timeout", 5))) == ["router"]
+    assert changed_processes(None, base) == ["prefill-0", "decode-0", "router"]
