@@ -15,9 +15,10 @@ from typing import Any
 
 import psutil
 
-from pdserve.errors import ConfigError, PdserveError
+from pdserve.errors import ConfigError, NotRunningError, PdserveError
 from pdserve.launchers import local
 from pdserve.plan import ClusterPlan, build_plan
+from pdserve.preflight import machine_findings
 from pdserve.routerstats import api_key_for, read_router
 from pdserve.spec.load import load_spec
 from pdserve.spec.schema import ClusterSpec
@@ -101,6 +102,10 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
         if changed:
             raise PdserveError(f"{spec.name} still runs without its supervisor, and the config changed for "
                                f"{', '.join(changed)}", hint=f"`pdserve down {spec.name}` first, then `pdserve up`")
+    failed = [f for f in machine_findings(spec, plan, None) if f.level == "fail"]
+    if failed:
+        raise PdserveError("; ".join(f"{f.check}: {f.message}" for f in failed), hint=failed[0].hint,
+                           exit_code=2)
     busy = busy_ports(plan, skip=set(alive))
     if busy:
         raise PdserveError(f"ports already in use: {', '.join(busy)}",
@@ -152,6 +157,73 @@ def failure_details(cdir: ClusterDir, state: dict[str, Any], lines: int = 20) ->
         if proc.get("state") == "fatal":
             return name, tail_lines(cdir.log_path(name), lines)
     return "supervisor", tail_lines(cdir.supervisor_log, lines)
+
+
+RESTART_ORDER = {"prefill": 0, "decode": 1, "router": 2}
+
+
+def request_restart(cdir: ClusterDir, names: list[str] | None, reload: bool = False) -> dict[str, int]:
+    """Ask the running supervisor to restart some processes (None: all), one at a time in a safe order
+    (prefill replicas, then decode, then the router); with `reload`, from the plan now on disk. Returns
+    each one's restart count before the request."""
+    state = cdir.read_state() or {}
+    if supervisor_process(state) is None:
+        raise NotRunningError(f"cluster {cdir.name} has no running supervisor",
+                              hint=f"`pdserve up` re-attaches to live processes; `pdserve status {cdir.name}`")
+    procs = state.get("processes") or {}
+    unknown = [n for n in names or [] if n not in procs]
+    if unknown:
+        raise ConfigError(f"no process {unknown[0]!r} in cluster {cdir.name}", hint=f"processes: {', '.join(procs)}")
+    order = sorted(names if names is not None else procs, key=lambda n: RESTART_ORDER.get(procs[n].get("role"), 9))
+    write_json_atomic(cdir.requests_dir / f"{time.time_ns()}.json", {"restart": order, "reload": reload})
+    return {n: int(procs[n].get("restarts") or 0) for n in order}
+
+
+def has_supervisor(cdir: ClusterDir) -> bool:
+    return supervisor_process(cdir.read_state()) is not None
+
+
+def apply_changes(plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None) -> dict[str, int]:
+    """`up` of a running cluster: restart only the processes whose plan changed (none: a no-op)."""
+    stored = cdir.read_plan()
+    old = ClusterPlan.from_dict(stored)
+    if [p.name for p in old.processes] != [p.name for p in plan.processes]:
+        raise PdserveError(f"{plan.name} is running with other processes than this config describes "
+                           "(replicas changed)", hint=f"`pdserve down {plan.name}` then `pdserve up`")
+    changed = changed_processes(stored, plan)
+    if not changed:
+        return {}
+    moved = {p.name for p in plan.processes
+             if (p.port, p.side_channel_ports) != (old.by_name(p.name).port, old.by_name(p.name).side_channel_ports)}
+    busy = busy_ports(plan, skip={p.name for p in plan.processes} - moved)
+    if busy:
+        raise PdserveError(f"ports already in use: {', '.join(busy)}", hint="change the ports in the config")
+    if config_path:
+        shutil.copyfile(config_path, cdir.spec_path)
+    write_json_atomic(cdir.plan_path, plan.to_dict())
+    write_json_atomic(Path(plan.router_config_path), plan.router_config)
+    return request_restart(cdir, changed, reload=True)
+
+
+def wait_restarted(cdir: ClusterDir, before: dict[str, int], timeout: float,
+                   on_ready: Callable[[str], None]) -> None:
+    """Until each process has restarted and is ready again; a fatal one or the timeout is an error."""
+    deadline = time.monotonic() + timeout
+    pending = dict(before)
+    while pending:
+        procs = (cdir.read_state() or {}).get("processes") or {}
+        for name in list(pending):
+            p = procs.get(name) or {}
+            if int(p.get("restarts") or 0) > pending[name] and p.get("state") == "ready":
+                del pending[name]
+                on_ready(name)
+            elif int(p.get("restarts") or 0) > pending[name] and p.get("state") == "fatal":
+                raise PdserveError(f"{name} did not come back: {p.get('message')}",
+                                   hint=f"`pdserve logs {cdir.name} {name}`")
+        if pending and time.monotonic() > deadline:
+            raise PdserveError(f"not ready again after {timeout:g}s: {', '.join(pending)}",
+                               hint=f"`pdserve status {cdir.name}`")
+        time.sleep(0.25)
 
 
 def stop_cluster(cdir: ClusterDir, timeout: float = 20.0) -> list[str]:

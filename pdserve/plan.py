@@ -162,6 +162,8 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "breaker_cooldown": spec.router.breaker_cooldown,
         "max_body_bytes": int(spec.router.max_body_mb * 1024 * 1024),
         "health_interval": spec.supervisor.health_interval,
+        # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window
+        "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),
     }
     rhost = connect_host(spec.router.host)
     router = ProcessPlan(

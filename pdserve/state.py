@@ -48,6 +48,7 @@ class ClusterDir:
     lock_path = property(lambda self: self.root / "supervisor.lock")
     logs_dir = property(lambda self: self.root / "logs")
     supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log")
+    requests_dir = property(lambda self: self.root / "requests")   # commands for the running supervisor
 
     def log_path(self, process: str) -> Path:
         return self.logs_dir / f"{process}.log"

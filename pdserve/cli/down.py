@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from pdserve import cluster
+from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError, PdserveError
 from pdserve.state import ClusterDir, list_clusters
 from pdserve.ui import console
@@ -14,7 +15,8 @@ NAME = "down"
 
 
 def command(
-    name: str = typer.Argument(None, help="Cluster name (default: the only cluster)."),
+    name: str = typer.Argument(None, help="Cluster name (default: the only cluster).",
+                               autocompletion=cluster_names),
     timeout: float = typer.Option(20.0, "--timeout", help="Seconds between SIGTERM and SIGKILL per process."),
 ) -> None:
     if name is None:

@@ -8,15 +8,16 @@ import sys
 
 import typer
 
+from pdserve.cli.completion import cluster_names
 from pdserve.errors import ConfigError, NotRunningError
 from pdserve.logfiles import follow, last_lines
-from pdserve.state import ClusterDir, list_clusters
+from pdserve.state import ClusterDir
 
 NAME = "logs"
 
 
 def command(
-    name: str = typer.Argument(..., help="Cluster name.", autocompletion=lambda: list_clusters()),
+    name: str = typer.Argument(..., help="Cluster name.", autocompletion=cluster_names),
     process: str = typer.Argument(None, help="Process name (prefill-0, decode-0, router, supervisor); "
                                              "default: all of them."),
     lines: int = typer.Option(40, "-n", "--lines", help="How many of the last lines to show."),

@@ -1,4 +1,6 @@
-"""Print the exact processes `up` would start (argv, added environment, host, ports); start nothing."""
+"""Print the exact processes `up` would start (argv, added environment, host, ports) and check them against
+this machine (vLLM/NIXL versions, cores and GPUs, EFA provider, free ports); start nothing. Exit 1 when a
+check fails."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from pdserve.cluster import plan_from_file
+from pdserve import preflight
+from pdserve.cluster import busy_ports, has_supervisor, plan_from_file
 from pdserve.ui import console
 
 NAME = "plan"
@@ -17,9 +20,14 @@ def command(
     config: Path = typer.Argument(None, help="cluster.yaml (default: the embedded configs/local-cpu.yaml)"),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    _, plan, cdir = plan_from_file(config)
+    spec, plan, cdir = plan_from_file(config)
+    findings = preflight.machine_findings(spec, plan, None if has_supervisor(cdir) else busy_ports(plan))
+    failed = [f for f in findings if f.level == "fail"]
     if json_out:
-        console.print_json({**plan.to_dict(), "state_dir": str(cdir.root)})
+        console.print_json({**plan.to_dict(), "state_dir": str(cdir.root),
+                            "preflight": [vars(f) for f in findings]})
+        if failed:
+            raise typer.Exit(1)
         return
     # Plain lines, never truncated: the argv must be exact and copyable.
     for proc in plan.processes:
@@ -30,3 +38,7 @@ def command(
                           markup=False, highlight=False)
         console.out.print("  argv: " + shlex.join(proc.argv), markup=False, highlight=False)
     console.out.print(f"router URL: {plan.router.url}   state: {cdir.root}", highlight=False)
+    for f in failed:
+        console.error(f"preflight {f.check}: {f.message}", f.hint or None)
+    if failed:
+        raise typer.Exit(1)

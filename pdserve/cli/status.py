@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pdserve import cluster
+from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError
 from pdserve.resources import TreeSampler, human_bytes
 from pdserve.state import ClusterDir, list_clusters
@@ -29,7 +30,8 @@ def _uptime(seconds: float | None) -> str:
 
 
 def command(
-    name: str = typer.Argument(None, help="Cluster name (default: list all clusters)."),
+    name: str = typer.Argument(None, help="Cluster name (default: list all clusters).",
+                               autocompletion=cluster_names),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     watch: bool = typer.Option(False, "--watch", "-w", help="A live table refreshed every second, with CPU and "
                                                           "memory per process tree (Ctrl-C stops)."),

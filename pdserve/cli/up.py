@@ -2,7 +2,8 @@
 when all answer their health checks. With no file, runs the embedded CPU default (configs/local-cpu.yaml),
 building its small random-weight model on first use. If the cluster's supervisor died while its servers
 kept running, `up` with the same config re-attaches to them (checking pid, start time and marker) instead
-of starting duplicates."""
+of starting duplicates. `up` of a running cluster restarts only the processes whose plan changed (one at a
+time), and is a no-op that says so when nothing changed."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def command(
                                     help="Stay attached; Ctrl-C stops the cluster (like `down`)."),
 ) -> None:
     spec, plan, cdir = cluster.plan_from_file(config)
+    if cluster.has_supervisor(cdir):
+        return _update_running(plan, cdir, config)
     if plan.builtin_model:
         console.info(f"model: built-in {spec.model} at {plan.model_path} (built on first use)")
     adopted = cluster.prepare(spec, plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
@@ -72,6 +75,19 @@ def command(
         except KeyboardInterrupt:
             console.info("stopping")
             cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
+
+
+def _update_running(plan, cdir, config: Path | None) -> None:
+    """`up` of a running cluster: restart only what the config changed, one process at a time."""
+    before = cluster.apply_changes(plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
+    if not before:
+        console.info(f"{plan.name} is running and its config is unchanged: nothing to do")
+    else:
+        console.info(f"{plan.name}: the config changed for {', '.join(before)}; restarting them one at a time")
+        started = time.monotonic()
+        cluster.wait_restarted(cdir, before, plan.supervisor.get("startup_timeout", 900.0),
+                               lambda n: console.info(f"{time.monotonic() - started:6.1f}s {n} ready again"))
+    console.out.print(plan.router.url + "/v1", highlight=False)
 
 
 def _wait(cdir, supervisor, started: float) -> dict:

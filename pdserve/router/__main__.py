@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 
 from aiohttp import web
 
 from pdserve.router.app import build_app, server_limits
 from pdserve.router.config import RouterConfig
+
+
+async def serve(cfg: RouterConfig, host: str, port: int) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: stop accepting connections and give in-flight requests
+    (streams included) up to drain_timeout to finish, so `pdserve down` loses no answer in progress."""
+    # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
+    runner = web.AppRunner(build_app(cfg), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.drain_timeout, **server_limits(cfg))
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("pdserve.router").info("listening on %s:%d", host, port)
+    await stop.wait()
+    logging.getLogger("pdserve.router").info("draining (up to %gs)", cfg.drain_timeout)
+    await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,15 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg = RouterConfig.load(args.config)
-    # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
-    loop = None
+    loop_factory = None
     try:
         import uvloop   # a faster event loop where available: the router's own cost is mostly loop overhead
-        loop = uvloop.new_event_loop()
+        loop_factory = uvloop.new_event_loop
     except ImportError:
         pass
-    web.run_app(build_app(cfg), host=args.host or cfg.host, port=args.port or cfg.port, loop=loop,
-                handler_cancellation=True, access_log=None, print=None, **server_limits(cfg))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(cfg, args.host or cfg.host, args.port or cfg.port))
     return 0
 
 

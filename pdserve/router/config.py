@@ -34,6 +34,7 @@ class RouterConfig:
     cost_probe_interval: float = 60.0  # ... or when the last pull is this old
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
+    drain_timeout: float = 15.0        # on SIGTERM: stop accepting, let in-flight requests finish this long
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

@@ -10,8 +10,8 @@ learns, from the P legs it times itself:
 
 The P leg is timed as P experiences it, transfer included; P's own `vllm:nixl_xfer_time_seconds` sums all
 decode servers and overlapping requests, so it cannot be attributed to a pair or a turn. Both rates are
-exponential moving averages. D's blocks are offered only while the pull is predicted no slower than
-recompute; while it is predicted slower, every `probe_every`-th candidate turn (or one after
+exponential moving averages; a pair's first pull (NIXL handshake included) is not a sample. D's blocks
+are offered unless the pull is predicted clearly (1.5x) slower than recompute; while it is, every `probe_every`-th candidate turn (or one after
 `probe_interval` seconds) pulls anyway, and that measurement replaces the estimate, so the router
 follows the hardware both ways.
 """
@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 MIN_SAMPLE_TOKENS = 32      # shorter legs are dominated by fixed overheads and would skew the rates
+SLOWER_MARGIN = 1.5         # stop pulling only when a pull is predicted clearly slower: timings are noisy
 
 
 class CostModel:
@@ -36,6 +37,7 @@ class CostModel:
         self._skipped: dict[tuple[str, str], int] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
         self._probing: set[tuple[str, str]] = set()
+        self._warm: set[tuple[str, str]] = set()   # pairs past their first pull
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -50,6 +52,10 @@ class CostModel:
             return
         pair = (prefill, decode)
         self._last_pull[pair] = self.clock()
+        if pair not in self._warm:
+            # A pair's first pull includes NIXL's handshake and metadata exchange: not a transfer rate.
+            self._warm.add(pair)
+            return
         if cached_tokens < MIN_SAMPLE_TOKENS:
             return
         transfer = max(0.0, seconds - self.recompute.get(prefill, 0.0) * computed)
@@ -61,7 +67,7 @@ class CostModel:
     def should_pull(self, prefill: str, decode: str) -> bool:
         pair = (prefill, decode)
         recompute, pull = self.recompute.get(prefill), self.pull.get(pair)
-        if recompute is None or pull is None or pull <= recompute:
+        if recompute is None or pull is None or pull <= recompute * SLOWER_MARGIN:
             self._skipped[pair] = 0
             return True
         skipped = self._skipped.get(pair, 0)

@@ -107,6 +107,7 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
                         problems.append(f"{role_name}.{kind}: {kind[:-1].upper()} {dev} is already used by {devices[key]}")
                     else:
                         devices[key] = owner
+    problems += kv_problems(spec)
     if spec.reuse_ttl >= spec.kv_transfer.decoder_kv_blocks_ttl:
         problems.append(f"router.reuse_ttl: {spec.reuse_ttl:g} must be below kv_transfer.decoder_kv_blocks_ttl "
                         f"({spec.kv_transfer.decoder_kv_blocks_ttl:g}): D frees its blocks after that")
@@ -118,6 +119,34 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
                             + ", ".join(BUILTIN_MODEL_PREFIX + k for k in BUILTIN_MODELS) + ")")
     elif is_model_path(spec.model) and not Path(os.path.expanduser(spec.model)).exists():
         problems.append(f"model: path {spec.model} does not exist")
+    return problems
+
+
+def _max_model_len(args: list[str]) -> int | None:
+    for i, a in enumerate(args):
+        value = a.split("=", 1)[1] if a.startswith("--max-model-len=") else (
+            args[i + 1] if a == "--max-model-len" and i + 1 < len(args) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def kv_problems(spec: ClusterSpec) -> list[str]:
+    """P/D KV-transfer combinations vLLM cannot serve."""
+    problems = []
+    kv = spec.kv_transfer
+    if spec.decode.tensor_parallel_size < spec.prefill.tensor_parallel_size:
+        problems.append(f"decode.tensor_parallel_size: {spec.decode.tensor_parallel_size} is below prefill's "
+                        f"{spec.prefill.tensor_parallel_size}; NIXL P/D needs decode TP >= prefill TP")
+    on_gpus = spec.prefill.gpus is not None or spec.decode.gpus is not None
+    if on_gpus and kv.bidirectional_kv_xfer and kv.kv_buffer_device == "cpu":
+        problems.append("kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported "
+                        "(vLLM reads D->P only from device buffers; a real run hung); use cuda")
+    for role_name in ROLES:
+        limit = _max_model_len(getattr(spec, role_name).vllm_args)
+        if kv.bidirectional_kv_xfer and limit is not None and kv.kv_recompute_threshold >= limit:
+            problems.append(f"kv_transfer.kv_recompute_threshold: {kv.kv_recompute_threshold} is not below "
+                            f"{role_name}'s --max-model-len {limit}: nothing would ever be reused")
     return problems
 
 

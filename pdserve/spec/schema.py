@@ -77,6 +77,9 @@ class SupervisorSpec(Strict):
     max_restarts: int = Field(5, ge=0, description="Restarts within restart_window before a process is fatal.")
     restart_window: float = Field(600.0, gt=0)
     stop_timeout: float = Field(20.0, gt=0, description="Seconds between SIGTERM and SIGKILL.")
+    canary: bool = Field(True, description="Ready only after a canary request through the router moved KV "
+                                           "from prefill to decode (checked on the decode servers' /metrics); "
+                                           "again after a prefill or decode restart.")
     log_max_mb: float = Field(100.0, gt=0, description="A process log above this size is rotated to NAME.log.1.")
     log_keep: int = Field(3, ge=0, description="Rotated logs kept per process (NAME.log.1 ... NAME.log.N).")
 

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from typing import Any
 
 import psutil
@@ -17,8 +18,9 @@ from pdserve.launchers import local
 from pdserve.logfiles import rotate_if_large
 from pdserve.plan import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
-from pdserve.state import ClusterDir
+from pdserve.state import ClusterDir, read_json
 from pdserve.states import ProcState
+from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 from pdserve.supervise.process import ManagedProcess
 
@@ -26,6 +28,7 @@ log = logging.getLogger("pdserve.supervisor")
 
 TICK = 0.25
 LOG_CHECK_INTERVAL = 5.0
+CANARY_TRIES = 3
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
 
@@ -43,6 +46,11 @@ class Supervisor:
         self._own_create_time = psutil.Process().create_time()
         self._next_log_check = 0.0
         self.adopt = adopt
+        self._verify: set[str] = set()        # restarted servers whose P->D path is not yet verified
+        self._canary_failures = 0
+        self._next_canary = 0.0
+        self.restart_queue: deque[str] = deque()
+        self._restarting: ManagedProcess | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -89,6 +97,8 @@ class Supervisor:
     # -- one pass over every process ---------------------------------------------------------------
     def tick(self) -> None:
         now = time.monotonic()
+        self._take_requests()
+        self._restart_next()
         if now >= self._next_log_check:
             self._next_log_check = now + LOG_CHECK_INTERVAL
             for path in self.cdir.logs_dir.glob("*.log"):
@@ -105,10 +115,15 @@ class Supervisor:
             self.error = f"{fatal[0].name}: {fatal[0].message}"
             self.stop_requested = True
         elif self.phase == "starting" and all(p.state == ProcState.READY for p in self.procs):
-            self.phase = "running"
-            log.info("all processes ready")
+            if self._canary_passes(now):
+                self.phase = "running"
+                log.info("all processes ready")
+        elif self._verify and all(p.state == ProcState.READY for p in self.procs):
+            self._verify_restarted(now)
         elif self.phase == "running" and fatal:
             self.phase = "degraded"
+        elif self.phase == "degraded" and not fatal:
+            self.phase = "running"
 
     def _step(self, proc: ManagedProcess, now: float) -> None:
         st = proc.state
@@ -121,6 +136,8 @@ class Supervisor:
                     proc.ever_ready = True
                     proc.to(ProcState.READY, "health check passed")
                     log.info("%s ready", proc.name)
+                    if self.phase in ("running", "degraded") and proc.plan.role != "router":
+                        self._verify.add(proc.name)
                 elif now - proc.state_since > self.policy.startup_timeout:
                     self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
         elif st in (ProcState.READY, ProcState.UNHEALTHY):
@@ -174,6 +191,99 @@ class Supervisor:
         self._failed_probes[proc.name] = 0
         proc.to(ProcState.STARTING, f"pid {proc.handle.pid}")
         log.info("%s started, pid %d", proc.name, proc.handle.pid)
+
+    # -- canary: the P->D KV path really works ------------------------------------------------------
+    def _canary(self) -> tuple[bool, str]:
+        cfg = self.plan.router_config
+        decode = [p.url for p in self.plan.processes if p.role == "decode"]
+        return run_canary(self.plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
+                          timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))
+
+    def _canary_passes(self, now: float) -> bool:
+        """At start-up: a few tries (backends may still be warming up), then `up` fails with the reason."""
+        if not self.policy.canary:
+            return True
+        if now < self._next_canary:
+            return False
+        ok, detail = self._canary()
+        log.info("%s", detail)
+        if ok:
+            return True
+        self._canary_failures += 1
+        self._next_canary = time.monotonic() + 2.0
+        if self._canary_failures >= CANARY_TRIES:
+            self.phase, self.error, self.stop_requested = "failed", detail, True
+        return False
+
+    def _verify_restarted(self, now: float) -> None:
+        """After a prefill or decode restart, check the pair with a canary. Decode servers that keep failing
+        to read from a restarted prefill server hold stale NIXL agent state: restart them too."""
+        if not self.policy.canary:
+            self._verify.clear()
+            return
+        if now < self._next_canary:
+            return
+        ok, detail = self._canary()
+        if ok:
+            log.info("after restarting %s: %s", ", ".join(sorted(self._verify)), detail)
+            self._verify.clear()
+            self._canary_failures = 0
+            return
+        self._canary_failures += 1
+        self._next_canary = time.monotonic() + 2.0
+        log.warning("after restarting %s: %s", ", ".join(sorted(self._verify)), detail)
+        if self._canary_failures >= CANARY_TRIES:
+            roles = {p.plan.role for p in self.procs if p.name in self._verify}
+            self._verify.clear()
+            self._canary_failures = 0
+            if "prefill" in roles:
+                decode = [p.name for p in self.procs if p.plan.role == "decode" and p.name not in self.restart_queue]
+                log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
+                self.restart_queue.extend(decode)
+
+    # -- restarts asked for by `pdserve restart` -----------------------------------------------------
+    def _take_requests(self) -> None:
+        for path in sorted(self.cdir.requests_dir.glob("*.json")):
+            request = read_json(path) or {}
+            path.unlink(missing_ok=True)
+            if request.get("reload"):
+                self._reload_plan()
+            known = {p.name for p in self.procs}
+            names = [n for n in request.get("restart") or [] if n in known]
+            log.info("restart requested for %s", ", ".join(names) or "nothing known")
+            self.restart_queue.extend(n for n in names if n not in self.restart_queue)
+
+    def _reload_plan(self) -> None:
+        """`up` with a changed config wrote a new plan: the next start of each process uses it."""
+        data = self.cdir.read_plan()
+        if not data:
+            return
+        new = ClusterPlan.from_dict(data)
+        self.plan = new
+        self.policy = SupervisorSpec.model_validate(new.supervisor)
+        for proc in self.procs:
+            proc.plan = new.by_name(proc.name)
+            proc.policy = self.policy
+        log.info("reloaded the plan")
+
+    def _restart_next(self) -> None:
+        """One process at a time, the next only once the previous is ready again (or gave up), so a role
+        with several replicas keeps serving through a full restart."""
+        if self._restarting is not None:
+            if self._restarting.state not in (ProcState.READY, ProcState.FATAL):
+                return
+            self._restarting = None
+        if not self.restart_queue:
+            return
+        name = self.restart_queue.popleft()
+        proc = next(p for p in self.procs if p.name == name)
+        if proc.state.running:
+            proc.to(ProcState.STOPPING, "restart requested")
+            self._kill(proc)
+            proc.to(ProcState.STOPPED)
+        proc.restarts += 1
+        self._start(proc)
+        self._restarting = proc
 
     def _adopt(self, proc: ManagedProcess, before: dict[str, Any]) -> bool:
         """Take over a process the previous (dead) supervisor started, if it is provably the same one;

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def test_all_ready(cluster):
     assert st["phase"] == "running"
     assert [p["state"] for p in st["processes"]] == ["ready"] * 3
     assert st["router"]["backends"]["decode-0"]["healthy"] == 1
+    # `up` returned only after its canary moved KV from P to D, as D's own counter shows.
+    assert metric(cluster["decode"][0], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
 
 
 def test_three_turns_pull_kv_from_decode(cluster):
@@ -51,6 +54,14 @@ def test_three_turns_pull_kv_from_decode(cluster):
     router = status()["router"]
     assert router["turns"] >= 3 and router["reuse_hits"] == 2
     assert router["reuse_tokens_pulled"] == sum(r["tokens_from_d"] for r in rows)   # P's report == P's counter
+
+
+def test_doctor_reports_the_measured_transfer_rates(cluster):
+    res = pdserve("doctor", str(cluster["path"]))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ok   canary: canary moved" in res.stdout
+    assert re.search(r"decode-0 transfers: P->D reads: \d+ transfers, [0-9.]+ MB at [0-9.]+ GB/s", res.stdout)
+    assert re.search(r"prefill-0 transfers: D->P reads: \d+ transfers", res.stdout), res.stdout
 
 
 def test_unmodified_client_gets_reuse_by_automatic_detection(cluster):

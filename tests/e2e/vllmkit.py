@@ -44,7 +44,9 @@ def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = 
     os.environ["PDSERVE_HOME"] = str(tmp / "home")
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
     ports = free_ports(nports)
-    cfg.update(name=name, router={"port": ports[0]})
+    # These tests assert that every later turn pulls from D. The cost model would (rightly) stop pulling
+    # if a noisy 2-core box made one pull look slow; it has its own test with a controllable fake.
+    cfg.update(name=name, router={"port": ports[0], "cost_aware": False})
     cfg["prefill"].update(port=ports[1], nixl_side_channel_port=ports[2])
     cfg["decode"].update(port=ports[3], nixl_side_channel_port=ports[4])
     if mutate:
@@ -55,7 +57,7 @@ def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = 
     res = pdserve("up", str(path))
     assert res.returncode == 0, res.stderr[-3000:]
     base = "http://127.0.0.1:"
-    return {"name": name, "cfg": cfg, "home": tmp / "home", "up_seconds": round(time.monotonic() - started, 1),
+    return {"name": name, "cfg": cfg, "home": tmp / "home", "path": path, "up_seconds": round(time.monotonic() - started, 1),
             "router": f"{base}{ports[0]}",
             "prefill": [f"{base}{cfg['prefill']['port'] + i}" for i in range(cfg["prefill"].get("replicas", 1))],
             "decode": [f"{base}{cfg['decode']['port'] + i}" for i in range(cfg["decode"].get("replicas", 1))],

@@ -69,6 +69,8 @@ class FakeVLLM:
                                                     "param": None, "code": 500}}, status=500)
             pulled = min(int(kv.get("remote_num_tokens", 0)), len(prompt) - 1)
             self.external_tokens += pulled
+        if kv.get("do_remote_prefill") and kv.get("remote_block_ids") and not self.args.no_kv_in:
+            self.external_tokens += len(prompt)   # D reads P's blocks for the whole prompt
         if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
             await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
         n = int(body.get("max_tokens") or 8)
@@ -188,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false")
     p.add_argument("--stream-kv-params", action="store_true", help="kv_transfer_params in the last chunk")
     p.add_argument("--die-mid-stream", action="store_true")
+    p.add_argument("--no-kv-in", action="store_true", help="as decode, never count P's blocks as read (broken NIXL)")
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     p.add_argument("--token-delay", type=float, default=0.0)

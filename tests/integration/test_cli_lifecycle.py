@@ -102,7 +102,7 @@ def test_up_restart_down_leaves_nothing(tmp_path, home):
     st = status_json("life")
     assert st["phase"] == "running" and {p["state"] for p in st["processes"]} == {"ready"}
     again = pdserve("up", str(path))
-    assert again.returncode == 1 and "already running" in again.stderr and "hint:" in again.stderr
+    assert again.returncode == 0 and "config is unchanged: nothing to do" in again.stderr, again.stderr
 
     # SIGKILL the decode API server: the supervisor kills its orphaned child and restarts it.
     decode = next(p for p in st["processes"] if p["name"] == "decode-0")
@@ -234,7 +234,7 @@ def test_api_key_from_the_environment_guards_router_and_servers(tmp_path, home, 
             headers={"Authorization": "Bearer k-123", "Content-Type": "application/json"}))
         assert ok.status == 200
         st = status_json("keyed")                 # status reads the router's metrics with the key
-        assert st["router"]["turns"] == 1
+        assert st["router"]["turns"] == 2          # the start-up canary's and ours
         assert st["router"]["backends"]["decode-0"]["healthy"] == 1
         assert "k-123" not in "".join(p.read_text() for p in (home / "clusters" / "keyed").glob("*.json"))
     finally:
@@ -271,3 +271,132 @@ def test_logs_rotation_and_status_watch(tmp_path, home, monkeypatch):
         assert log.stat().st_size < 2048
     finally:
         assert pdserve("down", "logged").returncode == 0
+
+
+def test_restart_one_process_or_all_in_order(tmp_path, home):
+    path, _ = write_config(tmp_path, "again", server_args=["--spawn-child"])
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        first = {p["name"]: p["pid"] for p in status_json("again")["processes"]}
+        one = pdserve("restart", "again", "decode-0")
+        assert one.returncode == 0 and "decode-0 ready again" in one.stderr, one.stderr
+        second = {p["name"]: p for p in status_json("again")["processes"]}
+        assert second["decode-0"]["pid"] != first["decode-0"] and second["decode-0"]["restarts"] == 1
+        assert second["prefill-0"]["pid"] == first["prefill-0"] and second["router"]["pid"] == first["router"]
+        assert not psutil.pid_exists(first["decode-0"]) or psutil.Process(first["decode-0"]).status() == "zombie"
+        every = pdserve("restart", "again")
+        assert every.returncode == 0
+        order = [line.split()[1] for line in every.stderr.splitlines() if "ready again" in line]
+        assert order == ["prefill-0", "decode-0", "router"]
+        third = {p["name"]: p for p in status_json("again")["processes"]}
+        assert all(third[n]["pid"] != second[n]["pid"] for n in third) and {p["state"] for p in third.values()} == {"ready"}
+        bad = pdserve("restart", "again", "nope")
+        assert bad.returncode == 2 and "no process 'nope'" in bad.stderr
+        # `up` with a changed config restarts only what changed.
+        cfg = yaml.safe_load(path.read_text())
+        cfg["decode"]["env"] = {"NEW_SETTING": "1"}
+        path.write_text(yaml.safe_dump(cfg))
+        update = pdserve("up", str(path))
+        assert update.returncode == 0 and "config changed for decode-0" in update.stderr, update.stderr
+        fourth = {p["name"]: p for p in status_json("again")["processes"]}
+        assert fourth["decode-0"]["pid"] != third["decode-0"]["pid"]
+        assert fourth["prefill-0"]["pid"] == third["prefill-0"]["pid"] and fourth["router"]["pid"] == third["router"]["pid"]
+        environ = open(f"/proc/{fourth['decode-0']['pid']}/environ", "rb").read()
+        assert b"NEW_SETTING=1" in environ
+    finally:
+        assert pdserve("down", "again").returncode == 0
+    assert pdserve("restart", "again").returncode == 3
+
+
+def test_down_drains_a_stream_in_flight(tmp_path, home):
+    path, cfg = write_config(tmp_path, "drain", server_args=["--token-delay", "0.25"])
+    assert pdserve("up", str(path)).returncode == 0
+    import threading
+    import urllib.request
+    body = json.dumps({"model": "fake-model", "stream": True, "max_tokens": 10,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    got: list[bytes] = []
+    first = threading.Event()
+
+    def client():
+        req = urllib.request.Request(f"http://127.0.0.1:{cfg['router']['port']}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            for line in resp:
+                if line.strip():
+                    got.append(line.strip())
+                    first.set()
+
+    t = threading.Thread(target=client)
+    t.start()
+    assert first.wait(20)
+    down = pdserve("down", "drain")                     # while the answer is still streaming (~2.5 s)
+    t.join(30)
+    assert down.returncode == 0
+    assert got[-1] == b"data: [DONE]" and len(got) == 11 and not any(b'"error"' in g for g in got), got
+    assert all_markers(home, "drain") == []
+
+
+def test_up_fails_when_the_canary_moves_no_kv(tmp_path, home):
+    path, _ = write_config(tmp_path, "nokv", server_args=["--no-kv-in"])   # D never reads P's blocks
+    up = pdserve("up", str(path))
+    assert up.returncode == 1
+    assert "no KV reached a decode server" in up.stderr, up.stderr
+    assert all_markers(home, "nokv") == []
+
+
+def test_hung_server_is_restarted(tmp_path, home):
+    path, cfg = write_config(tmp_path, "hung", server_args=["--spawn-child"])
+    cfg["supervisor"].update(unhealthy_grace=1, stop_timeout=2)
+    path.write_text(yaml.safe_dump(cfg))
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        decode = next(p for p in status_json("hung")["processes"] if p["name"] == "decode-0")
+        children = psutil.Process(decode["pid"]).children(recursive=True)
+        os.kill(decode["pid"], signal.SIGSTOP)           # alive but answers nothing: hung
+        wait_for(lambda: next(p for p in status_json("hung")["processes"] if p["name"] == "decode-0")
+                 ["state"] == "unhealthy", timeout=30, what="unhealthy")
+        wait_for(lambda: (lambda d: d["restarts"] == 1 and d["state"] == "ready")(
+            next(p for p in status_json("hung")["processes"] if p["name"] == "decode-0")), timeout=60,
+            what="restart of the hung server")
+        assert not psutil.pid_exists(decode["pid"]) or psutil.Process(decode["pid"]).status() == "zombie"
+        assert not any(c.is_running() and c.status() != "zombie" for c in children)
+    finally:
+        assert pdserve("down", "hung").returncode == 0
+
+
+def test_shell_completion_offers_commands_and_cluster_names(home):
+    for name in ("alpha", "beta"):
+        (home / "clusters" / name).mkdir(parents=True)
+        (home / "clusters" / name / "plan.json").write_text("{}")
+    exe = Path(sys.executable).with_name("pdserve")     # the console script, as a shell would run it
+
+    def complete(words: str) -> list[str]:
+        env = {**os.environ, "_PDSERVE_COMPLETE": "complete_bash", "COMP_WORDS": words,
+               "COMP_CWORD": str(len(words.split(" ")) - 1)}
+        return subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=30).stdout.split()
+
+    assert {"up", "status", "down", "restart", "logs"} <= set(complete("pdserve "))
+    assert complete("pdserve status ") == ["alpha", "beta"]
+    assert complete("pdserve logs b") == ["beta"]
+
+
+def test_doctor_checks_the_machine_and_the_running_cluster(tmp_path, home):
+    path, _ = write_config(tmp_path, "doc")
+    idle = pdserve("doctor", str(path))
+    assert idle.returncode == 0 and "live checks skipped" in idle.stdout and "ok   ports:" in idle.stdout
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        live = pdserve("doctor", str(path))
+        assert live.returncode == 0, live.stdout
+        assert "ok   canary: canary moved" in live.stdout and "decode-0 transfers: no P->D reads recorded" in live.stdout
+    finally:
+        assert pdserve("down", "doc").returncode == 0
+    cfg = yaml.safe_load(path.read_text())
+    cfg["decode"]["cpus"] = [4096]
+    path.write_text(yaml.safe_dump(cfg))
+    bad = pdserve("doctor", str(path))
+    assert bad.returncode == 1 and "fail decode.cpus: CPU 4096 does not exist" in bad.stdout and "hint:" in bad.stdout
+    refused = pdserve("up", str(path))
+    assert refused.returncode == 2 and "CPU 4096 does not exist" in refused.stderr
+    assert pdserve("plan", str(path)).returncode == 1

@@ -102,17 +102,17 @@ async def test_cost_aware_reuse_stops_pulling_when_slow_and_resumes_when_fast():
     async with deployment(prefill_args=(slow,), cost_probe_every=3) as dep:
         p = dep.prefill[0]
         history: list = []
-        for turn in range(7):
-            if turn == 4:
+        for turn in range(8):
+            if turn == 5:
                 p[FAKE].args.pull_delay = 0.00001      # the transport got fast again
             history.append({"role": "user", "content": f"turn {turn} " + "word " * 60})
             _, data = await dep.post(CHAT, {"model": "fake", "messages": history, "max_tokens": 4,
                                             "conversation_id": "c"})
             history.append(data["choices"][0]["message"])
         pulls = [o is not None for o in offered(p)]
-        # 0: first turn; 1: pulls (nothing learned yet) and is slow; 2, 3: skipped as slower;
-        # 4: re-probe (3rd candidate) finds it fast; 5, 6: pull again.
-        assert pulls == [False, True, False, False, True, True, True]
+        # 0: first turn; 1: pulls (the pair's first pull: handshake, not a sample); 2: pulls and is slow;
+        # 3, 4: skipped as slower; 5: re-probe (3rd candidate) finds it fast; 6, 7: pull again.
+        assert pulls == [False, True, True, False, False, True, True, True]
         m = await dep.metrics()
         assert sample(m, 'pdserve_router_reuse_decisions_total{reason="pull_slower",result="miss"}') == 2
         costs = dep.router[FLOW].prefill.costs

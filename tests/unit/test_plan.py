@@ -45,7 +45,7 @@ def test_server_argv_and_env():
 
 def test_replicas_count_ports_and_split_devices():
     data = with_("decode.replicas", 2, with_("decode.gpus", [2, 3, 4, 5], with_("decode.tensor_parallel_size", 2,
-                 with_("decode.cpus", DELETE))))
+                 with_("decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda")))))
     plan = plan_of(data)
     d0, d1 = plan.by_name("decode-0"), plan.by_name("decode-1")
     assert (d0.port, d1.port) == (8200, 8201)

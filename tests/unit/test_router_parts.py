@@ -50,6 +50,8 @@ def test_cost_model_pulls_until_it_knows_better():
     assert m.should_pull("p", "d")                   # nothing learned: pull
     m.observe("p", None, seconds=1.0, prompt_tokens=1000, cached_tokens=0, pulled=False)
     assert m.recompute["p"] == 0.001
+    m.observe("p", "d", seconds=9.0, prompt_tokens=1000, cached_tokens=900, pulled=True)
+    assert ("p", "d") not in m.pull                  # the first pull of a pair includes the handshake
     # 900 pulled + 100 computed in 2.0 s: 0.1 s of compute, 1.9 s of transfer for 900 tokens.
     m.observe("p", "d", seconds=2.0, prompt_tokens=1000, cached_tokens=900, pulled=True)
     assert abs(m.pull[("p", "d")] - 1.9 / 900) < 1e-9
@@ -62,6 +64,7 @@ def test_cost_model_reprobe_replaces_a_stale_estimate_and_time_triggers_it():
     m = CostModel(alpha=0.1, probe_every=100, probe_interval=30, clock=clock)
     m.observe("p", None, 1.0, 1000, 0, False)
     m.observe("p", "d", 3.0, 1000, 900, True)
+    m.observe("p", "d", 3.0, 1000, 900, True)
     assert not m.should_pull("p", "d")
     clock.t += 31
     assert m.should_pull("p", "d")                   # the last pull is old: measure again
@@ -73,7 +76,16 @@ def test_cost_model_ignores_tiny_samples():
     m = CostModel()
     m.observe("p", None, 0.5, 10, 0, False)
     m.observe("p", "d", 0.5, 100, 10, True)
+    m.observe("p", "d", 0.5, 100, 10, True)
     assert m.recompute == {} and m.pull == {}
+
+
+def test_cost_model_keeps_pulling_when_only_slightly_slower():
+    m = CostModel()
+    m.observe("p", None, 1.0, 1000, 0, False)       # 1 ms per token
+    for _ in range(2):
+        m.observe("p", "d", 1.3, 1000, 900, True)   # (1.3 - 0.1) / 900 = 1.33 ms per token: within the margin
+    assert m.should_pull("p", "d")
 
 
 def test_history_keys_match_the_stored_reply_only():

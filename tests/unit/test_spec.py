@@ -60,6 +60,11 @@ BROKEN = [
     (with_("decode.vllm_args", ["--api-key", "k"]), "decode.vllm_args: --api-key is set by pdserve"),
     (with_("router.api_key_env", "MY-KEY"), "router.api_key_env: String should match pattern"),
     (with_("router.breaker_failures", 0), "router.breaker_failures: Input should be greater than or equal to 1"),
+    (with_("prefill.tensor_parallel_size", 2), "decode.tensor_parallel_size: 1 is below prefill's 2"),
+    (with_("prefill.gpus", [0], with_("prefill.cpus", DELETE)),
+     "kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported"),
+    (with_("kv_transfer.kv_recompute_threshold", 9000, with_("decode.vllm_args", ["--max-model-len", "8192"])),
+     "kv_transfer.kv_recompute_threshold: 9000 is not below decode's --max-model-len 8192"),
 ]
 
 

@@ -1,0 +1,37 @@
+"""Check a deployment against this machine: vLLM and NIXL versions, configured cores and GPUs, the EFA
+provider, free ports; and, when the cluster is running, that its router answers, that a canary request
+moves KV from prefill to decode, and the NIXL transfer rate each server measured (warns when far below
+--min-gbps). One line per check; exit 1 when any check fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pdserve import cluster, doctor, preflight
+from pdserve.ui import console
+
+NAME = "doctor"
+
+
+def command(
+    config: Path = typer.Argument(None, help="cluster.yaml (default: the embedded configs/local-cpu.yaml)"),
+    min_gbps: float = typer.Option(None, "--min-gbps", help="Warn when a server's measured NIXL rate is below "
+                                                           "this (default: 5 on GPU deployments, none on CPU)."),
+) -> None:
+    spec, plan, cdir = cluster.plan_from_file(config)
+    running = cluster.has_supervisor(cdir) or cluster.is_running(cdir)
+    findings = preflight.machine_findings(spec, plan, None if running else cluster.busy_ports(plan))
+    if running:
+        on_gpus = spec.prefill.gpus is not None or spec.decode.gpus is not None
+        findings += doctor.live_findings(plan, min_gbps if min_gbps is not None else (5.0 if on_gpus else None))
+    else:
+        findings.append(preflight.Finding("ok", "cluster", f"{spec.name} is not running: live checks skipped"))
+    for f in findings:
+        style = {"ok": "green", "warn": "yellow", "fail": "bold red"}[f.level]
+        console.out.print(f"[{style}]{f.level:4s}[/] {f.check}: {f.message}", highlight=False)
+        if f.hint and f.level != "ok":
+            console.out.print(f"     hint: {f.hint}", highlight=False)
+    if any(f.level == "fail" for f in findings):
+        raise typer.Exit(1)

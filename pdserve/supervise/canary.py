@@ -1,0 +1,56 @@
+"""The canary: one small request through the router that must move KV from P to D.
+
+Ports answering is not enough: a NIXL path that cannot transfer (wrong side-channel host, UCX fallen back
+or broken, a stale agent after a restart) still answers /health. The canary compares the decode servers'
+own `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` before and after one request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+
+EXTERNAL_RE = re.compile(
+    r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} ([0-9.e+-]+)$', re.M)
+# Long enough to fill at least one KV block on every backend (CPU blocks are 128 tokens).
+CANARY_TEXT = "pdserve canary: " + " ".join(f"check {i}" for i in range(160))
+
+
+def external_tokens(url: str, timeout: float = 10.0) -> float | None:
+    """Tokens this server loaded from another server's KV (None when it exports no such metric)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
+            text = resp.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    values = [float(v) for v in EXTERNAL_RE.findall(text)]
+    return sum(values) if values else None
+
+
+def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env: str | None = None,
+               timeout: float = 120.0) -> tuple[bool, str]:
+    """(passed, what happened)."""
+    before = [external_tokens(u) for u in decode_urls]
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get(api_key_env) if api_key_env else None
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": CANARY_TEXT}]})
+    req = urllib.request.Request(router_url + "/v1/chat/completions", data=body.encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError as err:
+        return False, f"canary request failed: HTTP {err.code} {err.read()[:300].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError) as err:
+        return False, f"canary request failed: {err}"
+    after = [external_tokens(u) for u in decode_urls]
+    moved = sum((a or 0) - (b or 0) for a, b in zip(after, before))
+    if moved > 0:
+        return True, f"canary moved {moved:.0f} tokens of KV from prefill to decode"
+    if all(a is None for a in after):
+        return False, "decode servers export no vllm:prompt_tokens_by_source_total metric; cannot verify KV transfer"
+    return False, "canary answered but no KV reached a decode server (check NIXL: side-channel host/ports, UCX)"

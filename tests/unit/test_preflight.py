@@ -1,0 +1,54 @@
+"""Machine checks: each has a failing case with its message and hint."""
+
+from __future__ import annotations
+
+import subprocess
+
+from pdserve.preflight import check_devices, check_fabric, check_ports, check_software
+from pdserve.spec.load import parse_spec
+from tests.unit.test_plan import plan_of
+from tests.unit.test_spec import DELETE, GOOD, with_
+
+
+def levels(findings):
+    return [(f.level, f.check) for f in findings]
+
+
+def test_software_versions():
+    spec = parse_spec(GOOD)
+    ok = check_software(spec, lambda names: {"vllm": ("vllm", "0.26.0"), "nixl": ("nixl", "0.7.1")}.get(names[0]))
+    assert levels(ok) == [("ok", "vllm"), ("ok", "nixl")]
+    old = check_software(spec, lambda names: ("vllm", "0.20.1") if "vllm" in names else ("nixl", "1"))
+    assert old[0].level == "fail" and "needs >= 0.21" in old[0].message
+    none = check_software(spec, lambda names: None)
+    assert [f.level for f in none] == ["fail", "fail"] and none[0].hint
+    custom = check_software(parse_spec(with_("server_command", ["my-server"])), lambda names: None)
+    assert [f.level for f in custom] == ["ok"]
+
+
+def test_devices_must_exist():
+    spec = parse_spec(with_("decode.cpus", [7]))
+    bad = check_devices(spec, cpu_count=2)
+    assert bad[0].level == "fail" and bad[0].message == "CPU 7 does not exist (this machine has 2)"
+    gpu = parse_spec(with_("prefill.gpus", [0], with_("decode.gpus", [5], with_("kv_transfer.kv_buffer_device", "cuda",
+                     with_("prefill.cpus", DELETE, with_("decode.cpus", DELETE))))))
+    assert check_devices(gpu, gpu_count=lambda: None)[0].message.startswith("GPUs are configured but nvidia-smi")
+    assert check_devices(gpu, gpu_count=lambda: 4)[0].message == "GPU 5 does not exist (nvidia-smi lists 4)"
+    assert check_devices(gpu, gpu_count=lambda: 8)[0].level == "ok"
+
+
+def test_efa_needs_libfabric_and_the_provider():
+    spec = parse_spec(with_("kv_transfer.backends", ["LIBFABRIC"]))
+    assert check_fabric(parse_spec(GOOD)) == []
+    assert "fi_info is not on PATH" in check_fabric(spec, which=lambda _: None)[0].message
+
+    def fi_info(rc):
+        return lambda *a, **k: subprocess.CompletedProcess(a, rc, "", "")
+    assert check_fabric(spec, which=lambda _: "/x", run=fi_info(1))[0].message == "fi_info -p efa finds no EFA provider"
+    assert check_fabric(spec, which=lambda _: "/x", run=fi_info(0))[0].level == "ok"
+
+
+def test_ports():
+    plan = plan_of(GOOD)
+    assert check_ports(plan, ["router: port 8000"])[0].level == "fail"
+    assert check_ports(plan, [])[0].level == "ok"
