@@ -1,0 +1,1 @@
+"""Multi-turn benchmark building blocks (workloads, metric deltas) for `pdserve bench`."""

@@ -1,0 +1,74 @@
+"""Benchmark building blocks: deterministic workloads, vLLM's input formats, metric deltas."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.bench.metrics import parse, prefill_deltas, total
+from pdserve.bench.workload import from_generate_config, from_messages, generate, load
+
+
+def test_generated_workload_is_deterministic_and_grows():
+    a, b, c = generate(seed=7), generate(seed=7), generate(seed=8)
+    assert [x.user_turns for x in a] == [x.user_turns for x in b]
+    assert [x.user_turns for x in a] != [x.user_turns for x in c]
+    conv = a[0]
+    assert len(a) == 4 and len(conv.user_turns) == 6 and conv.system.startswith("You are agent 0")
+    assert conv.user_turns[1].startswith("Tool result for step 0") and len(conv.user_turns[1]) > len(conv.user_turns[0])
+    first = conv.messages_for([], 0)
+    assert [m["role"] for m in first] == ["system", "user"]
+    later = conv.messages_for([*first, {"role": "assistant", "content": "ok"}], 1)
+    assert [m["role"] for m in later] == ["system", "user", "assistant", "user"]
+
+
+def test_vllm_conversation_list_keeps_user_turns_only(tmp_path):
+    items = [{"id": "x", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                                      {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]},
+             {"id": "empty", "messages": []}]
+    path = tmp_path / "convs.json"
+    path.write_text(json.dumps(items))
+    convs = load(path)
+    assert len(convs) == 1 and convs[0].id == "x" and convs[0].system == "S" and convs[0].user_turns == ["u1", "u2"]
+    assert from_messages(items)[0].user_turns == ["u1", "u2"]
+
+
+def test_vllm_generate_conversations_config(tmp_path):
+    cfg = {"filetype": "generate_conversations", "num_conversations": 3,
+           "prompt_input": {"num_turns": {"distribution": "uniform", "min": 4, "max": 6},
+                            "common_prefix_num_tokens": {"distribution": "constant", "value": 20},
+                            "prefix_num_tokens": {"distribution": "constant", "value": 10},
+                            "num_tokens": {"distribution": "constant", "value": 30}},
+           "prompt_output": {"num_tokens": {"distribution": "constant", "value": 12}}}
+    path = tmp_path / "gen.json"
+    path.write_text(json.dumps(cfg))
+    convs = load(path, seed=1)
+    assert len(convs) == 3 and convs == from_generate_config(cfg, seed=1)
+    for conv in convs:
+        assert 2 <= len(conv.user_turns) <= 3 and conv.max_tokens == [12] * len(conv.user_turns)
+        assert len(conv.user_turns[0].split()) == 20 + 10 + 30 and len(conv.user_turns[1].split()) == 30
+    common = {" ".join(c.user_turns[0].split()[:20]) for c in convs}
+    assert len(common) == 1                      # the common prefix is shared by every conversation
+
+
+BEFORE = """
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 1000.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 0.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 2.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 1000000.0
+"""
+AFTER = """
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 1400.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 1664.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="m"} 0.53
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 2700000.0
+vllm:nixl_num_failed_transfers_total{engine="0",model_name="m"} 0.0
+"""
+
+
+def test_prefill_deltas_from_recorded_metrics():
+    d = prefill_deltas(parse(BEFORE), parse(AFTER))
+    assert d["tokens_computed"] == 400 and d["tokens_pulled"] == 1664 and d["kv_transfers"] == 1
+    assert abs(d["kv_transfer_s"] - 0.03) < 1e-9 and d["kv_bytes"] == 1_700_000 and d["failed_transfers"] == 0
+    assert total(parse(AFTER), "vllm:prompt_tokens_by_source_total") == 3064
