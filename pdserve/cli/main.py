@@ -43,8 +43,8 @@ def main(version: bool = typer.Option(False, "--version", callback=version_callb
 
 
 def register() -> None:
-    from pdserve.cli import doctor, down, logs, plan, restart, schema, status, up
-    for module in (up, status, down, restart, logs, plan, doctor, schema):
+    from pdserve.cli import bench, doctor, down, logs, plan, restart, schema, status, up
+    for module in (up, status, down, restart, logs, plan, doctor, bench, schema):
         app.command(module.NAME, help=module.__doc__)(handle_errors(module.command))
 
 

@@ -45,6 +45,7 @@ class Turn:
     explicit: Key | None               # conversation_id / X-Session-ID
     messages: list[Any] | None         # chat history, for automatic detection
     started: float = field(default_factory=time.perf_counter)
+    prefill_ms: float | None = None    # reported to the client in Server-Timing
 
     @property
     def headers(self) -> dict[str, str]:
@@ -86,10 +87,12 @@ class Flow:
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
         keys = self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         decision = await self.prefill.decide(keys, route, body) if keys else None
+        p_started = time.perf_counter()
         try:
             p_params = await self.prefill.run(route, body, turn.headers, decision)
         except UpstreamError as err:
             return self._json(turn, err.body, err.status)
+        turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
         d_body = {**body, "kv_transfer_params": p_params}
         if track:
             d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
@@ -98,8 +101,18 @@ class Flow:
             return await self._stream_decode(request, turn, decision, d_body, collector, track)
         return await self._decode(turn, decision, d_body, collector, track)
 
-    def _json(self, turn: Turn, data: dict[str, Any], status: int) -> web.Response:
-        return web.json_response(data, status=status, headers={"X-Request-Id": turn.reply_id})
+    def _json(self, turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
+        return web.json_response(data, status=status, headers=self._headers(turn, decode_ms))
+
+    @staticmethod
+    def _headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
+        """X-Request-Id, and Server-Timing with the P leg (and D leg) durations, for benchmarks and tracing."""
+        headers = {"X-Request-Id": turn.reply_id}
+        timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("prefill", turn.prefill_ms), ("decode", decode_ms))
+                  if ms is not None]
+        if timing:
+            headers["Server-Timing"] = ", ".join(timing)
+        return headers
 
     def _pick_decode(self, decision: Decision | None, tried: set[str]) -> Backend | None:
         return self.decode.pick(exclude=tried, prefer=decision.holder if decision else None)
@@ -129,6 +142,7 @@ class Flow:
             if backend is None:
                 return self._json(turn, error_body("no decode server available", "server_error", 503), 503)
             tried.add(backend.name)
+            d_started = time.perf_counter()
             try:
                 status, data = await self.upstream.post_json(self.decode, backend, turn.route, body, turn.headers)
                 break
@@ -139,7 +153,7 @@ class Flow:
         if status == 200:
             self._remember(turn, backend, collector, track)
             self.metrics.ttft.labels("false").observe(time.perf_counter() - turn.started)
-        return self._json(turn, data, status)
+        return self._json(turn, data, status, 1000 * (time.perf_counter() - d_started))
 
     async def _stream_decode(self, request: web.Request, turn: Turn, decision: Decision | None,
                              body: dict[str, Any], collector: SequenceCollector, track: bool) -> web.StreamResponse:
@@ -172,7 +186,7 @@ class Flow:
                     return self._json(turn, data if isinstance(data, dict) else error_body("decode server sent an unexpected body", "server_error", 502),
                                       resp.status)
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  "X-Request-Id": turn.reply_id})
+                                                  **self._headers(turn)})
                 await out.prepare(request)
                 relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
                 first = True

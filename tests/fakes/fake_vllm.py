@@ -45,6 +45,7 @@ class FakeVLLM:
         self.external_tokens = 0            # like vllm:prompt_tokens_by_source{source="external_kv_transfer"}
         self.healthy = True
         self.cancelled = 0                  # streams cut off by the other side (client went away)
+        self.computed_tokens = 0            # like ...{source="local_compute"}
 
     def prompt_ids(self, route: str, body: dict) -> list[int]:
         if "messages" in body:
@@ -72,6 +73,7 @@ class FakeVLLM:
         if kv.get("do_remote_prefill") and kv.get("remote_block_ids") and not self.args.no_kv_in:
             self.external_tokens += len(prompt)   # D reads P's blocks for the whole prompt
         if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
+            self.computed_tokens += len(prompt) - pulled
             await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
         n = int(body.get("max_tokens") or 8)
         generated = [50000 + i for i in range(n)]
@@ -147,7 +149,9 @@ class FakeVLLM:
         return web.Response(text=(
             f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0"}} 1.0\n'
             f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="external_kv_transfer"}} '
-            f"{float(self.external_tokens)}\n"))
+            f"{float(self.external_tokens)}\n"
+            f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="local_compute"}} '
+            f"{float(self.computed_tokens)}\n"))
 
     async def received_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response(self.received)

@@ -144,6 +144,7 @@ async def test_request_ids_are_the_routers_own():
                 assert (resp.headers["X-Request-Id"] == client_id) is echoed
                 if not echoed:
                     assert resp.headers["X-Request-Id"].startswith("pdserve-")
+                assert resp.headers["Server-Timing"].startswith("prefill;dur=") and "decode;dur=" in resp.headers["Server-Timing"]
             sent = dep.prefill[0][FAKE].received[-1]["headers"]["x-request-id"]
             assert sent.startswith("pdserve-") and sent != client_id
 

@@ -1,0 +1,32 @@
+"""The benchmark's arms: one cluster.yaml per arm, derived from the user's file.
+
+- on:           bidirectional_kv_xfer on, P's prefix cache off (every reused token must come from D)
+- off:          bidirectional_kv_xfer off, P's prefix cache off (P recomputes the whole history)
+- prefix-cache: bidirectional_kv_xfer off, P's prefix cache on (what users run today: P caches prompts
+                but never sees D's answers)
+
+The router's cost model is turned off in every arm: the arms measure the feature itself, and the cost
+model could only ever switch `on` to the `off` behaviour.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+ARMS = ("on", "off", "prefix-cache")
+PREFIX_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
+
+
+def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r} (known: {', '.join(ARMS)})")
+    cfg = copy.deepcopy(data)
+    cfg["name"] = f"{data['name']}-{arm}"
+    kv = cfg.setdefault("kv_transfer", {})
+    kv["bidirectional_kv_xfer"] = arm == "on"
+    prefill = cfg.setdefault("prefill", {})
+    args = [a for a in prefill.get("vllm_args", []) if a not in PREFIX_FLAGS]
+    prefill["vllm_args"] = [*args, "--enable-prefix-caching" if arm == "prefix-cache" else "--no-enable-prefix-caching"]
+    cfg.setdefault("router", {})["cost_aware"] = False
+    return cfg

@@ -1,0 +1,111 @@
+"""Benchmark outputs: results.json / results.csv, the summary per prompt-length bucket, and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+BUCKET = 2048   # prompt tokens per summary bucket
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per prompt-length bucket: TTFT p50/p90 per arm, off/on and prefix-cache/on ratios, and (arm on)
+    the share of the reusable tokens that P really pulled from D, on turns after the first."""
+    arms = sorted({r["arm"] for r in rows})
+    buckets = sorted({r["prompt_tokens"] // BUCKET for r in rows})
+    out = []
+    for b in buckets:
+        entry: dict[str, Any] = {"prompt_tokens": f"{b * BUCKET}-{(b + 1) * BUCKET - 1}"}
+        for arm in arms:
+            ttft = [1000 * r["ttft_s"] for r in rows if r["arm"] == arm and r["prompt_tokens"] // BUCKET == b]
+            if ttft:
+                entry[f"{arm}_ttft_p50_ms"] = percentile(ttft, 50)
+                entry[f"{arm}_ttft_p90_ms"] = percentile(ttft, 90)
+                entry[f"{arm}_requests"] = len(ttft)
+        for other in ("off", "prefix-cache"):
+            if f"on_ttft_p50_ms" in entry and f"{other}_ttft_p50_ms" in entry:
+                entry[f"{other}_over_on"] = entry[f"{other}_ttft_p50_ms"] / entry["on_ttft_p50_ms"]
+        later = [r for r in rows if r["arm"] == "on" and r["prompt_tokens"] // BUCKET == b
+                 and r["reusable_tokens"] and r.get("tokens_pulled") is not None]
+        if later:
+            entry["on_pulled_share"] = sum(r["tokens_pulled"] for r in later) / sum(r["reusable_tokens"] for r in later)
+        out.append(entry)
+    return out
+
+
+def pulled_share(rows: list[dict[str, Any]], arm: str = "on") -> float | None:
+    later = [r for r in rows if r["arm"] == arm and r["reusable_tokens"] and r.get("tokens_pulled") is not None]
+    reusable = sum(r["reusable_tokens"] for r in later)
+    return sum(r["tokens_pulled"] for r in later) / reusable if reusable else None
+
+
+def write_files(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], summary: list[dict[str, Any]],
+                totals: dict[str, dict[str, float]]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({**meta, "arm_totals": totals, "summary": summary,
+                                                  "requests": rows}, indent=1))
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return [out / "results.json", out / "results.csv", *plot(out, rows)]
+
+
+def plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
+    """TTFT against prompt length per arm; prefill time split into KV transfer and the rest per arm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = sorted({r["arm"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in arms:
+        pts = sorted((r["prompt_tokens"], 1000 * r["ttft_s"]) for r in rows if r["arm"] == arm)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-", label=arm)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("Time to first token vs prompt length")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    ttft_png = out / "ttft_vs_prompt.png"
+    fig.savefig(ttft_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    buckets = sorted({r["prompt_tokens"] // BUCKET for r in rows})
+    width = 0.8 / max(1, len(arms))
+    for i, arm in enumerate(arms):
+        xs, transfer, rest = [], [], []
+        for j, b in enumerate(buckets):
+            sel = [r for r in rows if r["arm"] == arm and r["prompt_tokens"] // BUCKET == b and r.get("prefill_s")]
+            if not sel:
+                continue
+            t = statistics.mean(1000 * (r.get("kv_transfer_s") or 0.0) for r in sel)
+            p = statistics.mean(1000 * r["prefill_s"] for r in sel)
+            xs.append(j + i * width)
+            transfer.append(t)
+            rest.append(max(0.0, p - t))
+        ax.bar(xs, rest, width, label=f"{arm}: compute")
+        ax.bar(xs, transfer, width, bottom=rest, label=f"{arm}: KV transfer", hatch="//")
+    ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(buckets))])
+    ax.set_xticklabels([f"{b * BUCKET // 1024}-{(b + 1) * BUCKET // 1024}k" for b in buckets])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill time, P leg (ms)")
+    ax.set_title("Prefill time: compute vs KV transfer from D")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    split_png = out / "prefill_split.png"
+    fig.savefig(split_png, dpi=120)
+    plt.close(fig)
+    return [ttft_png, split_png]

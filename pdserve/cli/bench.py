@@ -1,0 +1,137 @@
+"""Measure what bidirectional KV reuse buys on a deployment: for each arm (on, off, prefix-cache) bring the
+cluster up with that arm's settings, run the same deterministic multi-turn workload through the router,
+bring it down, and write results.json, results.csv and PNG plots to --out, with a summary per
+prompt-length bucket (TTFT p50/p90 per arm, off/on ratio, share of reusable tokens pulled from D).
+With no FILE it runs configs/bench-cpu.yaml (the CPU default with the larger `pdserve:mid` model).
+`--attach NAME` measures a running cluster instead (one arm, as it is)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+import yaml
+from rich.progress import Progress
+from rich.table import Table
+
+from pdserve import cluster
+from pdserve.bench import report
+from pdserve.bench.arms import ARMS, arm_config
+from pdserve.bench.run import Endpoints, run_arm
+from pdserve.bench.workload import generate, load
+from pdserve.errors import ConfigError, PdserveError
+from pdserve.spec.load import load_spec
+from pdserve.state import ClusterDir
+from pdserve.ui import console
+
+NAME = "bench"
+BENCH_CONFIG = cluster.DEFAULT_CONFIG.with_name("bench-cpu.yaml")
+
+
+def command(
+    config: Path = typer.Argument(None, help="cluster.yaml (default: configs/bench-cpu.yaml)"),
+    arms: str = typer.Option("on,off,prefix-cache", "--arms", help="Comma-separated arms to run."),
+    conversations: int = typer.Option(2, "--conversations", min=1),
+    turns: int = typer.Option(6, "--turns", min=1, help="User turns per conversation (generated workload)."),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Conversations at once (1 gives exact "
+                                                                    "per-request P metrics)."),
+    max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Reply length per turn."),
+    seed: int = typer.Option(0, "--seed"),
+    workload: Path = typer.Option(None, "--workload", help="vLLM multi_turn input: a list of {id, messages} "
+                                                            "or a generate_conversations config (JSON)."),
+    out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
+    attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),
+) -> None:
+    convs = load(workload, seed) if workload else generate(seed, conversations, turns)
+    if attach:
+        plan_dict = ClusterDir(attach).read_plan()
+        if not plan_dict or not cluster.is_running(ClusterDir(attach)):
+            raise PdserveError(f"cluster {attach} is not running", hint="`pdserve status` lists clusters", exit_code=3)
+        runs = [("attached", None, attach)]
+        base_name = attach
+    else:
+        path = config or BENCH_CONFIG
+        spec = load_spec(path)                  # exit 2 on a bad file, before anything starts
+        data = yaml.safe_load(Path(path).read_text())
+        chosen = [a.strip() for a in arms.split(",") if a.strip()]
+        unknown = [a for a in chosen if a not in ARMS]
+        if unknown or not chosen:
+            raise ConfigError(f"--arms: unknown arm {unknown[0] if unknown else '(none)'}",
+                              hint=f"choose from {', '.join(ARMS)}")
+        runs = [(arm, arm_config(data, arm), None) for arm in chosen]
+        base_name = spec.name
+    out = out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    requests = sum(len(c.user_turns) for c in convs)
+    rows, totals = [], {}
+    with Progress(console=console.err, transient=False) as progress:
+        task = progress.add_task("bench", total=requests * len(runs))
+        for arm, cfg, name in runs:
+            progress.update(task, description=f"arm {arm}")
+            rows_arm, totals[arm] = _run_one(arm, cfg, name, out, convs, max_tokens, concurrency,
+                                             lambda row: progress.advance(task))
+            rows += rows_arm
+    summary = report.summarize(rows)
+    meta = {"config": str(config or BENCH_CONFIG) if not attach else attach, "arms": [r[0] for r in runs],
+            "conversations": len(convs), "requests_per_arm": requests, "concurrency": concurrency,
+            "max_tokens": max_tokens, "seed": seed, "pulled_share_on": report.pulled_share(rows)}
+    files = report.write_files(out, meta, rows, summary, totals)
+    _print_summary(summary, meta)
+    console.info("wrote " + ", ".join(str(f) for f in files))
+
+
+def _run_one(arm, cfg, name, out, convs, max_tokens, concurrency, on_request):
+    if cfg is None:
+        return run_arm(arm, _endpoints(name), convs, max_tokens, concurrency, on_request)
+    arm_file = out / f"{arm}.yaml"
+    arm_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", str(arm_file)], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+    if up.returncode != 0:
+        raise PdserveError(f"arm {arm}: `pdserve up` failed: {up.stderr.strip().splitlines()[-1:]}",
+                           hint=f"`pdserve up {arm_file}` to see it")
+    try:
+        return run_arm(arm, _endpoints(cfg["name"]), convs, max_tokens, concurrency, on_request)
+    finally:
+        subprocess.run([sys.executable, "-m", "pdserve", "down", cfg["name"]], capture_output=True)
+
+
+def _endpoints(name: str) -> Endpoints:
+    from pdserve.plan import ClusterPlan
+    plan = ClusterPlan.from_dict(ClusterDir(name).read_plan())
+    key_env = plan.router_config.get("api_key_env")
+    return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],
+                     plan.router_config.get("model", ""), os.environ.get(key_env) if key_env else None)
+
+
+def _print_summary(summary: list[dict], meta: dict) -> None:
+    arms = meta["arms"]
+    table = Table(title="TTFT by prompt length (ms)", title_justify="left")
+    table.add_column("prompt tokens")
+    for arm in arms:
+        table.add_column(f"{arm} p50")
+        table.add_column(f"{arm} p90")
+    for ratio in ("off", "prefix-cache"):
+        if ratio in arms and "on" in arms:
+            table.add_column(f"{ratio}/on")
+    if "on" in arms:
+        table.add_column("pulled/reusable (on)")
+    for row in summary:
+        cells = [row["prompt_tokens"]]
+        for arm in arms:
+            cells += [f"{row.get(f'{arm}_ttft_p50_ms', float('nan')):.0f}",
+                      f"{row.get(f'{arm}_ttft_p90_ms', float('nan')):.0f}"]
+        for ratio in ("off", "prefix-cache"):
+            if ratio in arms and "on" in arms:
+                cells.append(f"{row[f'{ratio}_over_on']:.2f}x" if f"{ratio}_over_on" in row else "-")
+        if "on" in arms:
+            cells.append(f"{100 * row['on_pulled_share']:.0f}%" if "on_pulled_share" in row else "-")
+        table.add_row(*cells)
+    console.out.print(table)
+    if meta.get("pulled_share_on") is not None:
+        console.out.print(f"arm on: {100 * meta['pulled_share_on']:.1f}% of the reusable tokens (previous prompt "
+                          "+ reply, block-aligned) were pulled from D on turns after the first", highlight=False)

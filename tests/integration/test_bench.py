@@ -1,0 +1,34 @@
+"""`pdserve bench` end to end against fake vLLM servers: arms, outputs, and consistent numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from tests.integration.test_cli_lifecycle import all_markers, home, pdserve, write_config  # noqa: F401
+
+
+def test_bench_two_arms_writes_every_output(tmp_path, home, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("COLUMNS", "200")
+    path, _ = write_config(tmp_path, "fb")
+    out = tmp_path / "out"
+    res = pdserve("bench", str(path), "--arms", "on,off", "--conversations", "2", "--turns", "3",
+                  "--max-tokens", "4", "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr
+    for name in ("results.json", "results.csv", "ttft_vs_prompt.png", "prefill_split.png", "on.yaml", "off.yaml"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    rows = data["requests"]
+    assert len(rows) == 12 and len(list(csv.DictReader(open(out / "results.csv")))) == 12
+    on = [r for r in rows if r["arm"] == "on"]
+    off = [r for r in rows if r["arm"] == "off"]
+    assert all(r["tokens_pulled"] == 0 for r in off) and all(r["tokens_pulled"] == 0 for r in on if r["turn"] == 1)
+    assert all(r["tokens_pulled"] > 0 for r in on if r["turn"] > 1)
+    for r in rows:     # every prompt token is either computed by P or pulled from D
+        assert r["tokens_computed"] + r["tokens_pulled"] == r["prompt_tokens"], r
+        assert 0 < r["ttft_s"] <= r["latency_s"] and r["prefill_s"] is not None
+    assert 0 < data["pulled_share_on"] <= 1 and data["summary"]
+    assert "TTFT by prompt length" in res.stdout and "pulled/reusable (on)" in res.stdout
+    assert all_markers(home, "fb-on") == [] and all_markers(home, "fb-off") == []
+    bad = pdserve("bench", str(path), "--arms", "sideways")
+    assert bad.returncode == 2 and "unknown arm sideways" in bad.stderr
