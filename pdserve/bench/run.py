@@ -24,7 +24,6 @@ from typing import Any
 from pdserve.bench.metrics import Samples, parse, prefill_deltas
 from pdserve.bench.workload import Conversation
 
-BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 
 
@@ -48,14 +47,6 @@ def scrape(urls: list[str]) -> Samples:
         for key, value in parse(_get(url + "/metrics")).items():
             out[key] = out.get(key, 0.0) + value
     return out
-
-
-def block_size(urls: list[str]) -> int:
-    for url in urls:
-        m = BLOCK_SIZE_RE.search(_get(url + "/metrics"))
-        if m:
-            return int(m.group(1))
-    return 16
 
 
 def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
@@ -86,7 +77,6 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
     """Every conversation's turns in order (conversations in parallel up to `concurrency`); returns the
     per-request rows and the arm's P-side totals."""
     exact = concurrency == 1
-    block = block_size(ep.prefill)
     lock = threading.Lock()
     rows: list[dict[str, Any]] = []
 
@@ -99,8 +89,10 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
             result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens)
             deltas = prefill_deltas(before, scrape(ep.prefill)) if exact else {}
             reusable = 0
-            if previous is not None:   # the previous turn's prompt and reply, block-aligned
-                reusable = (previous["prompt_tokens"] + previous["completion_tokens"]) // block * block
+            if previous is not None:
+                # What D holds of the previous turn: its prompt and reply, all but the last sampled token.
+                # P may read all of it when the new prompt continues it exactly, whole blocks otherwise.
+                reusable = previous["prompt_tokens"] + previous["completion_tokens"] - 1
             row = {"arm": arm, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
                                                                               if k != "reply"},
                    **deltas, "reusable_tokens": reusable}

@@ -41,12 +41,16 @@ def command(
                                                                     "per-request P metrics)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Reply length per turn."),
     seed: int = typer.Option(0, "--seed"),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Conversations run (not recorded) before measuring "
+                                                         "each arm: a fresh server's first requests include "
+                                                         "one-time costs (kernel compilation, NIXL handshakes)."),
     workload: Path = typer.Option(None, "--workload", help="vLLM multi_turn input: a list of {id, messages} "
                                                             "or a generate_conversations config (JSON)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
     attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),
 ) -> None:
     convs = load(workload, seed) if workload else generate(seed, conversations, turns)
+    warm = generate(seed + 1000, warmup, max(len(c.user_turns) for c in convs)) if warmup else []
     if attach:
         plan_dict = ClusterDir(attach).read_plan()
         if not plan_dict or not cluster.is_running(ClusterDir(attach)):
@@ -72,21 +76,22 @@ def command(
         task = progress.add_task("bench", total=requests * len(runs))
         for arm, cfg, name in runs:
             progress.update(task, description=f"arm {arm}")
-            rows_arm, totals[arm] = _run_one(arm, cfg, name, out, convs, max_tokens, concurrency,
+            rows_arm, totals[arm] = _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency,
                                              lambda row: progress.advance(task))
             rows += rows_arm
     summary = report.summarize(rows)
     meta = {"config": str(config or BENCH_CONFIG) if not attach else attach, "arms": [r[0] for r in runs],
             "conversations": len(convs), "requests_per_arm": requests, "concurrency": concurrency,
-            "max_tokens": max_tokens, "seed": seed, "pulled_share_on": report.pulled_share(rows)}
+            "max_tokens": max_tokens, "seed": seed, "warmup_conversations": warmup,
+            "pulled_share_on": report.pulled_share(rows)}
     files = report.write_files(out, meta, rows, summary, totals)
     _print_summary(summary, meta)
     console.info("wrote " + ", ".join(str(f) for f in files))
 
 
-def _run_one(arm, cfg, name, out, convs, max_tokens, concurrency, on_request):
+def _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency, on_request):
     if cfg is None:
-        return run_arm(arm, _endpoints(name), convs, max_tokens, concurrency, on_request)
+        return _measure(arm, _endpoints(name), convs, warm, max_tokens, concurrency, on_request)
     arm_file = out / f"{arm}.yaml"
     arm_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
     up = subprocess.run([sys.executable, "-m", "pdserve", "up", str(arm_file)], stdout=subprocess.PIPE,
@@ -95,9 +100,15 @@ def _run_one(arm, cfg, name, out, convs, max_tokens, concurrency, on_request):
         raise PdserveError(f"arm {arm}: `pdserve up` failed: {up.stderr.strip().splitlines()[-1:]}",
                            hint=f"`pdserve up {arm_file}` to see it")
     try:
-        return run_arm(arm, _endpoints(cfg["name"]), convs, max_tokens, concurrency, on_request)
+        return _measure(arm, _endpoints(cfg["name"]), convs, warm, max_tokens, concurrency, on_request)
     finally:
         subprocess.run([sys.executable, "-m", "pdserve", "down", cfg["name"]], capture_output=True)
+
+
+def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request):
+    if warm:
+        run_arm(f"{arm}-warmup", ep, warm, max_tokens, 1)
+    return run_arm(arm, ep, convs, max_tokens, concurrency, on_request)
 
 
 def _endpoints(name: str) -> Endpoints:
