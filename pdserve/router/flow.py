@@ -9,6 +9,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,8 +99,10 @@ class Flow:
             d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
         collector = SequenceCollector(keep_for_client=bool(body.get("return_token_ids")))
         if body.get("stream"):
-            return await self._stream_decode(request, turn, decision, d_body, collector, track)
-        return await self._decode(turn, decision, d_body, collector, track)
+            return await self._on_a_decode_server(
+                turn, decision, lambda b: self._stream_from(request, turn, b, d_body, collector, track))
+        return await self._on_a_decode_server(
+            turn, decision, lambda b: self._decode_from(turn, b, d_body, collector, track))
 
     def _json(self, turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
         return web.json_response(data, status=status, headers=self._headers(turn, decode_ms))
@@ -134,40 +137,31 @@ class Flow:
         self.metrics.entries_live.set(len(self.store))
 
     # -- D leg -------------------------------------------------------------------------------------
-    async def _decode(self, turn: Turn, decision: Decision | None, body: dict[str, Any],
-                      collector: SequenceCollector, track: bool) -> web.Response:
+    async def _on_a_decode_server(self, turn: Turn, decision: Decision | None,
+                                  attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Run `attempt` on the chosen decode server; another one is tried only when no connection was made
+        at all (otherwise D may have read P's blocks, and a second D could not)."""
         tried: set[str] = set()
         while True:
             backend = self._pick_decode(decision, tried)
             if backend is None:
                 return self._json(turn, error_body("no decode server available", "server_error", 503), 503)
             tried.add(backend.name)
-            d_started = time.perf_counter()
             try:
-                status, data = await self.upstream.post_json(self.decode, backend, turn.route, body, turn.headers)
-                break
+                return await attempt(backend)
             except UpstreamError as err:
-                if not err.never_sent:   # D may have read P's blocks: a second D could not
+                if not err.never_sent:
                     return self._json(turn, err.body, err.status)
+
+    async def _decode_from(self, turn: Turn, backend: Backend, body: dict[str, Any], collector: SequenceCollector,
+                           track: bool) -> web.Response:
+        d_started = time.perf_counter()
+        status, data = await self.upstream.post_json(self.decode, backend, turn.route, body, turn.headers)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
         if status == 200:
             self._remember(turn, backend, collector, track)
             self.metrics.ttft.labels("false").observe(time.perf_counter() - turn.started)
         return self._json(turn, data, status, 1000 * (time.perf_counter() - d_started))
-
-    async def _stream_decode(self, request: web.Request, turn: Turn, decision: Decision | None,
-                             body: dict[str, Any], collector: SequenceCollector, track: bool) -> web.StreamResponse:
-        tried: set[str] = set()
-        while True:
-            backend = self._pick_decode(decision, tried)
-            if backend is None:
-                return self._json(turn, error_body("no decode server available", "server_error", 503), 503)
-            tried.add(backend.name)
-            try:
-                return await self._stream_from(request, turn, backend, body, collector, track)
-            except UpstreamError as err:
-                if not err.never_sent:
-                    return self._json(turn, err.body, err.status)
 
     async def _stream_from(self, request: web.Request, turn: Turn, backend: Backend, body: dict[str, Any],
                            collector: SequenceCollector, track: bool) -> web.StreamResponse:
