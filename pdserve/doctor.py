@@ -3,39 +3,23 @@ router answers, a canary really moves KV from P to D, and the NIXL transfer rate
 
 from __future__ import annotations
 
-import re
-import urllib.error
-import urllib.request
-
 from pdserve.plan import ClusterPlan
 from pdserve.preflight import Finding
+from pdserve.promtext import scrape, total
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 
 
-def _histogram_sums(url: str, name: str) -> tuple[float, float] | None:
-    """(sum, count) of a histogram on a server's /metrics, over all its label sets."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    total = count = 0.0
-    for kind, value in re.findall(rf"^{re.escape(name)}_(sum|count)(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M):
-        if kind == "sum":
-            total += float(value)
-        else:
-            count += float(value)
-    return total, count
-
-
 def transfer_rate(url: str) -> tuple[float, float, float] | None:
     """(bytes per second, transfers, bytes) of the KV this server read over NIXL; None if unknown."""
-    sent = _histogram_sums(url, "vllm:nixl_bytes_transferred")
-    took = _histogram_sums(url, "vllm:nixl_xfer_time_seconds")
-    if not sent or not took or not took[1]:
+    samples = scrape(url)
+    if samples is None:
         return None
-    return (sent[0] / took[0] if took[0] > 0 else 0.0), took[1], sent[0]
+    sent = total(samples, "vllm:nixl_bytes_transferred_sum")
+    took, count = total(samples, "vllm:nixl_xfer_time_seconds_sum"), total(samples, "vllm:nixl_xfer_time_seconds_count")
+    if not count:
+        return None
+    return (sent / took if took > 0 else 0.0), count, sent
 
 
 def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:

@@ -2,23 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
-Samples = dict[tuple[str, frozenset], float]
-
-
-def parse(text: str) -> Samples:
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum over every sample of `name` whose labels include `labels`."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+from pdserve.promtext import Samples, total
 
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:

@@ -21,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.bench.metrics import Samples, parse, prefill_deltas
+from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
+from pdserve.promtext import Samples, parse
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 

@@ -9,25 +9,23 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import urllib.error
 import urllib.request
 
-EXTERNAL_RE = re.compile(
-    r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} ([0-9.e+-]+)$', re.M)
+from pdserve.promtext import has, scrape, total
+
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
 # Long enough to fill at least one KV block on every backend (CPU blocks are 128 tokens).
 CANARY_TEXT = "pdserve canary: " + " ".join(f"check {i}" for i in range(160))
 
 
-def external_tokens(url: str, timeout: float = 10.0) -> float | None:
+def external_tokens(url: str) -> float | None:
     """Tokens this server loaded from another server's KV (None when it exports no such metric)."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
-            text = resp.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
+    samples = scrape(url)
+    if samples is None or not has(samples, BY_SOURCE):
         return None
-    values = [float(v) for v in EXTERNAL_RE.findall(text)]
-    return sum(values) if values else None
+    return total(samples, BY_SOURCE, source="external_kv_transfer")
 
 
 def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env: str | None = None,

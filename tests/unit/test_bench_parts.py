@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pdserve.bench.metrics import parse, prefill_deltas, total
+from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import from_generate_config, from_messages, generate, load
+from pdserve.promtext import parse, total
 
 
 def test_generated_workload_is_deterministic_and_grows():

@@ -1,0 +1,37 @@
+"""Reading Prometheus text exposition (vLLM's and the router's /metrics)."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def parse(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def scrape(url: str, timeout: float = 10.0) -> Samples | None:
+    """The samples on `url`/metrics; None when the server does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
+            return parse(resp.read().decode(errors="replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum over every sample of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def has(samples: Samples, name: str) -> bool:
+    return any(n == name for n, _ in samples)
