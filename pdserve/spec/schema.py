@@ -35,7 +35,8 @@ class RoleSpec(Strict):
 
 
 class KVTransferSpec(Strict):
-    """Goes into vLLM's --kv-transfer-config; kv_role is set by pdserve per role."""
+    """Goes into vLLM's --kv-transfer-config (kv_role is set by pdserve per role), but for
+    nixl_progress_delay_us, which NIXL's agent gets through pdserve.vllm_entry."""
 
     kv_connector: Literal["NixlConnector"] = "NixlConnector"
     kv_buffer_device: Literal["cuda", "cpu"] = "cuda"
@@ -45,6 +46,12 @@ class KVTransferSpec(Strict):
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
     kv_lease_duration: float = Field(30.0, gt=0)
     backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
+    nixl_progress_delay_us: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="Microseconds NIXL's progress thread sleeps between polls. NIXL's Python API uses 0, a busy "
+                    "loop that holds one core per vLLM worker: fine on GPU nodes, ruinous on shared CPU cores. "
+                    "Default: 1000 with kv_buffer_device cpu, else 0 (NIXL's own). Above 0, pdserve runs vLLM "
+                    "through pdserve.vllm_entry, which sets it.")
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="More kv_connector_extra_config keys, passed verbatim.")
 
@@ -97,6 +104,14 @@ class ClusterSpec(Strict):
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     supervisor: SupervisorSpec = Field(default_factory=SupervisorSpec)
+
+    @property
+    def nixl_progress_delay_us(self) -> int:
+        """The NIXL progress-thread delay in effect: the configured one, else 1000 on CPU buffers, else 0."""
+        kv = self.kv_transfer
+        if kv.nixl_progress_delay_us is not None:
+            return kv.nixl_progress_delay_us
+        return 1000 if kv.kv_buffer_device == "cpu" else 0
 
     @property
     def model_name(self) -> str:

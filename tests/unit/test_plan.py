@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.plan import MARKER_ENV, VLLM_SERVER_MODULE, ClusterPlan, build_plan
+from pdserve.plan import MARKER_ENV, NIXL_DELAY_ENV, VLLM_ENTRY_MODULE, VLLM_SERVER_MODULE, ClusterPlan, build_plan
 from pdserve.spec.load import parse_spec
 from tests.unit.test_spec import DELETE, GOOD, with_
 
@@ -27,7 +27,8 @@ def test_processes_and_order():
 def test_server_argv_and_env():
     plan = plan_of(with_("prefill.vllm_args", ["--no-enable-prefix-caching"]))
     p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
-    assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE]
+    assert p.argv[:3] == ["/py", "-m", VLLM_ENTRY_MODULE]     # own cores and a CPU buffer: the fixes apply
+    assert p.env[NIXL_DELAY_ENV] == "1000"
     assert arg(p.argv, "--port") == "8100" and arg(d.argv, "--port") == "8200"
     assert arg(p.argv, "--host") == "127.0.0.1"
     assert p.argv[-1] == "--no-enable-prefix-caching"
@@ -53,6 +54,16 @@ def test_replicas_count_ports_and_split_devices():
     assert d0.env["CUDA_VISIBLE_DEVICES"] == "2,3" and d1.env["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert arg(d1.argv, "--tensor-parallel-size") == "2"
     assert [b["name"] for b in plan.router_config["decode"]] == ["decode-0", "decode-1"]
+
+
+def test_vllm_entry_only_where_its_fixes_apply():
+    gpu = with_("prefill.cpus", DELETE, with_("decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda")))
+    p = plan_of(gpu).by_name("prefill-0")
+    assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE] and NIXL_DELAY_ENV not in p.env   # NIXL's own polling
+    slow_poll = plan_of(with_("kv_transfer.nixl_progress_delay_us", 250, gpu)).by_name("decode-0")
+    assert slow_poll.argv[2] == VLLM_ENTRY_MODULE and slow_poll.env[NIXL_DELAY_ENV] == "250"
+    cores_only = plan_of(with_("kv_transfer.nixl_progress_delay_us", 0)).by_name("prefill-0")
+    assert cores_only.argv[2] == VLLM_ENTRY_MODULE and NIXL_DELAY_ENV not in cores_only.env
 
 
 def test_builtin_model_resolves_to_models_dir():

@@ -1,0 +1,83 @@
+"""Runs vLLM's OpenAI API server with three fixes for servers that share a host's CPU cores.
+
+pdserve runs this module instead of `vllm.entrypoints.openai.api_server` when a server has its own
+`cpus:` or `kv_transfer.nixl_progress_delay_us` is above 0 (see plan.py). Measured on this project's
+2-core machine (1P1D, the "mid" model), without them prefill ran about 20x slower than with one core of
+its own, and P's KV leases expired before D could read them:
+
+- Cores (VLLM_CPU_OMP_THREADS_BIND, a plain list like "0" or "2,3"): the whole server (API server,
+  engine core, workers) is pinned to them, so a neighbour's busy threads cannot land on them.
+- NIXL's reserved KV core: vLLM's NIXL worker on CPU pins its main thread, which also runs the model,
+  to the last core of each NUMA node, wherever the server's own cores are. Both P and D ended up on
+  core 1. Here that reserved core is taken from the server's own cores.
+- NIXL's progress thread (PDSERVE_NIXL_PROGRESS_DELAY_US): NIXL's Python API creates its agent with a
+  delay of 0, a busy loop that holds one core per worker even when idle. Here it sleeps between polls.
+
+The patches run at import: vLLM starts its engine core and workers with multiprocessing's spawn, which
+re-imports the parent's main module (this one) in each child, so every process of the server gets them.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+
+DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def own_cores(bind: str | None) -> list[int]:
+    """The cores of a one-rank VLLM_CPU_OMP_THREADS_BIND ("0", "2,3", "4-7"); [] for auto, nobind or
+    several ranks ("0-3|4-7"), which vLLM binds itself."""
+    if not bind or "|" in bind or bind in ("auto", "nobind"):
+        return []
+    cores: list[int] = []
+    for part in bind.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return []
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def pin_to_own_cores() -> list[int]:
+    cores = own_cores(os.environ.get(CORES_ENV))
+    if not cores:
+        return []
+    os.sched_setaffinity(0, cores)      # inherited by every process and thread started from here on
+    from vllm.platforms.cpu import CpuPlatform
+    CpuPlatform.discover_numa_topology = classmethod(lambda cls: [[max(cores)]])
+    return cores
+
+
+def patch_nixl_progress_delay() -> int:
+    """Make every NIXL agent created from now on use the delay from DELAY_ENV; returns it (0: untouched)."""
+    delay = int(os.environ.get(DELAY_ENV) or 0)
+    if delay <= 0:
+        return 0
+    # vLLM sets this before its own first NIXL import (a UCX leak guard); importing NIXL here first
+    # would make it skip that, so set the same value.
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    try:
+        import nixl._api as nixl_api
+    except ImportError:   # vLLM reports the missing NIXL itself
+        return 0
+    make_agent = nixl_api.nixlBind.nixlAgent
+    if getattr(make_agent, "pdserve_delay_us", None) is not None:
+        return delay
+
+    def agent_with_delay(name, config):
+        config.pthrDelay = delay
+        return make_agent(name, config)
+
+    agent_with_delay.pdserve_delay_us = delay
+    nixl_api.nixlBind.nixlAgent = agent_with_delay
+    return delay
+
+
+pin_to_own_cores()
+patch_nixl_progress_delay()
+
+if __name__ == "__main__":
+    runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")
