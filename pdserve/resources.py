@@ -1,8 +1,19 @@
-"""CPU and memory of a server's whole process tree (vLLM's API server, engine core and workers)."""
+"""CPU, memory and GPU memory of a server's whole process tree (vLLM's API server, engine core and workers)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from dataclasses import dataclass
+
 import psutil
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    cpu_percent: float | None   # summed over the tree since the previous sample
+    rss: int | None             # resident bytes, summed over the tree
+    gpu_bytes: int | None       # GPU memory of the tree's processes; None where no GPU is visible
 
 
 class TreeSampler:
@@ -11,15 +22,15 @@ class TreeSampler:
     def __init__(self) -> None:
         self._seen: dict[tuple[int, float], psutil.Process] = {}
 
-    def sample(self, pid: int | None) -> tuple[float | None, int | None]:
-        """(CPU percent summed over the tree since the previous call, resident bytes); None if gone."""
+    def sample(self, pid: int | None, gpu_by_pid: dict[int, int] | None = None) -> TreeUsage:
+        """The usage of pid's tree; all None if it is gone. gpu_by_pid comes from `gpu_memory_by_pid()`."""
         if not pid:
-            return None, None
+            return TreeUsage(None, None, None)
         try:
             root = psutil.Process(pid)
             tree = [root, *root.children(recursive=True)]
         except psutil.Error:
-            return None, None
+            return TreeUsage(None, None, None)
         cpu, rss = 0.0, 0
         for proc in tree:
             try:
@@ -29,7 +40,30 @@ class TreeSampler:
                 rss += known.memory_info().rss
             except psutil.Error:
                 continue
-        return cpu, rss
+        gpu = None if gpu_by_pid is None else sum(gpu_by_pid.get(p.pid, 0) for p in tree)
+        return TreeUsage(cpu, rss, gpu)
+
+
+def gpu_memory_by_pid(nvidia_smi: str | None = None) -> dict[int, int] | None:
+    """GPU memory used per process (bytes), from nvidia-smi; None when no NVIDIA GPU is visible.
+
+    nvidia-smi rather than NVML bindings: it is on every machine with the driver, and one call per refresh
+    is cheap next to the one-second refresh."""
+    exe = nvidia_smi or shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    used: dict[int, int] = {}
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+            # MiB per process; a process on several GPUs appears once per GPU
+            used[int(fields[0])] = used.get(int(fields[0]), 0) + int(fields[1]) * 1024 * 1024
+    return used
 
 
 def human_bytes(n: int | None) -> str:

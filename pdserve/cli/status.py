@@ -1,6 +1,6 @@
 """Show each process of a cluster (role, state, pid, address, uptime, restarts, health and load as the router
 sees them) and the router's reuse hit rate; with no NAME, list all clusters. `--watch` keeps a live table
-with CPU and memory per server process tree. Exit 3 when the named cluster is not running."""
+with CPU and memory (and GPU memory where nvidia-smi sees GPUs) per server process tree. Exit 3 when the named cluster is not running."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.text import Text
 from pdserve import cluster
 from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError
-from pdserve.resources import TreeSampler, human_bytes
+from pdserve.resources import TreeSampler, gpu_memory_by_pid, human_bytes
 from pdserve.state import ClusterDir, list_clusters
 from pdserve.ui import console
 
@@ -33,8 +33,9 @@ def command(
     name: str = typer.Argument(None, help="Cluster name (default: list all clusters).",
                                autocompletion=cluster_names),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    watch: bool = typer.Option(False, "--watch", "-w", help="A live table refreshed every second, with CPU and "
-                                                          "memory per process tree (Ctrl-C stops)."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="A live table refreshed every second, with CPU, "
+                                                          "memory and GPU memory (where nvidia-smi sees GPUs) per "
+                                                          "process tree (Ctrl-C stops)."),
     count: int = typer.Option(0, "--count", min=0, help="With --watch: stop after this many refreshes "
                                                         "(0: until Ctrl-C)."),
 ) -> None:
@@ -92,10 +93,14 @@ def _routing(backend: dict | None) -> tuple[str, str]:
 
 
 def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
-    """The process table and the router line; with a sampler, CPU and memory per process tree too."""
+    """The process table and the router line; with a sampler, CPU and memory (and GPU memory where
+    nvidia-smi sees GPUs) per process tree too."""
     table = Table(title=f"{st['name']}: {st['phase']}", title_justify="left")
     cols = ["process", "role", "state", "pid", "address", "uptime", "restarts", "routing", "in flight"]
-    for col in cols + (["cpu", "memory"] if sampler else []):
+    gpu_by_pid = gpu_memory_by_pid() if sampler else None
+    if sampler:
+        cols += ["cpu", "memory"] + (["gpu memory"] if gpu_by_pid is not None else [])
+    for col in cols:
         table.add_column(col)
     backends = (st.get("router") or {}).get("backends") or {}
     for p in st["processes"]:
@@ -103,8 +108,10 @@ def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
         row = [p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
                _uptime(p["uptime_s"]), str(p["restarts"]), health, load]
         if sampler:
-            cpu, rss = sampler.sample(p["pid"] if p["alive"] else None)
-            row += ["-" if cpu is None else f"{cpu:.0f}%", human_bytes(rss)]
+            use = sampler.sample(p["pid"] if p["alive"] else None, gpu_by_pid)
+            row += ["-" if use.cpu_percent is None else f"{use.cpu_percent:.0f}%", human_bytes(use.rss)]
+            if gpu_by_pid is not None:
+                row.append(human_bytes(use.gpu_bytes))
         table.add_row(*row)
     parts: list = [table]
     r = st.get("router")
@@ -121,6 +128,6 @@ def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
 def _warnings(st: dict) -> None:
     if st["running"] and not st["supervisor_alive"]:
         console.error("the supervisor is gone: processes are not restarted if they die",
-                      hint="`pdserve down` then `pdserve up` to restore supervision")
+                      hint="`pdserve up` of the same config re-attaches a new supervisor to the live processes")
     if st.get("error"):
         console.error(st["error"])

@@ -260,7 +260,22 @@ def test_logs_rotation_and_status_watch(tmp_path, home, monkeypatch):
         assert watch.returncode == 0
         header = next(line for line in watch.stdout.splitlines() if "process" in line)
         assert "cpu" in header and "memory" in header, watch.stdout
+        assert "gpu memory" not in header, "no nvidia-smi here: no GPU column"
         assert "MiB" in watch.stdout and "decode-0" in watch.stdout, watch.stdout
+        # An nvidia-smi that reports 1500 MiB for decode's pid and some for a stranger's: the GPU column
+        # appears and only decode's tree is charged.
+        decode_pid = next(p["pid"] for p in status_json("logged")["processes"] if p["name"] == "decode-0")
+        fake_bin = tmp_path / "bin"
+        fake_bin.mkdir()
+        smi = fake_bin / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho '{decode_pid}, 1500'\necho '999999999, 700'\n")
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+        watch = pdserve("status", "logged", "--watch", "--count", "1")
+        lines = watch.stdout.splitlines()
+        assert "gpu memory" in next(line for line in lines if "process" in line), watch.stdout
+        assert "1.5 GiB" in next(line for line in lines if line.lstrip("│ ").startswith("decode-0")), watch.stdout
+        assert "GiB" not in next(line for line in lines if line.lstrip("│ ").startswith("prefill-0")), watch.stdout
         bad = pdserve("logs", "logged", "nope")
         assert bad.returncode == 2 and "processes with logs:" in bad.stderr
         assert pdserve("logs", "ghost").returncode == 3
