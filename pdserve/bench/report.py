@@ -48,6 +48,14 @@ def pulled_share(rows: list[dict[str, Any]], arm: str = "on") -> float | None:
     return sum(r["tokens_pulled"] for r in later) / reusable if reusable else None
 
 
+def outside_legs_ms(rows: list[dict[str, Any]]) -> float | None:
+    """Median time per request outside the P and D legs the router timed: the client's own HTTP and JSON
+    work plus the router's. It bounds what the benchmark and the router add to each measured latency."""
+    gaps = [1000 * (r["latency_s"] - r["prefill_s"] - r["decode_s"]) for r in rows
+            if r.get("prefill_s") is not None and r.get("decode_s") is not None]
+    return statistics.median(gaps) if gaps else None
+
+
 def write_files(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], summary: list[dict[str, Any]],
                 totals: dict[str, dict[str, float]]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     ttft = latency - (decode_ms / 1000) * (completion - 1) / completion if decode_ms and completion else latency
     return {"reply": data["choices"][0]["message"].get("content") or "", "latency_s": latency, "ttft_s": ttft,
             "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None,
+            "decode_s": timing["decode"] / 1000 if "decode" in timing else None,
             "prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": completion}
 
 

@@ -40,8 +40,8 @@ def _text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def generate(seed: int = 0, conversations: int = 4, turns: int = 6, system_words: int = 600,
-             user_words: int = 60, tool_words: int = 900) -> list[Conversation]:
+def generate(seed: int = 0, conversations: int = 4, turns: int = 8, system_words: int = 600,
+             user_words: int = 60, tool_words: int = 450) -> list[Conversation]:
     """Agentic conversations: a long system prompt (tools, instructions), then turns that alternate a
     short user request with a large tool result (file contents, search hits, logs) that the agent must
     read, so the context grows by roughly `user_words` or `tool_words` per turn plus the reply."""

@@ -36,7 +36,7 @@ def command(
     config: Path = typer.Argument(None, help="cluster.yaml (default: configs/bench-cpu.yaml)"),
     arms: str = typer.Option("on,off,prefix-cache", "--arms", help="Comma-separated arms to run."),
     conversations: int = typer.Option(2, "--conversations", min=1),
-    turns: int = typer.Option(6, "--turns", min=1, help="User turns per conversation (generated workload)."),
+    turns: int = typer.Option(8, "--turns", min=1, help="User turns per conversation (generated workload)."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Conversations at once (1 gives exact "
                                                                     "per-request P metrics)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Reply length per turn."),
@@ -83,7 +83,7 @@ def command(
     meta = {"config": str(config or BENCH_CONFIG) if not attach else attach, "arms": [r[0] for r in runs],
             "conversations": len(convs), "requests_per_arm": requests, "concurrency": concurrency,
             "max_tokens": max_tokens, "seed": seed, "warmup_conversations": warmup,
-            "pulled_share_on": report.pulled_share(rows)}
+            "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows)}
     files = report.write_files(out, meta, rows, summary, totals)
     _print_summary(summary, meta)
     console.info("wrote " + ", ".join(str(f) for f in files))
@@ -146,3 +146,6 @@ def _print_summary(summary: list[dict], meta: dict) -> None:
     if meta.get("pulled_share_on") is not None:
         console.out.print(f"arm on: {100 * meta['pulled_share_on']:.1f}% of the reusable tokens (previous prompt "
                           "+ reply, block-aligned) were pulled from D on turns after the first", highlight=False)
+    if meta.get("outside_legs_p50_ms") is not None:
+        console.out.print(f"client and router time outside the P and D legs: p50 {meta['outside_legs_p50_ms']:.1f} ms "
+                          "per request (the benchmark's own overhead is below this)", highlight=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from pdserve.bench.metrics import prefill_deltas
+from pdserve.bench.report import outside_legs_ms
 from pdserve.bench.workload import from_generate_config, from_messages, generate, load
 from pdserve.promtext import parse, total
 
@@ -14,7 +15,7 @@ def test_generated_workload_is_deterministic_and_grows():
     assert [x.user_turns for x in a] == [x.user_turns for x in b]
     assert [x.user_turns for x in a] != [x.user_turns for x in c]
     conv = a[0]
-    assert len(a) == 4 and len(conv.user_turns) == 6 and conv.system.startswith("You are agent 0")
+    assert len(a) == 4 and len(conv.user_turns) == 8 and conv.system.startswith("You are agent 0")
     assert conv.user_turns[1].startswith("Tool result for step 0") and len(conv.user_turns[1]) > len(conv.user_turns[0])
     first = conv.messages_for([], 0)
     assert [m["role"] for m in first] == ["system", "user"]
@@ -73,3 +74,12 @@ def test_prefill_deltas_from_recorded_metrics():
     assert d["tokens_computed"] == 400 and d["tokens_pulled"] == 1664 and d["kv_transfers"] == 1
     assert abs(d["kv_transfer_s"] - 0.03) < 1e-9 and d["kv_bytes"] == 1_700_000 and d["failed_transfers"] == 0
     assert total(parse(AFTER), "vllm:prompt_tokens_by_source_total") == 3064
+
+
+def test_time_outside_the_legs_is_the_median_gap():
+    rows = [{"latency_s": 1.0, "prefill_s": 0.6, "decode_s": 0.39},      # 10 ms outside the legs
+            {"latency_s": 2.0, "prefill_s": 1.5, "decode_s": 0.47},      # 30 ms
+            {"latency_s": 3.0, "prefill_s": 2.0, "decode_s": 0.98},      # 20 ms
+            {"latency_s": 9.0, "prefill_s": None, "decode_s": None}]     # no Server-Timing: left out
+    assert abs(outside_legs_ms(rows) - 20.0) < 1e-6
+    assert outside_legs_ms(rows[3:]) is None
