@@ -79,7 +79,9 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm in arms:
         pts = sorted((r["prompt_tokens"], 1000 * r["ttft_s"]) for r in rows if r["arm"] == arm)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-", label=arm)
+        # Points, not a line: consecutive turns add new text of very different sizes (a short user
+        # message, a long tool result), so TTFT at similar lengths differs by turn kind, not by noise.
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="none", alpha=0.8, label=arm)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Time to first token vs prompt length")
@@ -105,7 +107,8 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
             transfer.append(t)
             rest.append(max(0.0, p - t))
         ax.bar(xs, rest, width, label=f"{arm}: compute")
-        ax.bar(xs, transfer, width, bottom=rest, label=f"{arm}: KV transfer", hatch="//")
+        if any(transfer):      # arms that pulled nothing get no empty legend entry
+            ax.bar(xs, transfer, width, bottom=rest, label=f"{arm}: KV transfer", hatch="//")
     ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(buckets))])
     ax.set_xticklabels([f"{b * BUCKET // 1024}-{(b + 1) * BUCKET // 1024}k" for b in buckets])
     ax.set_xlabel("prompt tokens")
