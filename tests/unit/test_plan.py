@@ -114,3 +114,18 @@ def test_changed_processes_compares_each_process_plan():
     assert changed_processes(base.to_dict(), plan_of(with_("decode.vllm_args", ["--x"]))) == ["decode-0"]
     assert changed_processes(base.to_dict(), plan_of(with_("router.request_timeout", 5))) == ["router"]
     assert changed_processes(None, base) == ["prefill-0", "decode-0", "router"]
+
+
+def test_every_shipped_config_loads_and_plans():
+    from pdserve.spec.load import load_spec
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert {c.name for c in configs} >= {"local-cpu.yaml", "bench-cpu.yaml", "bench-cpu-2p1d.yaml"}
+    for path in configs:
+        plan = build_plan(load_spec(path), python="/py", cluster_dir=Path("/h/clusters/t"),
+                          models_dir=Path("/h/models"))
+        servers = [p for p in plan.processes if p.role != "router"]
+        # every CPU server runs through vllm_entry and is pinned to cores of its own role
+        assert all(p.argv[2] == VLLM_ENTRY_MODULE and p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers), path
+        prefill = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "prefill"}
+        decode = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "decode"}
+        assert not prefill & decode, path     # P and D never share a core
