@@ -30,6 +30,17 @@ class Backend:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     seen_alive: bool = False   # answered since the last generation bump
 
+    def mark_answering(self) -> bool:
+        """The server answered (a probe or a real request); True when that brings it back into routing.
+
+        A successful request counts as much as a probe: after a restart the supervisor's canary or the
+        first client request often reaches the server before the next probe does, and until then the
+        router would refuse to reuse the blocks the new server already holds."""
+        came_back = not self.healthy
+        self.failed_probes = 0
+        self.healthy = self.seen_alive = True
+        return came_back
+
     def record_probe(self, ok: bool, refused: bool = False) -> bool:
         """Update health from one probe; True when the server's KV state is lost (entries must go).
 
@@ -39,8 +50,7 @@ class Backend:
         loaded machine still holds its blocks (a restart shows as refused connections or a new engine id).
         """
         if ok:
-            self.failed_probes = 0
-            self.healthy = self.seen_alive = True
+            self.mark_answering()
             return False
         self.failed_probes += 1
         if refused or self.failed_probes >= FAILED_PROBES_BEFORE_DOWN:
@@ -98,6 +108,9 @@ class Pool:
         nothing about this backend (e.g. P failing to read another server's blocks)."""
         backend.in_flight -= 1
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+        if ok and backend.mark_answering():
+            log.info("%s %s is healthy (answered a request)", self.role, backend.name)
+            self.metrics.healthy.labels(backend.name, self.role).set(1)
         if ok is not None and backend.breaker.record(ok):
             log.warning("%s %s: circuit breaker open after %d failed requests", self.role, backend.name,
                         backend.breaker.failures)

@@ -41,3 +41,23 @@ def test_refused_connection_is_down_at_once_and_loses_state_once():
 def test_never_healthy_backend_is_not_reported_down():
     b = Backend("decode-0", "http://x", "decode")
     assert b.record_probe(False, refused=True) is False and b.generation == 0
+
+
+def test_a_successful_request_brings_a_restarted_server_back_before_the_next_probe():
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.backends import Pool
+    from pdserve.router.config import BackendConfig
+    pool = Pool("decode", [BackendConfig("decode-0", "http://x")], RouterMetrics())
+    b = pool.backends[0]
+    b.record_probe(True)
+    assert b.record_probe(False, refused=True) and not b.healthy      # killed: down, entries gone
+    pool.acquire(b)
+    pool.release(b, ok=False)                                        # a failed request proves nothing
+    assert not b.healthy
+    pool.acquire(b)
+    pool.release(b, ok=None)                                         # nor does an outcome not its own
+    assert not b.healthy
+    pool.acquire(b)
+    pool.release(b, ok=True)                                         # the restarted server answered
+    assert b.healthy and b.seen_alive
+    assert b.record_probe(False, refused=True) is True and b.generation == 2   # a later outage still counts
