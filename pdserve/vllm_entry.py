@@ -13,8 +13,9 @@ and P's KV leases expired before D could read them:
 - NIXL's progress thread (PDSERVE_NIXL_PROGRESS_DELAY_US): NIXL's Python API creates its agent with a
   delay of 0, a busy loop that holds one core per worker even when idle. Here it sleeps between polls.
 
-The patches run at import: vLLM starts its engine core and workers with multiprocessing's spawn, which
-re-imports the parent's main module (this one) in each child, so every process of the server gets them.
+The patches run when this module is a process's main module: as `python -m pdserve.vllm_entry`, and as
+`__mp_main__` in the engine core and workers, which vLLM starts with multiprocessing's spawn, so every
+process of the server gets them. Importing it for its constants (pdserve.plan does) changes nothing.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def patch_nixl_progress_delay() -> int:
     return delay
 
 
-pin_to_own_cores()
-patch_nixl_progress_delay()
+if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
+    pin_to_own_cores()
+    patch_nixl_progress_delay()
 
 if __name__ == "__main__":
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")

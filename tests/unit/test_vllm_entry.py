@@ -19,6 +19,10 @@ def test_own_cores(bind, cores):
     assert own_cores(bind) == cores
 
 
+# What multiprocessing's spawn does in vLLM's engine core and workers with the parent's main module.
+AS_SPAWNED_CHILD = "import runpy; runpy.run_module('pdserve.vllm_entry', run_name='__mp_main__', alter_sys=True)\n"
+
+
 def run_python(code: str, **env) -> str:
     full_env = {k: v for k, v in os.environ.items() if k not in (DELAY_ENV, CORES_ENV)}
     full_env.update(env)
@@ -29,15 +33,15 @@ def run_python(code: str, **env) -> str:
 
 def test_pins_the_process_and_nixls_kv_core_to_its_own_cores():
     first = min(os.sched_getaffinity(0))
-    out = run_python("import os, pdserve.vllm_entry\n"
+    out = run_python("import os\n" + AS_SPAWNED_CHILD +
                      "from vllm.platforms.cpu import CpuPlatform\n"
                      "print(sorted(os.sched_getaffinity(0)), CpuPlatform.discover_numa_topology())",
                      **{CORES_ENV: str(first)})
     assert out == f"[{first}] [[{first}]]"
 
 
-IDLE_CPU = """
-import resource, time, pdserve.vllm_entry
+IDLE_CPU = AS_SPAWNED_CHILD + """
+import resource, time
 import nixl._api as api
 agent = api.nixl_agent("idle-test", api.nixl_agent_config(num_threads=1))
 time.sleep(0.5)
@@ -52,3 +56,13 @@ def test_nixl_progress_thread_sleeps_instead_of_spinning():
     spinning = int(run_python(IDLE_CPU))                       # NIXL's own delay of 0: one core busy
     patched = int(run_python(IDLE_CPU, **{DELAY_ENV: "1000"}))
     assert spinning > 60 and patched < 30, (spinning, patched)
+
+
+def test_importing_it_for_its_constants_changes_nothing():
+    # pdserve.plan imports it in the CLI and the supervisor, whose environment may hold a server's variables
+    first = min(os.sched_getaffinity(0))
+    out = run_python("import os, sys, pdserve.plan\n"
+                     "print(sorted(os.sched_getaffinity(0)) == sorted(os.sched_getaffinity(os.getppid())), "
+                     "'vllm' in sys.modules, 'nixl' in sys.modules)",
+                     **{CORES_ENV: str(first), DELAY_ENV: "1000"})
+    assert out == "True False False"
