@@ -25,8 +25,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for b in buckets:
         entry: dict[str, Any] = {"prompt_tokens": f"{b * BUCKET}-{(b + 1) * BUCKET - 1}"}
+        in_bucket = [r for r in rows if r["prompt_tokens"] // BUCKET == b]
         for arm in arms:
-            ttft = [1000 * r["ttft_s"] for r in rows if r["arm"] == arm and r["prompt_tokens"] // BUCKET == b]
+            ttft = [1000 * r["ttft_s"] for r in in_bucket if r["arm"] == arm]
             if ttft:
                 entry[f"{arm}_ttft_p50_ms"] = percentile(ttft, 50)
                 entry[f"{arm}_ttft_p90_ms"] = percentile(ttft, 90)
@@ -34,15 +35,15 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for other in ("off", "prefix-cache"):
             if f"on_ttft_p50_ms" in entry and f"{other}_ttft_p50_ms" in entry:
                 entry[f"{other}_over_on"] = entry[f"{other}_ttft_p50_ms"] / entry["on_ttft_p50_ms"]
-        later = [r for r in rows if r["arm"] == "on" and r["prompt_tokens"] // BUCKET == b
-                 and r["reusable_tokens"] and r.get("tokens_pulled") is not None]
-        if later:
-            entry["on_pulled_share"] = sum(r["tokens_pulled"] for r in later) / sum(r["reusable_tokens"] for r in later)
+        share = pulled_share(in_bucket)
+        if share is not None:
+            entry["on_pulled_share"] = share
         out.append(entry)
     return out
 
 
 def pulled_share(rows: list[dict[str, Any]], arm: str = "on") -> float | None:
+    """Tokens P pulled over the tokens D held of the previous turn, on the arm's turns after the first."""
     later = [r for r in rows if r["arm"] == arm and r["reusable_tokens"] and r.get("tokens_pulled") is not None]
     reusable = sum(r["reusable_tokens"] for r in later)
     return sum(r["tokens_pulled"] for r in later) / reusable if reusable else None

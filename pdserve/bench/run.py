@@ -64,13 +64,12 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     latency = time.perf_counter() - started
     usage = data.get("usage") or {}
     completion = int(usage.get("completion_tokens") or 0)
-    decode_ms = timing.get("decode")
+    prefill_s, decode_s = ((timing[leg] / 1000 if leg in timing else None) for leg in ("prefill", "decode"))
     # The D leg reads P's KV, produces the first token, then the rest: the first token arrived about
     # (completion - 1) / completion of the D leg before the response ended.
-    ttft = latency - (decode_ms / 1000) * (completion - 1) / completion if decode_ms and completion else latency
+    ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
     return {"reply": data["choices"][0]["message"].get("content") or "", "latency_s": latency, "ttft_s": ttft,
-            "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None,
-            "decode_s": timing["decode"] / 1000 if "decode" in timing else None,
+            "prefill_s": prefill_s, "decode_s": decode_s,
             "prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": completion}
 
 
