@@ -214,10 +214,12 @@ def wait_restarted(cdir: ClusterDir, before: dict[str, int], timeout: float,
         procs = (cdir.read_state() or {}).get("processes") or {}
         for name in list(pending):
             p = procs.get(name) or {}
-            if int(p.get("restarts") or 0) > pending[name] and p.get("state") == "ready":
+            if int(p.get("restarts") or 0) <= pending[name]:
+                continue                          # the supervisor has not restarted it yet
+            if p.get("state") == "ready":
                 del pending[name]
                 on_ready(name)
-            elif int(p.get("restarts") or 0) > pending[name] and p.get("state") == "fatal":
+            elif p.get("state") == "fatal":
                 raise PdserveError(f"{name} did not come back: {p.get('message')}",
                                    hint=f"`pdserve logs {cdir.name} {name}`")
         if pending and time.monotonic() > deadline:

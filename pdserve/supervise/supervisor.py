@@ -199,21 +199,34 @@ class Supervisor:
         return run_canary(self.plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
                           timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))
 
+    def _canary_try(self, now: float) -> tuple[bool, str, bool] | None:
+        """One canary, at most every 2 s after a failure: None while waiting, else (passed, what happened,
+        out of tries). CANARY_TRIES failures in a row are out of tries, and the count starts over."""
+        if now < self._next_canary:
+            return None
+        ok, detail = self._canary()
+        if ok:
+            self._canary_failures = 0
+            return True, detail, False
+        self._canary_failures += 1
+        self._next_canary = time.monotonic() + 2.0
+        out_of_tries = self._canary_failures >= CANARY_TRIES
+        if out_of_tries:
+            self._canary_failures = 0
+        return False, detail, out_of_tries
+
     def _canary_passes(self, now: float) -> bool:
         """At start-up: a few tries (backends may still be warming up), then `up` fails with the reason."""
         if not self.policy.canary:
             return True
-        if now < self._next_canary:
+        tried = self._canary_try(now)
+        if tried is None:
             return False
-        ok, detail = self._canary()
+        ok, detail, out_of_tries = tried
         log.info("%s", detail)
-        if ok:
-            return True
-        self._canary_failures += 1
-        self._next_canary = time.monotonic() + 2.0
-        if self._canary_failures >= CANARY_TRIES:
+        if out_of_tries:
             self.phase, self.error, self.stop_requested = "failed", detail, True
-        return False
+        return ok
 
     def _verify_restarted(self, now: float) -> None:
         """After a prefill or decode restart, check the pair with a canary. Decode servers that keep failing
@@ -221,21 +234,19 @@ class Supervisor:
         if not self.policy.canary:
             self._verify.clear()
             return
-        if now < self._next_canary:
+        tried = self._canary_try(now)
+        if tried is None:
             return
-        ok, detail = self._canary()
+        ok, detail, out_of_tries = tried
+        restarted = ", ".join(sorted(self._verify))
         if ok:
-            log.info("after restarting %s: %s", ", ".join(sorted(self._verify)), detail)
+            log.info("after restarting %s: %s", restarted, detail)
             self._verify.clear()
-            self._canary_failures = 0
             return
-        self._canary_failures += 1
-        self._next_canary = time.monotonic() + 2.0
-        log.warning("after restarting %s: %s", ", ".join(sorted(self._verify)), detail)
-        if self._canary_failures >= CANARY_TRIES:
+        log.warning("after restarting %s: %s", restarted, detail)
+        if out_of_tries:
             roles = {p.plan.role for p in self.procs if p.name in self._verify}
             self._verify.clear()
-            self._canary_failures = 0
             if "prefill" in roles:
                 decode = [p.name for p in self.procs if p.plan.role == "decode" and p.name not in self.restart_queue]
                 log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
