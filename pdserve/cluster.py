@@ -135,11 +135,13 @@ def start_supervisor(cdir: ClusterDir, adopt: bool = False) -> subprocess.Popen:
 
 def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Callable[[dict], None],
                    poll: float = 0.5) -> dict[str, Any]:
-    """Poll state.json until the cluster is up, failed, or the supervisor died."""
+    """Poll state.json until the cluster is up, failed, or the supervisor died. Only a state written by
+    this supervisor counts: on re-attach, state.json still says "running" from the one that died."""
     while True:
         state = cdir.read_state() or {}
         on_update(state)
-        if state.get("phase") in TERMINAL_PHASES:
+        ours = ((state.get("supervisor") or {}).get("pid")) == supervisor.pid
+        if ours and state.get("phase") in TERMINAL_PHASES:
             return state
         if supervisor.poll() is not None:
             state = cdir.read_state() or {}

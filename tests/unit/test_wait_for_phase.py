@@ -1,0 +1,37 @@
+"""`up` waits for the phase its own supervisor writes. On re-attach, state.json still says "running" from
+the supervisor that died; returning on that let `up` finish before the new supervisor had taken over."""
+
+from pdserve import cluster
+from pdserve.state import ClusterDir
+
+
+class FakeSupervisor:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self):
+        return None   # still running
+
+
+def test_a_terminal_phase_from_the_dead_supervisor_is_not_ours(tmp_path):
+    cdir = ClusterDir("c", home=tmp_path)
+    cdir.root.mkdir(parents=True)
+    cdir.write_state({"phase": "running", "supervisor": {"pid": 111}})   # left by the one that died
+    seen: list[str] = []
+
+    def on_update(state: dict) -> None:
+        seen.append(state["phase"])
+        if len(seen) == 3:   # the new supervisor takes over, then reports its own phase
+            cdir.write_state({"phase": "running", "supervisor": {"pid": 222}, "adopted": True})
+
+    state = cluster.wait_for_phase(cdir, FakeSupervisor(222), on_update, poll=0.01)
+    assert state["supervisor"]["pid"] == 222 and state["adopted"]
+    assert len(seen) == 4
+
+
+def test_its_own_failure_is_returned_at_once(tmp_path):
+    cdir = ClusterDir("c", home=tmp_path)
+    cdir.root.mkdir(parents=True)
+    cdir.write_state({"phase": "failed", "error": "boom", "supervisor": {"pid": 7}})
+    state = cluster.wait_for_phase(cdir, FakeSupervisor(7), lambda s: None, poll=0.01)
+    assert state["phase"] == "failed" and state["error"] == "boom"
