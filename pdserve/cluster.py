@@ -137,15 +137,17 @@ def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Ca
                    poll: float = 0.5) -> dict[str, Any]:
     """Poll state.json until the cluster is up, failed, or the supervisor died. Only a state written by
     this supervisor counts: on re-attach, state.json still says "running" from the one that died."""
+    def ours(state: dict[str, Any]) -> bool:
+        return (state.get("supervisor") or {}).get("pid") == supervisor.pid
+
     while True:
         state = cdir.read_state() or {}
         on_update(state)
-        ours = ((state.get("supervisor") or {}).get("pid")) == supervisor.pid
-        if ours and state.get("phase") in TERMINAL_PHASES:
+        if ours(state) and state.get("phase") in TERMINAL_PHASES:
             return state
         if supervisor.poll() is not None:
             state = cdir.read_state() or {}
-            if state.get("phase") not in TERMINAL_PHASES:
+            if not ours(state) or state.get("phase") not in TERMINAL_PHASES:
                 state["phase"] = "failed"
                 state["error"] = state.get("error") or (
                     "the supervisor exited: " + " | ".join(tail_lines(cdir.supervisor_log, 3)))

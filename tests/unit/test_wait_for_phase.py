@@ -35,3 +35,17 @@ def test_its_own_failure_is_returned_at_once(tmp_path):
     cdir.write_state({"phase": "failed", "error": "boom", "supervisor": {"pid": 7}})
     state = cluster.wait_for_phase(cdir, FakeSupervisor(7), lambda s: None, poll=0.01)
     assert state["phase"] == "failed" and state["error"] == "boom"
+
+
+class ExitedSupervisor(FakeSupervisor):
+    def poll(self):
+        return 1
+
+
+def test_a_new_supervisor_that_dies_at_once_is_a_failure_not_the_old_running(tmp_path):
+    cdir = ClusterDir("c", home=tmp_path)
+    cdir.logs_dir.mkdir(parents=True)
+    cdir.supervisor_log.write_text("Traceback ...\nImportError: no module named x\n")
+    cdir.write_state({"phase": "running", "supervisor": {"pid": 111}})
+    state = cluster.wait_for_phase(cdir, ExitedSupervisor(222), lambda s: None, poll=0.01)
+    assert state["phase"] == "failed" and "ImportError" in state["error"]
