@@ -148,8 +148,10 @@ def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Ca
         if supervisor.poll() is not None:
             state = cdir.read_state() or {}
             if not ours(state) or state.get("phase") not in TERMINAL_PHASES:
+                # A dead predecessor's error is not this supervisor's: show this one's log instead.
+                own_error = state.get("error") if ours(state) else None
                 state["phase"] = "failed"
-                state["error"] = state.get("error") or (
+                state["error"] = own_error or (
                     "the supervisor exited: " + " | ".join(tail_lines(cdir.supervisor_log, 3)))
             return state
         time.sleep(poll)

@@ -46,6 +46,6 @@ def test_a_new_supervisor_that_dies_at_once_is_a_failure_not_the_old_running(tmp
     cdir = ClusterDir("c", home=tmp_path)
     cdir.logs_dir.mkdir(parents=True)
     cdir.supervisor_log.write_text("Traceback ...\nImportError: no module named x\n")
-    cdir.write_state({"phase": "running", "supervisor": {"pid": 111}})
+    cdir.write_state({"phase": "running", "error": "an old error", "supervisor": {"pid": 111}})
     state = cluster.wait_for_phase(cdir, ExitedSupervisor(222), lambda s: None, poll=0.01)
     assert state["phase"] == "failed" and "ImportError" in state["error"]
