@@ -20,6 +20,7 @@ from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
 VLLM_SERVER_MODULE = vllm_entry.VLLM_SERVER_MODULE
 VLLM_ENTRY_MODULE = vllm_entry.__name__
 NIXL_DELAY_ENV = vllm_entry.DELAY_ENV
+CPU_CORES_ENV = vllm_entry.CORES_ENV
 # Environment variable every process of a cluster carries (children inherit it), so stop/down can find
 # strays by identity rather than by pid alone.
 MARKER_ENV = "PDSERVE_PROCESS"
@@ -132,7 +133,7 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     if cpus:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        env[CPU_CORES_ENV] = ",".join(map(str, cpus))
     if delay:
         env[NIXL_DELAY_ENV] = str(delay)
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
