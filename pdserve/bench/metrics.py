@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.promtext import Samples, total
+from pdserve.observe.promtext import Samples, total
 
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
-from pdserve.promtext import Samples, parse
+from pdserve.observe.promtext import Samples, parse
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 

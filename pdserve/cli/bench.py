@@ -18,18 +18,18 @@ import yaml
 from rich.progress import Progress
 from rich.table import Table
 
-from pdserve import cluster
+from pdserve.orchestrate import cluster
 from pdserve.bench import report
 from pdserve.bench.arms import ARMS, arm_config
 from pdserve.bench.run import Endpoints, run_arm
 from pdserve.bench.workload import generate, load
 from pdserve.errors import ConfigError, PdserveError
-from pdserve.spec.load import load_spec
-from pdserve.state import ClusterDir
+from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
+from pdserve.state.folder import ClusterDir
 from pdserve.ui import console
 
 NAME = "bench"
-BENCH_CONFIG = cluster.DEFAULT_CONFIG.with_name("bench-cpu.yaml")
+BENCH_CONFIG = SHIPPED_CONFIGS / "bench-cpu.yaml"
 
 
 def command(
@@ -112,7 +112,7 @@ def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request):
 
 
 def _endpoints(name: str) -> Endpoints:
-    from pdserve.plan import ClusterPlan
+    from pdserve.plan.build import ClusterPlan
     plan = ClusterPlan.from_dict(ClusterDir(name).read_plan())
     key_env = plan.router_config.get("api_key_env")
     return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.state import list_clusters
+from pdserve.state.folder import list_clusters
 
 
 def cluster_names(incomplete: str) -> list[str]:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from pdserve import cluster, doctor, preflight
+from pdserve.checks import doctor, preflight
+from pdserve.orchestrate import cluster
 from pdserve.ui import console
 
 NAME = "doctor"

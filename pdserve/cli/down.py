@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import typer
 
-from pdserve import cluster
+from pdserve.orchestrate import cluster
 from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError, PdserveError
-from pdserve.state import ClusterDir, list_clusters
+from pdserve.state.folder import ClusterDir, list_clusters
 from pdserve.ui import console
 
 NAME = "down"

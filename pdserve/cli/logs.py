@@ -10,8 +10,8 @@ import typer
 
 from pdserve.cli.completion import cluster_names
 from pdserve.errors import ConfigError, NotRunningError
-from pdserve.logfiles import follow, last_lines
-from pdserve.state import ClusterDir
+from pdserve.observe.logfiles import follow, last_lines
+from pdserve.state.folder import ClusterDir
 
 NAME = "logs"
 

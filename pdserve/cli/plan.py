@@ -9,8 +9,8 @@ from pathlib import Path
 
 import typer
 
-from pdserve import preflight
-from pdserve.cluster import busy_ports, has_supervisor, plan_from_file
+from pdserve.checks import preflight
+from pdserve.orchestrate.cluster import busy_ports, has_supervisor, plan_from_file
 from pdserve.ui import console
 
 NAME = "plan"

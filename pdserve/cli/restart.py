@@ -9,10 +9,10 @@ import time
 
 import typer
 
-from pdserve import cluster
+from pdserve.orchestrate import cluster
 from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError
-from pdserve.state import ClusterDir
+from pdserve.state.folder import ClusterDir
 from pdserve.ui import console
 
 NAME = "restart"

@@ -12,11 +12,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdserve import cluster
+from pdserve.orchestrate import cluster
 from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError
-from pdserve.resources import TreeSampler, gpu_memory_by_pid, human_bytes
-from pdserve.state import ClusterDir, list_clusters
+from pdserve.observe.resources import TreeSampler, gpu_memory_by_pid, human_bytes
+from pdserve.state.folder import ClusterDir, list_clusters
 from pdserve.ui import console
 
 NAME = "status"

@@ -14,8 +14,9 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from pdserve import cluster
+from pdserve.orchestrate import cluster
 from pdserve.errors import PdserveError
+from pdserve.spec.load import DEFAULT_CONFIG
 from pdserve.ui import console
 
 NAME = "up"
@@ -45,7 +46,7 @@ def command(
         return _update_running(plan, cdir, config)
     if plan.builtin_model:
         console.info(f"model: built-in {spec.model} at {plan.model_path} (built on first use)")
-    adopted = cluster.prepare(spec, plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
+    adopted = cluster.prepare(spec, plan, cdir, Path(config) if config else DEFAULT_CONFIG)
     if adopted:
         console.info(f"{spec.name}: its supervisor was gone; re-attaching to live {', '.join(adopted)} "
                      "after checking their identity")
@@ -79,7 +80,7 @@ def command(
 
 def _update_running(plan, cdir, config: Path | None) -> None:
     """`up` of a running cluster: restart only what the config changed, one process at a time."""
-    before = cluster.apply_changes(plan, cdir, Path(config) if config else cluster.DEFAULT_CONFIG)
+    before = cluster.apply_changes(plan, cdir, Path(config) if config else DEFAULT_CONFIG)
     if not before:
         console.info(f"{plan.name} is running and its config is unchanged: nothing to do")
     else:

@@ -13,6 +13,9 @@ from pdserve.errors import ConfigError
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
 
 ROLES = ("prefill", "decode")
+# Shipped configs travel inside the package (the top-level configs/ links here), so a wheel has them.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = SHIPPED_CONFIGS / "local-cpu.yaml"
 
 
 class SpecErrors(ConfigError):
@@ -112,7 +115,7 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
         problems.append(f"router.reuse_ttl: {spec.reuse_ttl:g} must be below kv_transfer.decoder_kv_blocks_ttl "
                         f"({spec.kv_transfer.decoder_kv_blocks_ttl:g}): D frees its blocks after that")
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
-        from pdserve.modelgen import BUILTIN_MODELS  # light module: sizes only
+        from pdserve.engine.models import BUILTIN_MODELS  # light module: sizes only
         kind = spec.model[len(BUILTIN_MODEL_PREFIX):]
         if kind not in BUILTIN_MODELS:
             problems.append(f"model: unknown built-in model {spec.model!r} (known: "

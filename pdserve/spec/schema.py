@@ -36,7 +36,7 @@ class RoleSpec(Strict):
 
 class KVTransferSpec(Strict):
     """Goes into vLLM's --kv-transfer-config (kv_role is set by pdserve per role), but for
-    nixl_progress_delay_us, which NIXL's agent gets through pdserve.vllm_entry."""
+    nixl_progress_delay_us, which NIXL's agent gets through pdserve.engine.entry."""
 
     kv_connector: Literal["NixlConnector"] = "NixlConnector"
     kv_buffer_device: Literal["cuda", "cpu"] = "cuda"
@@ -51,7 +51,7 @@ class KVTransferSpec(Strict):
         description="Microseconds NIXL's progress thread sleeps between polls. NIXL's Python API uses 0, a busy "
                     "loop that holds one core per vLLM worker: fine on GPU nodes, ruinous on shared CPU cores. "
                     "Default: 1000 with kv_buffer_device cpu, else 0 (NIXL's own). Above 0, pdserve runs vLLM "
-                    "through pdserve.vllm_entry, which sets it.")
+                    "through pdserve.engine.entry, which sets it.")
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="More kv_connector_extra_config keys, passed verbatim.")
 

@@ -11,8 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
-from pdserve.plan import ClusterPlan
-from pdserve.state import ClusterDir
+from pdserve.plan.build import ClusterPlan
+from pdserve.state.folder import ClusterDir
 from pdserve.supervise.supervisor import Supervisor
 
 

@@ -12,7 +12,7 @@ import os
 import urllib.error
 import urllib.request
 
-from pdserve.promtext import has, scrape, total
+from pdserve.observe.promtext import has, scrape, total
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 

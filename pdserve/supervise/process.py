@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.launchers import local
-from pdserve.plan import MARKER_ENV, ProcessPlan
+from pdserve.plan.build import MARKER_ENV, ProcessPlan
 from pdserve.spec.schema import SupervisorSpec
-from pdserve.states import ProcState, check_transition
+from pdserve.state.records import ProcState, check_transition
 
 
 @dataclass

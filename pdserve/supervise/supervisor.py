@@ -15,11 +15,11 @@ from typing import Any
 import psutil
 
 from pdserve.launchers import local
-from pdserve.logfiles import rotate_if_large
-from pdserve.plan import ClusterPlan
+from pdserve.observe.logfiles import rotate_if_large
+from pdserve.plan.build import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
-from pdserve.state import ClusterDir, read_json
-from pdserve.states import ProcState
+from pdserve.state.folder import ClusterDir, read_json
+from pdserve.state.records import ProcState
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 from pdserve.supervise.process import ManagedProcess

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: does `pdserve status --watch`'s GPU-memory column see a server's GPU memory?
 # Starts a parent process whose child holds 4 GiB on GPU 0 (like vLLM's API server -> worker), then
-# prints nvidia-smi's per-process view and what pdserve.resources attributes to the parent's tree.
+# prints nvidia-smi's per-process view and what pdserve.observe.resources attributes to the parent's tree.
 set -u
 python3 - <<'PY'
 import subprocess, sys, time
@@ -12,13 +12,13 @@ time.sleep(20)
 print(subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                      capture_output=True, text=True).stdout or "(nvidia-smi lists no compute processes)")
 try:
-    from pdserve.resources import TreeSampler, gpu_memory_by_pid, human_bytes
+    from pdserve.observe.resources import TreeSampler, gpu_memory_by_pid, human_bytes
     by_pid = gpu_memory_by_pid()
     print("gpu_memory_by_pid:", by_pid)
     use = TreeSampler().sample(parent.pid, by_pid)
     print("parent tree:", parent.pid, "gpu memory", human_bytes(use.gpu_bytes), "rss", human_bytes(use.rss))
 except Exception as e:
-    print("pdserve.resources failed:", type(e).__name__, e)
+    print("pdserve.observe.resources failed:", type(e).__name__, e)
 parent.kill()
 subprocess.run(["pkill", "-f", "torch.empty"])
 PY

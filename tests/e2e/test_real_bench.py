@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from pdserve.cluster import DEFAULT_CONFIG
+from pdserve.spec.load import DEFAULT_CONFIG
 from tests.e2e.vllmkit import pdserve
 from tests.integration.test_cli_lifecycle import free_ports
 

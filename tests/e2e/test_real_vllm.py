@@ -47,7 +47,7 @@ def test_all_ready(cluster):
 
 
 def test_every_thread_of_a_server_stays_on_its_own_cores(cluster):
-    # pdserve.vllm_entry pins each server, and NIXL's KV thread, to the server's `cpus:`; vLLM alone put
+    # pdserve.engine.entry pins each server, and NIXL's KV thread, to the server's `cpus:`; vLLM alone put
     # P's model thread on D's core (docs/operations.md).
     for proc in status()["processes"]:
         if proc["role"] == "router":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.cluster import DEFAULT_CONFIG
+from pdserve.spec.load import DEFAULT_CONFIG
 from tests.integration.test_cli_lifecycle import free_ports
 
 EXTERNAL = {"source": "external_kv_transfer"}

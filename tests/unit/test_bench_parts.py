@@ -7,7 +7,7 @@ import json
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.report import outside_legs_ms
 from pdserve.bench.workload import from_generate_config, from_messages, generate, load
-from pdserve.promtext import parse, total
+from pdserve.observe.promtext import parse, total
 
 
 def test_generated_workload_is_deterministic_and_grows():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from pdserve.plan import build_plan
+from pdserve.plan.build import build_plan
 from pdserve.spec.load import parse_spec
-from pdserve.state import ClusterDir
+from pdserve.state.folder import ClusterDir
 from pdserve.supervise.supervisor import CANARY_TRIES, Supervisor
 from tests.unit.test_spec import GOOD
 

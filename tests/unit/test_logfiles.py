@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pdserve.logfiles import follow, last_lines, rotate_if_large, rotated
+from pdserve.observe.logfiles import follow, last_lines, rotate_if_large, rotated
 
 
 def test_rotation_keeps_n_files_and_the_writer_keeps_appending(tmp_path):

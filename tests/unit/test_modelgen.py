@@ -8,7 +8,7 @@ import pytest
 def test_builtin_models_import_does_not_pull_in_torch():
     # Config validation imports BUILTIN_MODELS; it must stay light. Fresh
     # interpreter, because this test process may already have torch loaded.
-    code = ("import sys; from pdserve.modelgen import BUILTIN_MODELS; "
+    code = ("import sys; from pdserve.engine.models import BUILTIN_MODELS; "
             "assert {'tiny', 'mid'} <= set(BUILTIN_MODELS); "
             "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]; "
             "assert not heavy, heavy")
@@ -19,7 +19,7 @@ def test_builtin_models_import_does_not_pull_in_torch():
 def test_ensure_model_tiny_is_deterministic(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from pdserve.modelgen import MARKER, ensure_model
+    from pdserve.engine.models import MARKER, ensure_model
 
     def digests(path):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}

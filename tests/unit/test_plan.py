@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.plan import MARKER_ENV, NIXL_DELAY_ENV, VLLM_ENTRY_MODULE, VLLM_SERVER_MODULE, ClusterPlan, build_plan
+from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
+from pdserve.plan.build import MARKER_ENV, ClusterPlan, build_plan
 from pdserve.spec.load import parse_spec
 from tests.unit.test_spec import DELETE, GOOD, with_
 
@@ -27,8 +28,8 @@ def test_processes_and_order():
 def test_server_argv_and_env():
     plan = plan_of(with_("prefill.vllm_args", ["--no-enable-prefix-caching"]))
     p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
-    assert p.argv[:3] == ["/py", "-m", VLLM_ENTRY_MODULE]     # own cores and a CPU buffer: the fixes apply
-    assert p.env[NIXL_DELAY_ENV] == "1000"
+    assert p.argv[:3] == ["/py", "-m", ENTRY_MODULE]     # own cores and a CPU buffer: the fixes apply
+    assert p.env[DELAY_ENV] == "1000"
     assert arg(p.argv, "--port") == "8100" and arg(d.argv, "--port") == "8200"
     assert arg(p.argv, "--host") == "127.0.0.1"
     assert p.argv[-1] == "--no-enable-prefix-caching"
@@ -59,11 +60,11 @@ def test_replicas_count_ports_and_split_devices():
 def test_vllm_entry_only_where_its_fixes_apply():
     gpu = with_("prefill.cpus", DELETE, with_("decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda")))
     p = plan_of(gpu).by_name("prefill-0")
-    assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE] and NIXL_DELAY_ENV not in p.env   # NIXL's own polling
+    assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE] and DELAY_ENV not in p.env   # NIXL's own polling
     slow_poll = plan_of(with_("kv_transfer.nixl_progress_delay_us", 250, gpu)).by_name("decode-0")
-    assert slow_poll.argv[2] == VLLM_ENTRY_MODULE and slow_poll.env[NIXL_DELAY_ENV] == "250"
+    assert slow_poll.argv[2] == ENTRY_MODULE and slow_poll.env[DELAY_ENV] == "250"
     cores_only = plan_of(with_("kv_transfer.nixl_progress_delay_us", 0)).by_name("prefill-0")
-    assert cores_only.argv[2] == VLLM_ENTRY_MODULE and NIXL_DELAY_ENV not in cores_only.env
+    assert cores_only.argv[2] == ENTRY_MODULE and DELAY_ENV not in cores_only.env
 
 
 def test_builtin_model_resolves_to_models_dir():
@@ -108,7 +109,7 @@ def test_api_key_travels_by_variable_name_only(monkeypatch):
 
 
 def test_changed_processes_compares_each_process_plan():
-    from pdserve.cluster import changed_processes
+    from pdserve.orchestrate.cluster import changed_processes
     base = plan_of(GOOD)
     assert changed_processes(base.to_dict(), plan_of(GOOD)) == []
     assert changed_processes(base.to_dict(), plan_of(with_("decode.vllm_args", ["--x"]))) == ["decode-0"]
@@ -125,7 +126,7 @@ def test_every_shipped_config_loads_and_plans():
                           models_dir=Path("/h/models"))
         servers = [p for p in plan.processes if p.role != "router"]
         # every CPU server runs through vllm_entry and is pinned to cores of its own role
-        assert all(p.argv[2] == VLLM_ENTRY_MODULE and p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers), path
+        assert all(p.argv[2] == ENTRY_MODULE and p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers), path
         prefill = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "prefill"}
         decode = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "decode"}
         assert not prefill & decode, path     # P and D never share a core

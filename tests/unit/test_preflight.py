@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from pdserve.preflight import check_devices, check_fabric, check_ports, check_software
+from pdserve.checks.preflight import check_devices, check_fabric, check_ports, check_software
 from pdserve.spec.load import parse_spec
 from tests.unit.test_plan import plan_of
 from tests.unit.test_spec import DELETE, GOOD, with_

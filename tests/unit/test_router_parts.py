@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdserve.router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from pdserve.router.cost import CostModel
 from pdserve.router.identity import history_keys, reply_key
-from pdserve.routerstats import parse_metrics
+from pdserve.observe.routerstats import parse_metrics
 
 
 class Clock:

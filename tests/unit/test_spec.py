@@ -122,7 +122,7 @@ def test_relative_model_path_is_relative_to_the_file(tmp_path):
 
 
 def test_embedded_default_is_valid():
-    from pdserve.cluster import DEFAULT_CONFIG
+    from pdserve.spec.load import DEFAULT_CONFIG
     spec = load_spec(DEFAULT_CONFIG)
     assert spec.model.startswith("pdserve:")
     assert spec.kv_transfer.kv_buffer_device == "cpu"

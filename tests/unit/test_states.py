@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.states import ALLOWED, InvalidTransition, ProcState, check_transition
+from pdserve.state.records import ALLOWED, InvalidTransition, ProcState, check_transition
 
 LEGAL = [(a, b) for a, bs in ALLOWED.items() for b in bs]
 ILLEGAL = [(a, b) for a in ProcState for b in ProcState if b not in ALLOWED[a]]

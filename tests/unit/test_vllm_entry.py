@@ -1,4 +1,4 @@
-"""pdserve.vllm_entry: the fixes it applies inside vLLM's processes, checked in fresh interpreters."""
+"""pdserve.engine.entry: the fixes it applies inside vLLM's processes, checked in fresh interpreters."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve.vllm_entry import CORES_ENV, DELAY_ENV, own_cores
+from pdserve.engine.entry import CORES_ENV, DELAY_ENV, own_cores
 
 
 @pytest.mark.parametrize("bind, cores", [
@@ -20,7 +20,7 @@ def test_own_cores(bind, cores):
 
 
 # What multiprocessing's spawn does in vLLM's engine core and workers with the parent's main module.
-AS_SPAWNED_CHILD = "import runpy; runpy.run_module('pdserve.vllm_entry', run_name='__mp_main__', alter_sys=True)\n"
+AS_SPAWNED_CHILD = "import runpy; runpy.run_module('pdserve.engine.entry', run_name='__mp_main__', alter_sys=True)\n"
 
 
 def run_python(code: str, **env) -> str:
@@ -59,9 +59,9 @@ def test_nixl_progress_thread_sleeps_instead_of_spinning():
 
 
 def test_importing_it_for_its_constants_changes_nothing():
-    # pdserve.plan imports it in the CLI and the supervisor, whose environment may hold a server's variables
+    # pdserve.plan.build imports its names in the CLI and the supervisor, whose environment may hold a server's variables
     first = min(os.sched_getaffinity(0))
-    out = run_python("import os, sys, pdserve.plan\n"
+    out = run_python("import os, sys, pdserve.plan.build\n"
                      "print(sorted(os.sched_getaffinity(0)) == sorted(os.sched_getaffinity(os.getppid())), "
                      "'vllm' in sys.modules, 'nixl' in sys.modules)",
                      **{CORES_ENV: str(first), DELAY_ENV: "1000"})

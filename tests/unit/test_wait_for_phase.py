@@ -1,8 +1,8 @@
 """`up` waits for the phase its own supervisor writes. On re-attach, state.json still says "running" from
 the supervisor that died; returning on that let `up` finish before the new supervisor had taken over."""
 
-from pdserve import cluster
-from pdserve.state import ClusterDir
+from pdserve.orchestrate import cluster
+from pdserve.state.folder import ClusterDir
 
 
 class FakeSupervisor:

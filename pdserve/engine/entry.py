@@ -13,9 +13,9 @@ and P's KV leases expired before D could read them:
 - NIXL's progress thread (PDSERVE_NIXL_PROGRESS_DELAY_US): NIXL's Python API creates its agent with a
   delay of 0, a busy loop that holds one core per worker even when idle. Here it sleeps between polls.
 
-The patches run when this module is a process's main module: as `python -m pdserve.vllm_entry`, and as
+The patches run when this module is a process's main module: as `python -m pdserve.engine.entry`, and as
 `__mp_main__` in the engine core and workers, which vLLM starts with multiprocessing's spawn, so every
-process of the server gets them. Importing it for its constants (pdserve.plan does) changes nothing.
+process of the server gets them. Importing it changes nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from __future__ import annotations
 import os
 import runpy
 
-DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
-CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+from pdserve.engine.names import CORES_ENV, DELAY_ENV, VLLM_SERVER_MODULE
 
 
 def own_cores(bind: str | None) -> list[int]:

@@ -17,14 +17,13 @@ import psutil
 
 from pdserve.errors import ConfigError, NotRunningError, PdserveError
 from pdserve.launchers import local
-from pdserve.plan import ClusterPlan, build_plan
-from pdserve.preflight import machine_findings
-from pdserve.routerstats import api_key_for, read_router
-from pdserve.spec.load import load_spec
+from pdserve.plan.build import ClusterPlan, build_plan
+from pdserve.checks.preflight import machine_findings
+from pdserve.observe.routerstats import api_key_for, read_router
+from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
-from pdserve.state import ClusterDir, models_dir, tail_lines, write_json_atomic
+from pdserve.state.folder import ClusterDir, models_dir, tail_lines, write_json_atomic
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
 TERMINAL_PHASES = ("running", "failed", "stopped", "degraded")
 
 
@@ -111,7 +110,7 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
         raise PdserveError(f"ports already in use: {', '.join(busy)}",
                            hint="stop what uses them or change the ports in the config")
     if plan.builtin_model:
-        from pdserve.modelgen import ensure_model
+        from pdserve.engine.models import ensure_model
         ensure_model(plan.builtin_model, models_dir())
     cdir.root.mkdir(parents=True, exist_ok=True)
     cdir.logs_dir.mkdir(exist_ok=True)

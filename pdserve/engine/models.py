@@ -185,7 +185,7 @@ def ensure_model(kind: str, models_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] not in BUILTIN_MODELS:
-        print(f"usage: python -m pdserve.modelgen {{{'|'.join(BUILTIN_MODELS)}}} DIR", file=sys.stderr)
+        print(f"usage: python -m pdserve.engine.models {{{'|'.join(BUILTIN_MODELS)}}} DIR", file=sys.stderr)
         return 2
     print(ensure_model(args[0], Path(args[1])))
     return 0

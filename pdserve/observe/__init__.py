@@ -1,0 +1,1 @@
+"""Observation readers: Prometheus text, the router's stats, process resources, log files."""
