@@ -3,7 +3,7 @@ router answers, a canary really moves KV from P to D, and the NIXL transfer rate
 
 from __future__ import annotations
 
-from pdserve.plan.build import ClusterPlan
+from pdserve.plan.records import ClusterPlan
 from pdserve.checks.preflight import Finding
 from pdserve.observe.promtext import scrape, total
 from pdserve.supervise.canary import run_canary

@@ -14,7 +14,7 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.plan.build import ClusterPlan
+from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import ClusterSpec
 
 MIN_VLLM = (0, 21)     # first vLLM with bidirectional_kv_xfer in NixlConnector

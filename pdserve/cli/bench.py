@@ -112,7 +112,7 @@ def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request):
 
 
 def _endpoints(name: str) -> Endpoints:
-    from pdserve.plan.build import ClusterPlan
+    from pdserve.plan.records import ClusterPlan
     plan = ClusterPlan.from_dict(ClusterDir(name).read_plan())
     key_env = plan.router_config.get("api_key_env")
     return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],

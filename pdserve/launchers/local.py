@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from pdserve.plan.build import MARKER_ENV, ProcessPlan
+from pdserve.plan.records import MARKER_ENV, ProcessPlan
 
 
 @dataclass

@@ -17,7 +17,8 @@ import psutil
 
 from pdserve.errors import ConfigError, NotRunningError, PdserveError
 from pdserve.launchers import local
-from pdserve.plan.build import ClusterPlan, build_plan
+from pdserve.plan.build import build_plan
+from pdserve.plan.records import ClusterPlan
 from pdserve.checks.preflight import machine_findings
 from pdserve.observe.routerstats import api_key_for, read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec

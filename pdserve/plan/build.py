@@ -6,77 +6,15 @@ Nothing here starts a process or opens a socket, so every decision is unit-teste
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, replica_devices, replica_ports
+from pdserve.plan.records import MARKER_ENV, ClusterPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
 
-# Environment variable every process of a cluster carries (children inherit it), so stop/down can find
-# strays by identity rather than by pid alone.
-MARKER_ENV = "PDSERVE_PROCESS"
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-
-@dataclass(frozen=True)
-class ProcessPlan:
-    name: str                 # prefill-0, decode-0, router
-    role: str                 # prefill | decode | router
-    argv: list[str]
-    env: dict[str, str]       # added to the inherited environment
-    host: str
-    port: int
-    health_url: str
-    side_channel_ports: list[int] = field(default_factory=list)
-    # Variables copied at launch from the launching environment, target <- source; secrets such as the
-    # API key travel this way so they are never written into the plan or the state folder.
-    env_from: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://{connect_host(self.host)}:{self.port}"
-
-    def fingerprint(self) -> str:
-        """Stable identity of what would run: changes whenever argv or env change."""
-        return json.dumps([self.argv, sorted(self.env.items()), sorted(self.env_from.items())])
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    name: str
-    processes: list[ProcessPlan]        # in start order: prefill, decode, router
-    router_config: dict[str, Any]       # written to router_config_path before the router starts
-    router_config_path: str
-    builtin_model: str | None           # kind to build before start, when model is `pdserve:<kind>`
-    model_path: str
-    supervisor: dict[str, Any]          # restart policy (SupervisorSpec fields)
-
-    @property
-    def router(self) -> ProcessPlan:
-        return next(p for p in self.processes if p.role == "router")
-
-    def by_name(self, name: str) -> ProcessPlan:
-        return next(p for p in self.processes if p.name == name)
-
-    def stop_order(self) -> list[ProcessPlan]:
-        """Router first (no new traffic), then decode, then prefill."""
-        rank = {"router": 0, "decode": 1, "prefill": 2}
-        return sorted(self.processes, key=lambda p: rank[p.role])
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ClusterPlan":
-        procs = [ProcessPlan(**p) for p in data["processes"]]
-        return cls(**{**data, "processes": procs})
-
-
-def connect_host(host: str) -> str:
-    """The address a client on this machine uses for a server bound to `host`."""
-    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
 
 
 def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from pdserve.plan.build import ClusterPlan
+from pdserve.plan.records import ClusterPlan
 from pdserve.state.folder import ClusterDir
 from pdserve.supervise.supervisor import Supervisor
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.launchers import local
-from pdserve.plan.build import MARKER_ENV, ProcessPlan
+from pdserve.plan.records import MARKER_ENV, ProcessPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.records import ProcState, check_transition
 

@@ -16,7 +16,7 @@ import psutil
 
 from pdserve.launchers import local
 from pdserve.observe.logfiles import rotate_if_large
-from pdserve.plan.build import ClusterPlan
+from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.folder import ClusterDir, read_json
 from pdserve.state.records import ProcState

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
-from pdserve.plan.build import MARKER_ENV, ClusterPlan, build_plan
+from pdserve.plan.build import build_plan
+from pdserve.plan.records import MARKER_ENV, ClusterPlan
 from pdserve.spec.load import parse_spec
 from tests.unit.test_spec import DELETE, GOOD, with_
 
