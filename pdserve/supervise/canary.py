@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 from pdserve.observe.promtext import has, scrape, total
+from pdserve.plan.records import ClusterPlan
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
@@ -52,3 +53,11 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env:
     if all(a is None for a in after):
         return False, "decode servers export no vllm:prompt_tokens_by_source_total metric; cannot verify KV transfer"
     return False, "canary answered but no KV reached a decode server (check NIXL: side-channel host/ports, UCX)"
+
+
+def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
+    """The canary through a planned cluster's router, checked on its decode servers."""
+    cfg = plan.router_config
+    decode = [p.url for p in plan.processes if p.role == "decode"]
+    return run_canary(plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
+                      timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))
