@@ -175,6 +175,33 @@ def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Ca
         time.sleep(poll)
 
 
+class StartFailed(PdserveError):
+    """`up` failed; `process` and `log_lines` say where (shown before the error line)."""
+
+    def __init__(self, message: str, hint: str, process: str, log_lines: list[str]):
+        super().__init__(message, hint)
+        self.process, self.log_lines = process, log_lines
+
+
+def supervise_until_up(cdir: ClusterDir, adopt: bool, on_update: Callable[[ClusterState | None], None],
+                       stop_timeout: float) -> subprocess.Popen:
+    """Start the supervisor and wait until the cluster runs; on failure stop everything and raise
+    StartFailed with the failed process's log (Ctrl-C stops everything too)."""
+    supervisor = start_supervisor(cdir, adopt=adopt)
+    try:
+        state = wait_for_phase(cdir, supervisor, on_update)
+    except KeyboardInterrupt:
+        stop_cluster(cdir, stop_timeout)
+        raise
+    if state.phase != Phase.RUNNING:
+        name, lines = failure_details(cdir, state)
+        stop_cluster(cdir, stop_timeout)
+        raise StartFailed(f"{cdir.name} failed to start: {state.error or 'unknown reason'}",
+                          f"full log: {cdir.log_path(name) if name != 'supervisor' else cdir.supervisor_log}",
+                          name, lines)
+    return supervisor
+
+
 def failure_details(cdir: ClusterDir, state: ClusterState, lines: int = 20) -> tuple[str, list[str]]:
     """The process that failed and the end of its log."""
     for name, proc in state.processes.items():
