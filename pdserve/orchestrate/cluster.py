@@ -25,7 +25,7 @@ from pdserve.checks.preflight import machine_findings
 from pdserve.observe.routerstats import api_key_for, read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
-from pdserve.observe.logfiles import last_lines
+from pdserve.observe.logfiles import last_lines, root_cause
 from pdserve.state.folder import ClusterDir, models_dir, write_json_atomic
 from pdserve.state.records import ClusterState, Phase, ProcState
 
@@ -196,7 +196,9 @@ def supervise_until_up(cdir: ClusterDir, adopt: bool, on_update: Callable[[Clust
     if state.phase != Phase.RUNNING:
         name, lines = failure_details(cdir, state)
         stop_cluster(cdir, stop_timeout)
-        raise StartFailed(f"{cdir.name} failed to start: {state.error or 'unknown reason'}",
+        cause = root_cause(last_lines(cdir.log_path(name), 400)) if name != "supervisor" else None
+        raise StartFailed(f"{cdir.name} failed to start: {state.error or 'unknown reason'}"
+                          + (f"; root cause: {cause}" if cause else ""),
                           f"full log: {cdir.log_path(name) if name != 'supervisor' else cdir.supervisor_log}",
                           name, lines)
     return supervisor
