@@ -19,10 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pdserve.launchers.local import marked_processes
-from tests.e2e.vllmkit import pdserve, up
+from tests.e2e.vllmkit import down_leaves_nothing, pdserve, up
 from tests.e2e.vllmkit import status as status_of
-from tests.integration.test_cli_lifecycle import port_free, wait_for
+from tests.integration.test_cli_lifecycle import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = "faults"
@@ -159,12 +158,4 @@ def test_sigkill_of_the_supervisor_keeps_serving_and_up_reattaches(cluster):
 
 def test_down_leaves_no_process_and_no_port(cluster):
     cluster["traffic"].stop()
-    res = pdserve("down", NAME)
-    assert res.returncode == 0, res.stderr
-    root = cluster["home"] / "clusters" / NAME
-    for proc in ("prefill-0", "decode-0", "router"):
-        assert marked_processes(f"{root}#{proc}") == []
-    cfg = cluster["cfg"]
-    for port in (cfg["prefill"]["port"], cfg["decode"]["port"], cfg["router"]["port"],
-                 cfg["prefill"]["nixl_side_channel_port"], cfg["decode"]["nixl_side_channel_port"]):
-        assert port_free(port), port
+    down_leaves_nothing(cluster)

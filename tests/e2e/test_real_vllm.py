@@ -16,10 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pdserve.launchers.local import marked_processes
-from tests.e2e.vllmkit import converse, external_tokens, long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve, up
 from tests.e2e.vllmkit import status as status_of
-from tests.integration.test_cli_lifecycle import port_free, wait_for
+from tests.integration.test_cli_lifecycle import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = "e2e"
@@ -154,13 +153,5 @@ def test_supervisor_sigkill_then_up_adopts_and_restart_works(cluster):
 
 
 def test_down_leaves_nothing(cluster):
-    res = pdserve("down", NAME)
-    assert res.returncode == 0, res.stderr
-    root = cluster["home"] / "clusters" / NAME
-    for proc in ("prefill-0", "decode-0", "router"):
-        assert marked_processes(f"{root}#{proc}") == []
-    cfg = cluster["cfg"]
-    for port in (cfg["prefill"]["port"], cfg["decode"]["port"], cfg["router"]["port"],
-                 cfg["prefill"]["nixl_side_channel_port"], cfg["decode"]["nixl_side_channel_port"]):
-        assert port_free(port), port
+    down_leaves_nothing(cluster)
     assert pdserve("status", NAME).returncode == 3
