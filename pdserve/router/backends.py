@@ -98,15 +98,20 @@ class Pool:
         usable = [b for b in self.backends if b.healthy and b.breaker.allows()] or self.backends
         return min(usable, key=lambda b: b.in_flight) if usable else None
 
-    def acquire(self, backend: Backend) -> None:
+    def acquire(self, backend: Backend) -> bool:
+        """Count a request as outstanding; True when it is the breaker's half-open trial (pass that back
+        to `release`)."""
         backend.in_flight += 1
-        backend.breaker.begin()
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+        return backend.breaker.begin()
 
-    def release(self, backend: Backend, ok: bool | None) -> None:
+    def release(self, backend: Backend, ok: bool | None, trial: bool = False) -> None:
         """The request is over: ok, failed (counts toward the breaker), or None when the outcome says
-        nothing about this backend (e.g. P failing to read another server's blocks)."""
+        nothing about this backend (the client went away, or P failed to read another server's blocks).
+        Call it from a `finally`: a trial released with no outcome frees the slot for the next request."""
         backend.in_flight -= 1
+        if ok is None and trial:
+            backend.breaker.abandon_trial()
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
         if ok and backend.mark_answering():
             log.info("%s %s is healthy (answered a request)", self.role, backend.name)

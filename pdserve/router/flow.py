@@ -166,7 +166,7 @@ class Flow:
     async def _stream_from(self, request: web.Request, turn: Turn, backend: Backend, body: dict[str, Any],
                            collector: SequenceCollector, track: bool) -> web.StreamResponse:
         """Relay D's stream. Raises UpstreamError only before anything reached the client."""
-        self.decode.acquire(backend)
+        trial = self.decode.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
         try:
@@ -210,7 +210,7 @@ class Flow:
             await out.write_eof()
             return out
         finally:
-            self.decode.release(backend, ok)
+            self.decode.release(backend, ok, trial)
         self._remember(turn, backend, collector, track)
         await out.write_eof()
         return out

@@ -31,7 +31,7 @@ class Upstream:
         """POST and parse; a 5xx, a timeout or no connection count against the backend's breaker unless
         `blame` is False. Raises UpstreamError when there is no HTTP answer at all."""
         ok: bool | None = None    # stays None when the client went away (cancelled): no verdict on the backend
-        pool.acquire(backend)
+        trial = pool.acquire(backend)
         try:
             async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
                                          timeout=self.timeout) as resp:
@@ -58,7 +58,7 @@ class Upstream:
             raise UpstreamError.unreachable(backend.name, type(err).__name__,
                                             isinstance(err, aiohttp.ClientConnectorError)) from None
         finally:
-            pool.release(backend, ok if blame else None)
+            pool.release(backend, ok if blame else None, trial)
 
     async def get_text(self, backend: Backend, path: str) -> str | None:
         try:
