@@ -35,6 +35,7 @@ CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 API_KEY = web.AppKey("api_key", str)
 OPEN_PATHS = ("/health",)
+LINGER_SECONDS = 1.0
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -49,7 +50,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request, route: str) -> web.StreamResponse:
     try:
-        body: Any = await request.json()
+        async with asyncio.timeout(request.app[CONFIG].body_timeout):
+            raw = await request.read()
+        body: Any = json.loads(raw)
+    except TimeoutError:
+        resp = json_error(408, f"request body not received within {request.app[CONFIG].body_timeout:g}s")
+        resp.force_close()
+        return resp
     except web.HTTPRequestEntityTooLarge:
         return json_error(413, "request body too large")
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -115,9 +122,13 @@ def api_key_from_env(cfg: RouterConfig) -> str:
     return key
 
 
-def server_limits(cfg: RouterConfig) -> dict[str, int]:
-    """aiohttp parser limits: an oversized request line or header is refused (plain 400) before any handler."""
-    return {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes}
+def server_limits(cfg: RouterConfig) -> dict[str, Any]:
+    """aiohttp per-connection settings: an oversized request line or header is refused (plain 400) before
+    any handler; an idle keep-alive connection is closed after idle_timeout; after an answer sent before
+    the body was read (408, 413), what is left of it is drained at most LINGER_SECONDS, then the
+    connection closes (aiohttp's default, 10 s, would let a never-ending body hold it that long)."""
+    return {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes,
+            "keepalive_timeout": cfg.idle_timeout, "lingering_time": LINGER_SECONDS}
 
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
@@ -140,7 +151,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
 
         prefill = Pool("prefill", cfg.prefill, metrics, breaker)
         decode = Pool("decode", cfg.decode, metrics, breaker)
-        store = ReuseStore(cfg.reuse_ttl)
+        store = ReuseStore(cfg.reuse_ttl, max_entries=cfg.reuse_max_entries, max_bytes=cfg.reuse_max_bytes,
+                           on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n))
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None)
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
             if cfg.cost_aware else None
@@ -154,11 +166,21 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
                 if dropped:
                     log.info("dropped %d reuse entries held by %s", dropped, backend.name)
 
-        prober = asyncio.create_task(probe_forever([prefill, decode], session, cfg.health_interval, on_down))
+        async def purge_forever() -> None:
+            # Expired entries also leave an idle router on time (put and take purge as they go).
+            while True:
+                await asyncio.sleep(min(cfg.reuse_ttl, 10.0))
+                store.purge_expired()
+                metrics.entries_live.set(len(store))
+                metrics.entries_bytes.set(store.bytes)
+
+        tasks = [asyncio.create_task(probe_forever([prefill, decode], session, cfg.health_interval, on_down)),
+                 asyncio.create_task(purge_forever())]
         yield
-        prober.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await prober
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await session.close()
 
     app.cleanup_ctx.append(lifecycle)

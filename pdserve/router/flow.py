@@ -135,6 +135,7 @@ class Flow:
                  d_params.get("remote_num_tokens"))
         self.metrics.entries.labels("stored").inc()
         self.metrics.entries_live.set(len(self.store))
+        self.metrics.entries_bytes.set(self.store.bytes)
 
     # -- D leg -------------------------------------------------------------------------------------
     async def _on_a_decode_server(self, turn: Turn, decision: Decision | None,

@@ -50,3 +50,8 @@ class RouterMetrics:
                           "Learned prefill cost per token: kind=recompute (per prefill server) or "
                           "pull (per prefill/decode pair).", ["kind", "prefill", "decode"], registry=r)
         self.entries_live = Gauge("pdserve_router_reuse_entries_live", "Reuse entries held now.", registry=r)
+        self.entries_bytes = Gauge("pdserve_router_reuse_entries_bytes",
+                                   "Estimated memory held by reuse entries.", registry=r)
+        self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
+                                       "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
+                                       "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)

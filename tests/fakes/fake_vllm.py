@@ -55,7 +55,8 @@ class FakeVLLM:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body})
+        if self.args.record:
+            self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body})
         if self.args.delay:
             await asyncio.sleep(self.args.delay)
         if self.args.status != 200:
@@ -194,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false")
     p.add_argument("--stream-kv-params", action="store_true", help="kv_transfer_params in the last chunk")
     p.add_argument("--die-mid-stream", action="store_true")
+    p.add_argument("--no-record", dest="record", action="store_false", help="keep no request bodies (benchmarks)")
     p.add_argument("--no-kv-in", action="store_true", help="as decode, never count P's blocks as read (broken NIXL)")
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
