@@ -10,6 +10,7 @@ import sys
 
 from aiohttp import web
 
+from pdserve.router import logs
 from pdserve.router.app import build_app, server_limits
 from pdserve.router.config import RouterConfig
 from pdserve.router.limits import GuardedRunner, connection_cap, raise_fd_limit
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="override the bind address")
     parser.add_argument("--port", type=int, help="override the port")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(logging.INFO)
     cfg = RouterConfig.load(args.config)
     loop_factory = None
     try:

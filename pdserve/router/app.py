@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
 from pdserve.router.flow import Flow
+from pdserve.router.inputs import BadInput, read_json, validate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
@@ -39,33 +39,21 @@ LINGER_SECONDS = 1.0
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    route = request.path
-    metrics = request.app[METRICS]
     started = time.perf_counter()
-    resp = await _completions(request, route)
-    metrics.requests.labels(route, str(resp.status)).inc()
-    metrics.latency.labels(route).observe(time.perf_counter() - started)
+    resp = await _completions(request, request.path)
+    request.app[METRICS].latency.labels(request.path).observe(time.perf_counter() - started)
     return resp
 
 
 async def _completions(request: web.Request, route: str) -> web.StreamResponse:
     try:
-        async with asyncio.timeout(request.app[CONFIG].body_timeout):
-            raw = await request.read()
-        body: Any = json.loads(raw)
-    except TimeoutError:
-        resp = json_error(408, f"request body not received within {request.app[CONFIG].body_timeout:g}s")
-        resp.force_close()
-        return resp
-    except web.HTTPRequestEntityTooLarge:
-        return json_error(413, "request body too large")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return json_error(400, "request body is not valid JSON")
-    if not isinstance(body, dict):
-        return json_error(400, "request body must be a JSON object")
-    key = "messages" if route.endswith("chat/completions") else "prompt"
-    if key not in body:
-        return json_error(400, f"'{key}' is required", param=key)
+        body = await read_json(request, request.app[CONFIG].body_timeout)
+        key = "messages" if route.endswith("chat/completions") else "prompt"
+        if key not in body:
+            raise BadInput(400, f"'{key}' is required", key)
+        validate(route, body)
+    except BadInput as bad:
+        return bad.response()
     return await request.app[FLOW].handle(request, route, body)
 
 
@@ -85,6 +73,22 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def count_requests(request: web.Request, handler):
+    """Every answer counted by route and status (401s and 404s included); a client that went away
+    counted apart. Unknown paths share one route label, so clients cannot grow the label set."""
+    metrics = request.app[METRICS]
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "other"
+    try:
+        resp = await handler(request)
+    except asyncio.CancelledError:
+        metrics.client_cancelled.labels(route).inc()
+        raise
+    metrics.requests.labels(route, str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
 async def openai_errors(request: web.Request, handler):
     """Every error the router itself produces has the OpenAI shape, 404/405 included."""
     try:
@@ -94,6 +98,7 @@ async def openai_errors(request: web.Request, handler):
             raise
         return json_error(exc.status, exc.reason or "error")
     except Exception:  # noqa: BLE001 - the client must get a JSON error, not a dropped connection
+        request.app[METRICS].internal_errors.inc()
         log.exception("unhandled error on %s", request.path)
         return json_error(500, "internal router error", "server_error")
 
@@ -103,10 +108,11 @@ async def require_api_key(request: web.Request, handler):
     """With an API key configured, every endpoint but /health wants `Authorization: Bearer <key>`."""
     key = request.app[API_KEY]
     if key and request.path not in OPEN_PATHS:
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: encode them back, never fail.
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         # Compare digests: constant time whatever the lengths.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-                hashlib.sha256(given.encode()).digest(), hashlib.sha256(key.encode()).digest()):
+                hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(), hashlib.sha256(key.encode()).digest()):
             body = error_body("invalid or missing API key; send 'Authorization: Bearer <key>'",
                               "invalid_request_error", "invalid_api_key")
             return web.json_response(body, status=401)
@@ -128,11 +134,12 @@ def server_limits(cfg: RouterConfig) -> dict[str, Any]:
     the body was read (408, 413), what is left of it is drained at most LINGER_SECONDS, then the
     connection closes (aiohttp's default, 10 s, would let a never-ending body hold it that long)."""
     return {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes,
-            "keepalive_timeout": cfg.idle_timeout, "lingering_time": LINGER_SECONDS}
+            "keepalive_timeout": cfg.idle_timeout, "lingering_time": LINGER_SECONDS,
+            "auto_decompress": False}   # compressed bodies are refused (inputs.py), never inflated
 
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors, require_api_key])
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[count_requests, openai_errors, require_api_key])
     metrics = RouterMetrics()
     app[CONFIG] = cfg
     app[METRICS] = metrics

@@ -12,6 +12,11 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdserve_router_requests", "Client requests by route and HTTP status.",
                                 ["route", "status"], registry=r)
+        self.client_cancelled = Counter("pdserve_router_client_cancelled",
+                                        "Requests whose client went away before the answer was complete.",
+                                        ["route"], registry=r)
+        self.internal_errors = Counter("pdserve_router_internal_errors",
+                                       "Requests that hit an unhandled router error (answered 500).", registry=r)
         self.backend_requests = Counter("pdserve_router_backend_requests",
                                         "Requests sent to backends by backend, route and outcome (ok, error).",
                                         ["backend", "route", "outcome"], registry=r)

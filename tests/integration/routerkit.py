@@ -34,7 +34,10 @@ class Deployment:
             return resp.status, [line async for line in resp.content if line.strip()]
 
     async def metrics(self) -> str:
-        async with self.session.get(self.url + "/metrics") as resp:
+        return await self.metrics_with({})
+
+    async def metrics_with(self, headers: dict) -> str:
+        async with self.session.get(self.url + "/metrics", headers=headers) as resp:
             return await resp.text()
 
 
