@@ -25,7 +25,7 @@ from pdserve.router.inputs import BadInput, read_json, validate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import Upstream, pool_trace
 
 log = logging.getLogger("pdserve.router")
 
@@ -151,8 +151,11 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics_endpoint)
 
     async def lifecycle(app: web.Application):
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector)
+        # A bounded pool of kept-alive connections: under load requests wait for one (up to
+        # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
+        connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
+                                         limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
+        session = aiohttp.ClientSession(connector=connector, trace_configs=[pool_trace()])
         def breaker() -> CircuitBreaker:
             return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
 
@@ -160,7 +163,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         decode = Pool("decode", cfg.decode, metrics, breaker)
         store = ReuseStore(cfg.reuse_ttl, max_entries=cfg.reuse_max_entries, max_bytes=cfg.reuse_max_bytes,
                            on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n))
-        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None)
+        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout)
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
             if cfg.cost_aware else None
         app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),

@@ -30,6 +30,11 @@ class Backend:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     seen_alive: bool = False   # answered since the last generation bump
 
+    @property
+    def down(self) -> bool:
+        """Seen failing its probes (or refusing connections) since it last answered."""
+        return not self.healthy and self.failed_probes > 0
+
     def mark_answering(self) -> bool:
         """The server answered (a probe or a real request); True when that brings it back into routing.
 
@@ -93,6 +98,10 @@ class Pool:
         n = len(candidates)
         rotated = candidates[self._rr % n:] + candidates[:self._rr % n]
         return min(rotated, key=lambda b: b.in_flight)
+
+    def any_usable(self) -> bool:
+        """Could a request go to some backend now (not seen down, breaker letting traffic through)?"""
+        return any(b.breaker.allows() and not b.down for b in self.backends)
 
     def least_loaded(self) -> Backend | None:
         usable = [b for b in self.backends if b.healthy and b.breaker.allows()] or self.backends

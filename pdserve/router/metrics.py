@@ -17,6 +17,16 @@ class RouterMetrics:
                                         ["route"], registry=r)
         self.internal_errors = Counter("pdserve_router_internal_errors",
                                        "Requests that hit an unhandled router error (answered 500).", registry=r)
+        self.router_busy = Counter("pdserve_router_busy",
+                                   "Backend calls the router could not make for want of its own resources "
+                                   "(pool_wait: no pooled connection free in time; resources: EMFILE, ENOMEM...). "
+                                   "Never counted against a backend.", ["reason"], registry=r)
+        self.degraded = Counter("pdserve_router_degraded_requests",
+                                "Requests served whole by one server, without KV transfer, because no server "
+                                "of the other role was usable.", ["served_by"], registry=r)
+        self.degraded_now = Gauge("pdserve_router_degraded",
+                                  "1 while no server of this role is usable (the last request found none).",
+                                  ["missing"], registry=r)
         self.backend_requests = Counter("pdserve_router_backend_requests",
                                         "Requests sent to backends by backend, route and outcome (ok, error).",
                                         ["backend", "route", "outcome"], registry=r)
