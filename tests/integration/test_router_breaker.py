@@ -33,34 +33,25 @@ async def _wait_in_flight_zero(backend) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_abandoned_prefill_trial_frees_the_half_open_slot():
-    async with deployment(prefill_args=(["--status", "500"],), breaker_cooldown=0.2) as dep:
-        p = dep.prefill[0][FAKE]
+@pytest.mark.parametrize("role,slow,request_body,after", [
+    ("prefill", {"delay": 5}, HI, 0.5),                                                  # dropped while P works
+    ("decode", {"token_delay": 0.5}, {**HI, "stream": True, "max_tokens": 20}, 0.3),     # dropped mid-stream
+])
+async def test_abandoned_trial_frees_the_half_open_slot(role, slow, request_body, after):
+    async with deployment(**{f"{role}_args": (["--status", "500"],)}, breaker_cooldown=0.2) as dep:
+        fake = (dep.prefill if role == "prefill" else dep.decode)[0][FAKE]
+        pool = dep.router[FLOW].prefill.pool if role == "prefill" else dep.router[FLOW].decode
         for _ in range(3):
             assert (await dep.post(CHAT, HI))[0] == 500
-        p.args.status, p.args.delay = 200, 5
+        fake.args.status = 200
+        vars(fake.args).update(slow)
         await asyncio.sleep(0.25)                       # cooldown over: half-open
-        await _abandon(dep, CHAT, HI, 0.5)              # the trial's client goes away
-        await _wait_in_flight_zero(dep.router[FLOW].prefill.pool.backends[0])
-        p.args.delay = 0
-        received = len(p.received)
+        await _abandon(dep, CHAT, request_body, after)  # the trial's client goes away
+        await _wait_in_flight_zero(pool.backends[0])
+        vars(fake.args).update({k: 0 for k in slow})
+        received = len(fake.received)
         status, _ = await dep.post(CHAT, HI)
-        assert status == 200 and len(p.received) == received + 1
-
-
-async def test_abandoned_decode_stream_trial_frees_the_half_open_slot():
-    async with deployment(decode_args=(["--status", "500"],), breaker_cooldown=0.2) as dep:
-        d = dep.decode[0][FAKE]
-        for _ in range(3):
-            assert (await dep.post(CHAT, HI))[0] == 500
-        d.args.status, d.args.token_delay = 200, 0.5
-        await asyncio.sleep(0.25)
-        await _abandon(dep, CHAT, {**HI, "stream": True, "max_tokens": 20}, 0.3)   # drop mid-stream
-        await _wait_in_flight_zero(dep.router[FLOW].decode.backends[0])
-        d.args.token_delay = 0
-        received = len(d.received)
-        status, _ = await dep.post(CHAT, HI)
-        assert status == 200 and len(d.received) == received + 1
+        assert status == 200 and len(fake.received) == received + 1
 
 
 async def test_abandoned_reuse_hit_trial_on_completions_frees_the_half_open_slot():
