@@ -47,8 +47,11 @@ class RouterConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        """Unknown keys are an error: a misspelt setting must not fall back to a default silently."""
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown router settings: {', '.join(unknown)}")
+        kwargs = dict(data)
         kwargs["prefill"] = [BackendConfig(**b) for b in data["prefill"]]
         kwargs["decode"] = [BackendConfig(**b) for b in data["decode"]]
         return cls(**kwargs)
