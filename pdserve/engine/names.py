@@ -9,3 +9,9 @@ ENTRY_MODULE = "pdserve.engine.entry"
 DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 # vLLM's CPU core binding; the entry pins the whole server to these cores.
 CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# Keys the entry's connector patch adds to P's kv_transfer_params (tokens P loaded from D, and P's own
+# prefix-cache hits before that); the router removes them before D sees P's params.
+PULLED_KEY = "pdserve_pulled_tokens"
+LOCAL_KEY = "pdserve_local_cached_tokens"
+# "1": the entry applies the reuse patches (set by the planner when bidirectional_kv_xfer is on).
+REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"

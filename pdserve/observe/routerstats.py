@@ -37,7 +37,8 @@ def read_router(router_url: str, api_key: str | None = None, timeout: float = 2.
 
 def parse_metrics(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
-                           "reuse_tokens_pulled": 0.0, "entries_unavailable": 0.0}
+                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0,
+                           "entries_unavailable": 0.0}
     misses: Counter[str] = Counter()
     backends: dict[str, dict[str, Any]] = {}
     for fam in text_string_to_metric_families(text):
@@ -55,6 +56,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
                 out["reuse_tokens_offered"] += s.value
             elif name == "pdserve_router_reuse_tokens_pulled_total":
                 out["reuse_tokens_pulled"] += s.value
+            elif name == "pdserve_router_prefill_tokens_local_cached_total":
+                out["prefill_tokens_local_cached"] += s.value
             elif name == "pdserve_router_reuse_entries_total" and labels.get("outcome") == "unavailable":
                 out["entries_unavailable"] += s.value
             elif name in BACKEND_GAUGES:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
+from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, replica_devices, replica_ports
 from pdserve.plan.records import MARKER_ENV, ClusterPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
@@ -47,7 +47,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     http_port, side_ports = replica_ports(role, i)
     delay = spec.nixl_progress_delay_us
     cpus = replica_devices(role.cpus, role.replicas, i)
-    server = [python, "-m", ENTRY_MODULE if delay or cpus else VLLM_SERVER_MODULE]
+    reuse = spec.kv_transfer.bidirectional_kv_xfer   # streamed handles + pulled counts need the entry's patches
+    server = [python, "-m", ENTRY_MODULE if delay or cpus or reuse else VLLM_SERVER_MODULE]
     argv = [*(spec.server_command or server),
             "--model", model,
             "--served-model-name", spec.model_name,
@@ -67,6 +68,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         env[CORES_ENV] = ",".join(map(str, cpus))
     if delay:
         env[DELAY_ENV] = str(delay)
+    if reuse:
+        env[REUSE_PATCHES_ENV] = "1"
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     env.update(role.env)

@@ -30,6 +30,7 @@ async def test_two_legs_and_no_kv_params_leak():
         assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
         assert d_body["kv_transfer_params"]["do_remote_prefill"] is True          # P's handles, not the client's
         assert d_body["kv_transfer_params"]["remote_block_ids"] != [[666]]
+        assert dep.decode[0][FAKE].leaked_counts == 0     # P's pulled/local counts stay with the router
         p_hdr = dep.prefill[0][FAKE].received[0]["headers"]["x-request-id"]
         assert p_hdr.startswith("pdserve-") and p_hdr == dep.decode[0][FAKE].received[0]["headers"]["x-request-id"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
+from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import MARKER_ENV, ClusterPlan
 from pdserve.spec.load import parse_spec
@@ -60,8 +60,12 @@ def test_replicas_count_ports_and_split_devices():
 
 def test_vllm_entry_only_where_its_fixes_apply():
     gpu = with_("prefill.cpus", DELETE, with_("decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda")))
-    p = plan_of(gpu).by_name("prefill-0")
+    p = plan_of(with_("kv_transfer.bidirectional_kv_xfer", False, gpu)).by_name("prefill-0")
     assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE] and DELAY_ENV not in p.env   # NIXL's own polling
+    assert REUSE_PATCHES_ENV not in p.env
+    # Reuse needs the entry's patches (streamed handles, pulled counts) even with nothing else to fix.
+    reuse = plan_of(gpu).by_name("decode-0")
+    assert reuse.argv[2] == ENTRY_MODULE and reuse.env[REUSE_PATCHES_ENV] == "1" and DELAY_ENV not in reuse.env
     slow_poll = plan_of(with_("kv_transfer.nixl_progress_delay_us", 250, gpu)).by_name("decode-0")
     assert slow_poll.argv[2] == ENTRY_MODULE and slow_poll.env[DELAY_ENV] == "250"
     cores_only = plan_of(with_("kv_transfer.nixl_progress_delay_us", 0)).by_name("prefill-0")
@@ -126,8 +130,21 @@ def test_every_shipped_config_loads_and_plans():
         plan = build_plan(load_spec(path), python="/py", cluster_dir=Path("/h/clusters/t"),
                           models_dir=Path("/h/models"))
         servers = [p for p in plan.processes if p.role != "router"]
+        if path.name.startswith("gpu-"):
+            continue   # test_shipped_gpu_configs_plan
         # every CPU server runs through vllm_entry and is pinned to cores of its own role
         assert all(p.argv[2] == ENTRY_MODULE and p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers), path
         prefill = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "prefill"}
         decode = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "decode"}
         assert not prefill & decode, path     # P and D never share a core
+
+
+def test_shipped_gpu_configs_plan():
+    from pdserve.spec.load import load_spec
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    plan = build_plan(load_spec(configs / "gpu-1p1d.yaml"), python="/py", cluster_dir=Path("/h/clusters/t"),
+                      models_dir=Path("/h/models"))
+    p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
+    assert (p.env["CUDA_VISIBLE_DEVICES"], d.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert p.argv[2] == d.argv[2] == ENTRY_MODULE and p.env[REUSE_PATCHES_ENV] == "1"   # streamed turns reuse
+    assert json.loads(arg(p.argv, "--kv-transfer-config"))["kv_buffer_device"] == "cuda"
