@@ -82,6 +82,7 @@ class PrefillLeg:
         offer = decision if decision is not None and decision.result == HIT else None
         outcome = decision
         tried: list[str] = []
+        served = False
         try:
             while True:
                 backend = self.pool.pick(exclude=set(tried))
@@ -93,7 +94,9 @@ class PrefillLeg:
                                                                                              use.holder):
                     use, outcome = None, Decision(MISS, "pull_slower", holder=use.holder)
                 try:
-                    return await self._once(backend, route, body, headers, use)
+                    params = await self._once(backend, route, body, headers, use)
+                    served = True
+                    return params
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
                         # Reading D's blocks failed (stale handle, D restarted, transfer error): recompute
@@ -103,13 +106,18 @@ class PrefillLeg:
                         self.metrics.read_retries.inc()
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            return await self._once(backend, route, body, headers, None)
+                            params = await self._once(backend, route, body, headers, None)
+                            served = True
+                            return params
                         except UpstreamError as again:
                             err = again
                     # Nothing has reached the client yet: another prefill server may answer.
                     if err.status < 500 or err.status == 504 or len(tried) >= len(self.pool.backends):
                         raise err from None
         finally:
+            if outcome is not None and outcome.result == HIT and not served:
+                # P refused or failed the request: nothing was read, so it is no hit.
+                outcome = Decision(MISS, "prefill_failed", holder=outcome.holder)
             if outcome is not None:
                 self.metrics.reuse.labels(outcome.result, outcome.reason).inc()
                 if outcome.result == HIT:

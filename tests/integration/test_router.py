@@ -183,3 +183,16 @@ async def test_next_turn_goes_to_the_decode_server_holding_the_blocks():
         for app in dep.decode:
             convs = {r["body"]["messages"][0]["content"].split()[1] for r in app[FAKE].received}
             assert len(convs) == 1, convs         # each conversation stayed on the server holding its blocks
+
+
+async def test_a_hit_p_rejects_is_not_counted_as_a_hit():
+    async with deployment() as dep:
+        first = chat("alpha " * 40, conversation_id="rej")
+        _, data = await dep.post(CHAT, first)
+        dep.prefill[0][FAKE].args.status = 400        # P refuses the next request
+        status, _ = await dep.post(CHAT, chat("beta", first["messages"] + [data["choices"][0]["message"]],
+                                              conversation_id="rej"))
+        assert status == 400
+        m = await dep.metrics()
+        assert 'result="hit"' not in m
+        assert 'pdserve_router_reuse_decisions_total{reason="prefill_failed",result="miss"} 1.0' in m
