@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import MARKER_ENV, ClusterPlan
@@ -148,3 +150,31 @@ def test_shipped_gpu_configs_plan():
     assert (p.env["CUDA_VISIBLE_DEVICES"], d.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert p.argv[2] == d.argv[2] == ENTRY_MODULE and p.env[REUSE_PATCHES_ENV] == "1"   # streamed turns reuse
     assert json.loads(arg(p.argv, "--kv-transfer-config"))["kv_buffer_device"] == "cuda"
+
+
+def test_shared_gpu_config_splits_memory_and_orders_the_start():
+    from pdserve.spec.load import load_spec
+    spec = load_spec(Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml")
+    plan = build_plan(spec, python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/h/models"))
+    p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
+    assert p.env["CUDA_VISIBLE_DEVICES"] == d.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert arg(p.argv, "--gpu-memory-utilization") == arg(d.argv, "--gpu-memory-utilization") == "0.46"
+    assert (p.start_after, d.start_after) == ([], ["prefill-0"])
+    # an explicit share wins, the other server gets the rest
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml").read_text())
+    data["prefill"]["gpu_memory_utilization"] = 0.3
+    plan = build_plan(parse_spec(data), python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/h/models"))
+    assert arg(plan.by_name("prefill-0").argv, "--gpu-memory-utilization") == "0.3"
+    assert arg(plan.by_name("decode-0").argv, "--gpu-memory-utilization") == "0.62"
+
+
+def test_shared_gpu_refusals_name_the_field():
+    import pytest
+    from pdserve.spec.load import SpecErrors
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml").read_text())
+    data["prefill"]["gpu_memory_utilization"] = data["decode"]["gpu_memory_utilization"] = 0.6
+    with pytest.raises(SpecErrors, match="prefill.gpu_memory_utilization"):
+        parse_spec(data)
+    data = {**data, "share_gpus": False}
+    with pytest.raises(SpecErrors, match="decode.gpus: GPU 0 is already used"):
+        parse_spec(data)
