@@ -7,6 +7,7 @@ Each check gives one Finding: ok / warn / fail, a one-line message and a hint.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import resource
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import ClusterSpec
@@ -103,6 +105,31 @@ def check_fabric(spec: ClusterSpec, which: Callable = shutil.which, run: Callabl
     return [Finding("ok", "efa", "EFA provider present")]
 
 
+def has_chat_template(model_dir: Path) -> bool:
+    if (model_dir / "chat_template.jinja").exists() or (model_dir / "chat_template.json").exists():
+        return True
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_chat_template(spec: ClusterSpec) -> list[Finding]:
+    """The canary is a chat request: a local model without a chat template fails it (and every chat turn)."""
+    model = Path(os.path.expanduser(spec.model))
+    given = any(a == "--chat-template" or a.startswith("--chat-template=")
+                for role in ("prefill", "decode") for a in getattr(spec, role).vllm_args)
+    if given or spec.model.startswith("pdserve:") or not model.is_dir():
+        return []     # built-in models have one; hub ids are resolved by vLLM
+    if has_chat_template(model):
+        return [Finding("ok", "chat_template", "the model has a chat template")]
+    level = "fail" if spec.supervisor.canary else "warn"
+    return [Finding(level, "chat_template", f"model {spec.model} has no chat template: the canary (a chat "
+                    "request) and /v1/chat/completions will fail",
+                    "add one to tokenizer_config.json, or pass --chat-template in vllm_args, or set "
+                    "supervisor.canary: false")]
+
+
 def check_ports(plan: ClusterPlan, busy: list[str]) -> list[Finding]:
     if busy:
         return [Finding("fail", "ports", f"already in use: {', '.join(busy)}",
@@ -124,7 +151,8 @@ def check_open_files(spec: ClusterSpec, limits: tuple[int, int] | None = None) -
 
 
 def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | None) -> list[Finding]:
-    out = [*check_software(spec), *check_devices(spec), *check_fabric(spec), *check_open_files(spec)]
+    out = [*check_software(spec), *check_devices(spec), *check_fabric(spec), *check_open_files(spec),
+           *check_chat_template(spec)]
     if busy is not None:
         out += check_ports(plan, busy)
     return out

@@ -1,7 +1,10 @@
-"""Runs vLLM's OpenAI API server with three fixes for servers that share a host's CPU cores.
+"""Runs vLLM's OpenAI API server with pdserve's runtime patches.
 
-pdserve runs this module instead of `vllm.entrypoints.openai.api_server` when a server has its own
-`cpus:` or `kv_transfer.nixl_progress_delay_us` is above 0 (see plan.py). Measured on this project's
+pdserve runs this module instead of `vllm.entrypoints.openai.api_server` whenever a patch is needed (see
+plan/build.py): with `bidirectional_kv_xfer`, the reuse patches of engine/patches.py (streamed turns return
+D's block handles; P reports the tokens it pulled from D apart from its own prefix cache); and three fixes
+for servers that share a host's CPU cores, when a server has its own `cpus:` or
+`kv_transfer.nixl_progress_delay_us` is above 0. Measured on this project's
 2-core machine (1P1D, the "mid" model), without them a 6.6k-token prefill took 208 s instead of 7.7 s,
 and P's KV leases expired before D could read them:
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import os
 import runpy
 
-from pdserve.engine.names import CORES_ENV, DELAY_ENV, VLLM_SERVER_MODULE
+from pdserve.engine.names import CORES_ENV, DELAY_ENV, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 
 
 def own_cores(bind: str | None) -> list[int]:
@@ -75,9 +78,21 @@ def patch_nixl_progress_delay() -> int:
     return delay
 
 
+def apply_reuse_patches() -> None:
+    if os.environ.get(REUSE_PATCHES_ENV) != "1":
+        return
+    from pdserve.engine import patches
+    streamed = patches.patch_streamed_kv_params()
+    counted = patches.patch_pulled_token_counts()
+    # One line in the server log says what this vLLM got (doctor and the e2e tests read it).
+    print(f"pdserve-entry: streamed kv_transfer_params patched: {','.join(streamed) or 'none'}; "
+          f"pulled-token counts: {'yes' if counted else 'no'}", flush=True)
+
+
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
     pin_to_own_cores()
     patch_nixl_progress_delay()
+    apply_reuse_patches()
 
 if __name__ == "__main__":
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")

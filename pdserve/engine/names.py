@@ -9,3 +9,5 @@ ENTRY_MODULE = "pdserve.engine.entry"
 DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 # vLLM's CPU core binding; the entry pins the whole server to these cores.
 CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# "1": the entry applies the reuse patches (set by the planner when bidirectional_kv_xfer is on).
+REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"

@@ -35,7 +35,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
 
 def summarize(samples: Samples) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
-                           "reuse_tokens_pulled": 0.0, "entries_unavailable": 0.0}
+                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0,
+                           "entries_unavailable": 0.0}
     misses: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
     missing_roles: list[str] = []
@@ -54,6 +55,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["reuse_tokens_offered"] += value
         elif name == "pdserve_router_reuse_tokens_pulled_total":
             out["reuse_tokens_pulled"] += value
+        elif name == "pdserve_router_prefill_tokens_local_cached_total":
+            out["prefill_tokens_local_cached"] += value
         elif name == "pdserve_router_reuse_entries_total" and labels.get("outcome") == "unavailable":
             out["entries_unavailable"] += value
         elif name == "pdserve_router_degraded_requests_total":

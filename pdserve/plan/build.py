@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
-from pdserve.spec.load import ROLES, replica_devices, replica_ports
+from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
+from pdserve.spec.load import ROLES, SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
 from pdserve.plan.records import MARKER_ENV, ClusterPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 
@@ -47,7 +47,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     http_port, side_ports = replica_ports(role, i)
     delay = spec.nixl_progress_delay_us
     cpus = replica_devices(role.cpus, role.replicas, i)
-    server = [python, "-m", ENTRY_MODULE if delay or cpus else VLLM_SERVER_MODULE]
+    reuse = spec.kv_transfer.bidirectional_kv_xfer   # streamed handles + pulled counts need the entry's patches
+    server = [python, "-m", ENTRY_MODULE if delay or cpus or reuse else VLLM_SERVER_MODULE]
     argv = [*(spec.server_command or server),
             "--model", model,
             "--served-model-name", spec.model_name,
@@ -67,15 +68,37 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         env[CORES_ENV] = ",".join(map(str, cpus))
     if delay:
         env[DELAY_ENV] = str(delay)
+    if reuse:
+        env[REUSE_PATCHES_ENV] = "1"
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     env.update(role.env)
     env[MARKER_ENV] = marker(cluster_dir, name)
     host = connect_host(role.host)
     env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}
+    util, after = gpu_share(spec, role_name, i)
+    if util is not None and not any(a.startswith("--gpu-memory-utilization") for a in role.vllm_args):
+        argv += ["--gpu-memory-utilization", f"{util:.3g}"]
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=role.host, port=http_port,
                        health_url=f"http://{host}:{http_port}/health", side_channel_ports=side_ports,
-                       env_from=env_from)
+                       env_from=env_from, start_after=after)
+
+
+def gpu_share(spec: ClusterSpec, role_name: str, i: int) -> tuple[float | None, list[str]]:
+    """(--gpu-memory-utilization, servers to wait for) of one server: an explicit utilization wins; on a
+    shared GPU the rest of SHARED_GPU_BUDGET is split evenly and each server waits for those before it."""
+    role = getattr(spec, role_name)
+    util, after = role.gpu_memory_utilization, []
+    for users in gpu_sharers(spec).values():
+        if (role_name, i) not in users or len(users) < 2:
+            continue
+        after += [f"{r}-{k}" for r, k in users[:users.index((role_name, i))] if f"{r}-{k}" not in after]
+        if role.gpu_memory_utilization is None:
+            given = [getattr(spec, r).gpu_memory_utilization for r, _ in users]
+            free = len([g for g in given if g is None])
+            share = (SHARED_GPU_BUDGET - sum(g for g in given if g is not None)) / free
+            util = share if util is None else min(util, share)
+    return util, after
 
 
 def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir: Path) -> ClusterPlan:

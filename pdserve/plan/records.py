@@ -27,8 +27,8 @@ class ProcessPlan:
     # Variables copied at launch from the launching environment, target <- source; secrets such as the
     # API key travel this way so they are never written into the plan or the state folder.
     env_from: dict[str, str] = field(default_factory=dict)
-    # Processes that must be ready before this one starts (servers sharing a GPU start one at a time:
-    # vLLM profiles free memory while it starts).
+    # Processes that must be ready before this one starts (servers sharing a GPU: vLLM's memory profiling
+    # needs the GPU quiet while a server starts). The supervisor honours it.
     start_after: list[str] = field(default_factory=list)
 
     @property

@@ -43,8 +43,9 @@ class CostModel:
         return new if old is None else old + self.alpha * (new - old)
 
     def observe(self, prefill: str, decode: str | None, seconds: float, prompt_tokens: int,
-                cached_tokens: int, pulled: bool) -> None:
-        """One successful P leg: `cached_tokens` were not computed (pulled from D, or P's prefix cache)."""
+                cached_tokens: int, pulled: bool, pulled_tokens: int | None = None) -> None:
+        """One successful P leg: `cached_tokens` were not computed (pulled from D, or P's prefix cache), of
+        which `pulled_tokens` came from D (None: all of them). Only pulled tokens price a pull."""
         computed = max(0, prompt_tokens - cached_tokens)
         if not pulled or decode is None:
             if computed >= MIN_SAMPLE_TOKENS:
@@ -56,13 +57,14 @@ class CostModel:
             # A pair's first pull includes NIXL's handshake and metadata exchange: not a transfer rate.
             self._warm.add(pair)
             return
-        if cached_tokens < MIN_SAMPLE_TOKENS:
+        moved = cached_tokens if pulled_tokens is None else pulled_tokens
+        if moved < MIN_SAMPLE_TOKENS:
             return
         transfer = max(0.0, seconds - self.recompute.get(prefill, 0.0) * computed)
         # A re-probe measures hardware the estimate may no longer describe: it replaces the estimate.
         old = None if pair in self._probing else self.pull.get(pair)
         self._probing.discard(pair)
-        self.pull[pair] = self._ewma(old, transfer / cached_tokens)
+        self.pull[pair] = self._ewma(old, transfer / moved)
 
     def should_pull(self, prefill: str, decode: str) -> bool:
         pair = (prefill, decode)

@@ -45,9 +45,12 @@ class RouterMetrics:
                                "D's block handles after a turn: stored, or unavailable (backend did not report them).",
                                ["outcome"], registry=r)
         self.reuse_tokens_pulled = Counter("pdserve_router_reuse_tokens_pulled",
-                                           "Prompt tokens P reported it did not compute on turns offered D's "
-                                           "blocks (remote_prefill_cached_tokens: pulled from D, plus P's own "
-                                           "prefix-cache hits when that is on).", registry=r)
+                                           "Prompt tokens P loaded from D's KV (P's connector count, added by "
+                                           "pdserve.engine.entry; P's own prefix-cache hits are not in it).",
+                                           registry=r)
+        self.prefill_tokens_local = Counter("pdserve_router_prefill_tokens_local_cached",
+                                            "Prompt tokens P took from its own prefix cache (not pulled from D).",
+                                            registry=r)
         self.read_retries = Counter("pdserve_router_prefill_retries",
                                     "Prefill retried without D's blocks after a failed attempt with them.", registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token seen by the client.",

@@ -18,6 +18,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.reuse import HIT, MISS, Decision, ReuseStore, decide
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
 from pdserve.router.upstream import Upstream, backend_at_fault
+from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
 
 log = logging.getLogger("pdserve.router")
 BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
@@ -81,6 +82,7 @@ class PrefillLeg:
         offer = decision if decision is not None and decision.result == HIT else None
         outcome = decision
         tried: list[str] = []
+        served = False
         try:
             while True:
                 backend = self.pool.pick(exclude=set(tried))
@@ -92,7 +94,9 @@ class PrefillLeg:
                                                                                              use.holder):
                     use, outcome = None, Decision(MISS, "pull_slower", holder=use.holder)
                 try:
-                    return await self._once(backend, route, body, headers, use)
+                    params = await self._once(backend, route, body, headers, use)
+                    served = True
+                    return params
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
                         # Reading D's blocks failed (stale handle, D restarted, transfer error): recompute
@@ -102,7 +106,9 @@ class PrefillLeg:
                         self.metrics.read_retries.inc()
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            return await self._once(backend, route, body, headers, None)
+                            params = await self._once(backend, route, body, headers, None)
+                            served = True
+                            return params
                         except UpstreamError as again:
                             err = again
                     # Nothing has reached the client yet: another prefill server may answer.
@@ -110,6 +116,9 @@ class PrefillLeg:
                             or len(tried) >= len(self.pool.backends)):
                         raise err from None
         finally:
+            if outcome is not None and outcome.result == HIT and not served:
+                # P refused or failed the request: nothing was read, so it is no hit.
+                outcome = Decision(MISS, "prefill_failed", holder=outcome.holder)
             if outcome is not None:
                 self.metrics.reuse.labels(outcome.result, outcome.reason).inc()
                 if outcome.result == HIT:
@@ -133,27 +142,39 @@ class PrefillLeg:
         if status != 200:
             raise UpstreamError(status, data, backend.name)
         params = data.get("kv_transfer_params")
+        counts = pop_counts(params) if isinstance(params, dict) else None   # never forwarded to D
         if not isinstance(params, dict):
             raise UpstreamError(502, error_body(
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
-        self._learn(backend, use, time.perf_counter() - started, data, params)
+        self._learn(backend, use, time.perf_counter() - started, data, counts)
         return params
 
     def _learn(self, backend: Backend, use: Decision | None, seconds: float, data: dict[str, Any],
-               params: dict[str, Any]) -> None:
-        # vLLM's P reports the prompt tokens it did not compute (local prefix hits + pulled from D).
-        cached = params.get("remote_prefill_cached_tokens")
-        cached = cached if isinstance(cached, int) else 0
-        if use is not None:
-            self.metrics.reuse_tokens_pulled.inc(cached)
+               counts: tuple[int, int] | None) -> None:
+        # (pulled from D, P's own prefix-cache hits), from the entry's connector patch; None without it:
+        # then nothing is learned about pulls (remote_prefill_cached_tokens mixes the two and 0.26 lacks it).
+        pulled, local = counts if counts is not None else (0, 0)
+        self.metrics.reuse_tokens_pulled.inc(pulled)
+        self.metrics.prefill_tokens_local.inc(local)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         prompt = usage.get("prompt_tokens")
         if self.costs is None or not isinstance(prompt, int):
             return
         holder = use.holder if use else None
-        self.costs.observe(backend.name, holder, seconds, prompt, cached, use is not None)
+        if use is not None and counts is None:
+            return   # a pull of unknown size: neither a pull nor a recompute sample
+        self.costs.observe(backend.name, holder, seconds, prompt, pulled + local, use is not None and pulled > 0,
+                           pulled_tokens=pulled)
         if backend.name in self.costs.recompute:
             self.metrics.cost.labels("recompute", backend.name, "").set(self.costs.recompute[backend.name])
         if holder and (backend.name, holder) in self.costs.pull:
             self.metrics.cost.labels("pull", backend.name, holder).set(self.costs.pull[(backend.name, holder)])
+
+
+def pop_counts(params: dict[str, Any]) -> tuple[int, int] | None:
+    """(tokens P pulled from D, tokens from P's own prefix cache) taken out of P's kv_transfer_params."""
+    pulled, local = params.pop(PULLED_KEY, None), params.pop(LOCAL_KEY, None)
+    if isinstance(pulled, int) and isinstance(local, int):
+        return max(0, pulled), max(0, local)
+    return None

@@ -106,11 +106,11 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
             for kind in ("gpus", "cpus"):
                 for dev in replica_devices(getattr(role, kind), role.replicas, i):
                     key = (role.host, kind, dev)
-                    if key in devices:
+                    if key in devices and not (kind == "gpus" and spec.share_gpus):
                         problems.append(f"{role_name}.{kind}: {kind[:-1].upper()} {dev} is already used by {devices[key]}")
                     else:
                         devices[key] = owner
-    problems += kv_problems(spec)
+    problems += kv_problems(spec) + share_problems(spec)
     if spec.reuse_ttl >= spec.kv_transfer.decoder_kv_blocks_ttl:
         problems.append(f"router.reuse_ttl: {spec.reuse_ttl:g} must be below kv_transfer.decoder_kv_blocks_ttl "
                         f"({spec.kv_transfer.decoder_kv_blocks_ttl:g}): D frees its blocks after that")
@@ -183,3 +183,33 @@ def load_spec(path: str | Path) -> ClusterSpec:
     if isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"].startswith(("./", "../")):
         data["model"] = str((path.parent / data["model"]).resolve())
     return parse_spec(data, str(path))
+
+
+SHARED_GPU_BUDGET = 0.92     # vLLM's default utilization of a GPU it has alone, split between its sharers
+
+
+def gpu_sharers(spec: ClusterSpec) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """(host, GPU) -> [(role, replica)] in start order."""
+    out: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for role_name in ROLES:
+        role = getattr(spec, role_name)
+        for i in range(role.replicas):
+            for g in replica_devices(role.gpus, role.replicas, i):
+                out.setdefault((role.host, g), []).append((role_name, i))
+    return out
+
+
+def share_problems(spec: ClusterSpec) -> list[str]:
+    """Explicit utilizations of servers sharing a GPU must fit in it together."""
+    problems = []
+    for (host, gpu), users in gpu_sharers(spec).items():
+        if len(users) < 2:
+            continue
+        given = [getattr(spec, r).gpu_memory_utilization for r, _ in users]
+        fixed = sum(u for u in given if u is not None)
+        left = len([u for u in given if u is None])
+        if fixed > SHARED_GPU_BUDGET or (left and fixed >= SHARED_GPU_BUDGET - 0.05 * left):
+            role = next(r for r, _ in users if getattr(spec, r).gpu_memory_utilization is not None)
+            problems.append(f"{role}.gpu_memory_utilization: servers sharing GPU {gpu} on {host} would use "
+                            f"more than {SHARED_GPU_BUDGET:g} of it; lower it so they add up to at most that")
+    return problems

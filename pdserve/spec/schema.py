@@ -33,6 +33,9 @@ class RoleSpec(Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size per replica.")
     gpus: list[int] | None = Field(None, description="GPU indices (CUDA_VISIBLE_DEVICES), split across replicas.")
     cpus: list[int] | None = Field(None, description="CPU cores to bind (VLLM_CPU_OMP_THREADS_BIND), split across replicas.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, lt=1, description="vLLM --gpu-memory-utilization per server; with share_gpus the planner "
+                                      "splits each shared GPU evenly unless this is given.")
     vllm_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments, passed verbatim.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for these servers.")
 
@@ -126,6 +129,9 @@ class ClusterSpec(Strict):
         None, min_length=1,
         description="Command that starts one vLLM OpenAI server, before its arguments (default: this "
                     "Python with -m vllm.entrypoints.openai.api_server). For wrappers such as numactl.")
+    share_gpus: bool = Field(False, description="Allow prefill and decode servers on the same GPU: each gets a "
+                                                "fitting --gpu-memory-utilization and starts after the "
+                                                "server before it on that GPU is ready.")
     prefill: RoleSpec
     decode: RoleSpec
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)

@@ -11,6 +11,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+import uuid
 
 from pdserve.observe.promtext import auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
@@ -19,6 +20,12 @@ BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 # Long enough to fill at least one KV block on every backend (CPU blocks are 128 tokens).
 CANARY_TEXT = "pdserve canary: " + " ".join(f"check {i}" for i in range(160))
+
+
+def canary_text() -> str:
+    """Fresh text each time, varied from its first token: D's prefix cache held a repeated canary, so D
+    read only the last 2 tokens from P and the check proved almost nothing."""
+    return f"{uuid.uuid4().hex} {CANARY_TEXT}"
 
 
 def external_tokens(url: str) -> float | None:
@@ -35,7 +42,7 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env:
     before = [external_tokens(u) for u in decode_urls]
     headers = {"Content-Type": "application/json",
                **auth_headers(os.environ.get(api_key_env) if api_key_env else None)}
-    body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": CANARY_TEXT}]})
+    body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": canary_text()}]})
     req = urllib.request.Request(router_url + "/v1/chat/completions", data=body.encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

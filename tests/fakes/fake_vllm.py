@@ -24,6 +24,8 @@ import zlib
 
 from aiohttp import web
 
+from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+
 BLOCK = 16
 FAKE = web.AppKey("fake", object)
 
@@ -44,6 +46,7 @@ class FakeVLLM:
         self.received: list[dict] = []      # every completion body, for tests to inspect
         self.external_tokens = 0            # like vllm:prompt_tokens_by_source{source="external_kv_transfer"}
         self.healthy = True
+        self.leaked_counts = 0              # requests that arrived with P's pulled/local counts
         self.cancelled = 0                  # streams cut off by the other side (client went away)
         self.computed_tokens = 0            # like ...{source="local_compute"}
         self.in_flight = self.max_in_flight = 0
@@ -83,6 +86,8 @@ class FakeVLLM:
                                                     "param": None, "code": 500}}, status=500)
             pulled = min(int(kv.get("remote_num_tokens", 0)), len(prompt) - 1)
             self.external_tokens += pulled
+        if any(k in kv for k in (PULLED_KEY, LOCAL_KEY)):
+            self.leaked_counts += 1   # the router must strip P's counts before D
         if kv.get("do_remote_prefill") and kv.get("remote_block_ids") and not self.args.no_kv_in:
             self.external_tokens += len(prompt)   # D reads P's blocks for the whole prompt
         if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
@@ -96,7 +101,9 @@ class FakeVLLM:
             params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                       "remote_request_id": uuid.uuid4().hex, "remote_block_ids": [list(range(len(prompt) // BLOCK + 1))],
                       "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1,
-                      "remote_prefill_cached_tokens": pulled}
+                      "remote_prefill_cached_tokens": pulled,
+                      # what pdserve.engine.entry's connector patch adds on a real P
+                      PULLED_KEY: pulled, LOCAL_KEY: 0}
         elif kv.get("do_remote_prefill") and self.args.bidirectional:   # decode leg: hand out D's blocks
             total = len(prompt) + n - 1
             params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": self.engine_id,

@@ -32,6 +32,7 @@ async def test_two_legs_and_no_kv_params_leak():
         assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
         assert d_body["kv_transfer_params"]["do_remote_prefill"] is True          # P's handles, not the client's
         assert d_body["kv_transfer_params"]["remote_block_ids"] != [[666]]
+        assert dep.decode[0][FAKE].leaked_counts == 0     # P's pulled/local counts stay with the router
         p_hdr = dep.prefill[0][FAKE].received[0]["headers"]["x-request-id"]
         assert p_hdr.startswith("pdserve-") and p_hdr == dep.decode[0][FAKE].received[0]["headers"]["x-request-id"]
 
@@ -183,3 +184,16 @@ async def test_next_turn_goes_to_the_decode_server_holding_the_blocks():
         for app in dep.decode:
             convs = {r["body"]["messages"][0]["content"].split()[1] for r in app[FAKE].received}
             assert len(convs) == 1, convs         # each conversation stayed on the server holding its blocks
+
+
+async def test_a_hit_p_rejects_is_not_counted_as_a_hit():
+    async with deployment() as dep:
+        first = chat("alpha " * 40, conversation_id="rej")
+        _, data = await dep.post(CHAT, first)
+        dep.prefill[0][FAKE].args.status = 400        # P refuses the next request
+        status, _ = await dep.post(CHAT, chat("beta", first["messages"] + [data["choices"][0]["message"]],
+                                              conversation_id="rej"))
+        assert status == 400
+        m = await dep.metrics()
+        assert 'result="hit"' not in m
+        assert 'pdserve_router_reuse_decisions_total{reason="prefill_failed",result="miss"} 1.0' in m

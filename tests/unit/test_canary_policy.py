@@ -59,3 +59,10 @@ def test_a_passing_canary_clears_the_check_and_the_count(tmp_path):
     assert sup._verify and sup._canary_failures == 1
     sup._verify_restarted(next(t))
     assert not sup._verify and sup._canary_failures == 0 and not sup.restart_queue
+
+
+def test_canary_text_is_fresh_from_its_first_token():
+    # D's prefix cache held a repeated canary: D then read 2 tokens from P and the check proved nothing.
+    from pdserve.supervise.canary import canary_text
+    a, b = canary_text(), canary_text()
+    assert a.split()[0] != b.split()[0] and len(a.split()) > 160

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
+import yaml
+
+from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import MARKER_ENV, ClusterPlan
 from pdserve.spec.load import parse_spec
@@ -60,8 +62,12 @@ def test_replicas_count_ports_and_split_devices():
 
 def test_vllm_entry_only_where_its_fixes_apply():
     gpu = with_("prefill.cpus", DELETE, with_("decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda")))
-    p = plan_of(gpu).by_name("prefill-0")
+    p = plan_of(with_("kv_transfer.bidirectional_kv_xfer", False, gpu)).by_name("prefill-0")
     assert p.argv[:3] == ["/py", "-m", VLLM_SERVER_MODULE] and DELAY_ENV not in p.env   # NIXL's own polling
+    assert REUSE_PATCHES_ENV not in p.env
+    # Reuse needs the entry's patches (streamed handles, pulled counts) even with nothing else to fix.
+    reuse = plan_of(gpu).by_name("decode-0")
+    assert reuse.argv[2] == ENTRY_MODULE and reuse.env[REUSE_PATCHES_ENV] == "1" and DELAY_ENV not in reuse.env
     slow_poll = plan_of(with_("kv_transfer.nixl_progress_delay_us", 250, gpu)).by_name("decode-0")
     assert slow_poll.argv[2] == ENTRY_MODULE and slow_poll.env[DELAY_ENV] == "250"
     cores_only = plan_of(with_("kv_transfer.nixl_progress_delay_us", 0)).by_name("prefill-0")
@@ -126,6 +132,8 @@ def test_every_shipped_config_loads_and_plans():
         plan = build_plan(load_spec(path), python="/py", cluster_dir=Path("/h/clusters/t"),
                           models_dir=Path("/h/models"))
         servers = [p for p in plan.processes if p.role != "router"]
+        if path.name.startswith("gpu-"):
+            continue   # test_shipped_gpu_configs_plan
         # every CPU server runs through vllm_entry and is pinned to cores of its own role
         assert all(p.argv[2] == ENTRY_MODULE and p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers), path
         prefill = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "prefill"}
@@ -145,3 +153,42 @@ def test_the_planned_router_config_is_exactly_what_the_router_reads():
     assert cfg.idle_timeout == 7.0 and cfg.reuse_max_bytes == 2 * 1024 * 1024
     with _pytest.raises(ValueError, match="unknown router settings: idel_timeout"):
         RouterConfig.from_dict({"prefill": [], "decode": [], "model": "m", "idel_timeout": 3})
+
+
+def test_shipped_gpu_configs_plan():
+    from pdserve.spec.load import load_spec
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    plan = build_plan(load_spec(configs / "gpu-1p1d.yaml"), python="/py", cluster_dir=Path("/h/clusters/t"),
+                      models_dir=Path("/h/models"))
+    p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
+    assert (p.env["CUDA_VISIBLE_DEVICES"], d.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert p.argv[2] == d.argv[2] == ENTRY_MODULE and p.env[REUSE_PATCHES_ENV] == "1"   # streamed turns reuse
+    assert json.loads(arg(p.argv, "--kv-transfer-config"))["kv_buffer_device"] == "cuda"
+
+
+def test_shared_gpu_config_splits_memory_and_orders_the_start():
+    from pdserve.spec.load import load_spec
+    spec = load_spec(Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml")
+    plan = build_plan(spec, python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/h/models"))
+    p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
+    assert p.env["CUDA_VISIBLE_DEVICES"] == d.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert arg(p.argv, "--gpu-memory-utilization") == arg(d.argv, "--gpu-memory-utilization") == "0.46"
+    assert (p.start_after, d.start_after) == ([], ["prefill-0"])
+    # an explicit share wins, the other server gets the rest
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml").read_text())
+    data["prefill"]["gpu_memory_utilization"] = 0.3
+    plan = build_plan(parse_spec(data), python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/h/models"))
+    assert arg(plan.by_name("prefill-0").argv, "--gpu-memory-utilization") == "0.3"
+    assert arg(plan.by_name("decode-0").argv, "--gpu-memory-utilization") == "0.62"
+
+
+def test_shared_gpu_refusals_name_the_field():
+    import pytest
+    from pdserve.spec.load import SpecErrors
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml").read_text())
+    data["prefill"]["gpu_memory_utilization"] = data["decode"]["gpu_memory_utilization"] = 0.6
+    with pytest.raises(SpecErrors, match="prefill.gpu_memory_utilization"):
+        parse_spec(data)
+    data = {**data, "share_gpus": False}
+    with pytest.raises(SpecErrors, match="decode.gpus: GPU 0 is already used"):
+        parse_spec(data)

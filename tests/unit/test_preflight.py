@@ -60,3 +60,16 @@ def test_open_file_limit_below_the_router_caps_is_a_warning():
     low = check_open_files(spec, (1024, 1024))
     assert low[0].level == "warn" and "1024" in low[0].message and "max_connections" in low[0].hint
     assert check_open_files(spec, (1024, 1048576))[0].level == "ok"
+
+
+def test_a_model_without_chat_template_is_refused_before_start(tmp_path):
+    import json
+    from pdserve.checks.preflight import check_chat_template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "x"}))
+    bare = parse_spec(with_("model", str(tmp_path)))
+    [f] = check_chat_template(bare)
+    assert f.level == "fail" and "no chat template" in f.message and "canary" in f.message
+    assert check_chat_template(parse_spec(with_("prefill.vllm_args", ["--chat-template", "t.jinja"],
+                                                with_("model", str(tmp_path))))) == []
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert levels(check_chat_template(bare)) == [("ok", "chat_template")]

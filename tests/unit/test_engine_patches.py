@@ -1,0 +1,82 @@
+"""pdserve.engine.patches: streamed turns carry D's handles, P reports pulled vs locally cached tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from pdserve.engine import patches
+from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+
+PARAMS = {"remote_block_ids": [[1, 2]], "remote_num_tokens": 40, "do_remote_decode": True}
+
+
+def output(finished: bool, params=None):
+    return SimpleNamespace(finished=finished, kv_transfer_params=params)
+
+
+class FakeServing:
+    """The shape of vLLM's stream generators: SSE strings made from a result generator."""
+
+    async def chat_completion_stream_generator(self, request, result_generator, request_id, *rest):
+        async for out in result_generator:
+            item = out[1] if isinstance(out, tuple) else out
+            yield "data: " + json.dumps({"choices": [{"finish_reason": "stop" if item.finished else None}]}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+
+async def collect(gen) -> list[str]:
+    return [e async for e in gen]
+
+
+def run_stream(outputs) -> list[dict]:
+    class Serving(FakeServing):
+        pass
+    assert patches.patch_stream_generator(Serving, "chat_completion_stream_generator")
+
+    async def results():
+        for o in outputs:
+            yield o
+    events = asyncio.run(collect(Serving().chat_completion_stream_generator("req", results(), "id")))
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def test_the_final_chunk_carries_kv_transfer_params():
+    chunks = run_stream([output(False), output(False), output(True, PARAMS)])
+    assert [c.get("kv_transfer_params") for c in chunks] == [None, None, PARAMS]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completions_shape_and_nothing_without_params():
+    assert run_stream([(0, output(False)), (0, output(True, PARAMS))])[-1]["kv_transfer_params"] == PARAMS
+    assert all("kv_transfer_params" not in c for c in run_stream([output(False), output(True, None)]))
+
+
+def test_installed_vllm_stream_generators_are_patched():
+    # Fails when a vLLM layout change makes the patch miss its targets (then streamed turns lose reuse).
+    done = patches.patch_streamed_kv_params()
+    assert any("OpenAIServingChat" in d for d in done) and any("OpenAIServingCompletion" in d for d in done), done
+    assert patches.patch_pulled_token_counts()
+
+
+class FakeConnector:
+    def __init__(self, pulled: int):
+        self.pulled = pulled
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self.pulled, self.pulled > 0
+
+    def request_finished(self, request, block_ids):
+        return False, {"do_remote_prefill": True, "remote_block_ids": block_ids}
+
+
+def test_connector_reports_pulled_and_local_tokens_apart():
+    conn = patches.wrap_connector(FakeConnector(pulled=256))
+    req = SimpleNamespace(request_id="r1")
+    assert conn.get_num_new_matched_tokens(req, 128) == (256, True)
+    _, params = conn.request_finished(req, [3])
+    assert params[PULLED_KEY] == 256 and params[LOCAL_KEY] == 128
+    # single use: a later request with the same id that never asked the connector reports nothing
+    assert PULLED_KEY not in conn.request_finished(req, [3])[1]
