@@ -20,13 +20,13 @@ from aiohttp import web
 from pdserve.router import identity
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import UpstreamError, error_body, sse_error
+from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
 from pdserve.router.tokens import SequenceCollector, StreamRelay
-from pdserve.router.upstream import PoolWait, Upstream, backend_at_fault
+from pdserve.router.upstream import PoolWait, Upstream
 
 log = logging.getLogger("pdserve.router")
 
@@ -103,8 +103,9 @@ class Flow:
         try:
             p_params = await self.prefill.run(route, body, turn.headers, decision)
         except UpstreamError as err:
-            if err.status == 503 and not self.prefill.pool.any_usable():
-                return await self._degraded(request, turn, self.decode)   # every P failed just now
+            if err.serve_elsewhere and self.decode.any_usable():
+                # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
+                return await self._degraded(request, turn, self.decode)
             return self._json(turn, err.body, err.status)
         turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
         d_body = {**body, "kv_transfer_params": p_params}
@@ -112,7 +113,7 @@ class Flow:
             d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
         collector = SequenceCollector(keep_for_client=bool(body.get("return_token_ids")))
         return await self._serve(request, turn, self.decode, decision.holder if decision else None, d_body,
-                                 collector, track)
+                                 collector, track, fallback=self.prefill.pool)
 
     async def _degraded(self, request: web.Request, turn: Turn, pool: Pool) -> web.StreamResponse:
         """No server of the other role is usable: serve the request whole on `pool` as a plain vLLM
@@ -124,12 +125,19 @@ class Flow:
         return await self._serve(request, turn, pool, None, turn.body, collector, False)
 
     async def _serve(self, request: web.Request, turn: Turn, pool: Pool, prefer: str | None, body: dict[str, Any],
-                     collector: SequenceCollector, track: bool) -> web.StreamResponse:
+                     collector: SequenceCollector, track: bool, fallback: Pool | None = None) -> web.StreamResponse:
+        """Run the request on `pool`; when no server of it can serve it and nothing has reached the client
+        yet, serve it whole on `fallback` (degraded) instead of failing."""
         if body.get("stream"):
-            return await self._on_a_server(
-                turn, pool, prefer, lambda b: self._stream_from(request, turn, pool, b, body, collector, track))
-        return await self._on_a_server(turn, pool, prefer,
-                                       lambda b: self._decode_from(turn, pool, b, body, collector, track))
+            attempt = lambda b: self._stream_from(request, turn, pool, b, body, collector, track)  # noqa: E731
+        else:
+            attempt = lambda b: self._decode_from(turn, pool, b, body, collector, track)  # noqa: E731
+        try:
+            return await self._on_a_server(turn, pool, prefer, attempt)
+        except UpstreamError as err:
+            if fallback is not None and err.serve_elsewhere and fallback.any_usable():
+                return await self._degraded(request, turn, fallback)
+            return self._json(turn, err.body, err.status)
 
     def _json(self, turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
         return web.json_response(data, status=status, headers=self._headers(turn, decode_ms))
@@ -167,22 +175,28 @@ class Flow:
         """Run `attempt` on the chosen server; another one is tried only when no connection was made
         at all (otherwise D may have read P's blocks, and a second D could not)."""
         tried: set[str] = set()
+        last: UpstreamError | None = None
         while True:
             backend = pool.pick(exclude=tried, prefer=prefer)
             if backend is None:
-                return self._json(turn, error_body(f"no {pool.role} server available", "server_error", 503), 503)
+                if last is not None and last.routers_own:
+                    raise last               # the router's shortage, not a missing server
+                raise UpstreamError(503, error_body(f"no {pool.role} server available", "server_error", 503))
             tried.add(backend.name)
             try:
                 return await attempt(backend)
             except UpstreamError as err:
                 if not err.never_sent:
-                    return self._json(turn, err.body, err.status)
+                    raise
+                last = err
 
     async def _decode_from(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
                            collector: SequenceCollector, track: bool) -> web.Response:
         d_started = time.perf_counter()
         status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
+        if backend_at_fault(status, data):
+            raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
         if status == 200:
             self._remember(turn, backend, collector, track)
             self.metrics.ttft.labels("false").observe(time.perf_counter() - turn.started)
@@ -202,6 +216,8 @@ class Flow:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
+                    if not ok:
+                        raise UpstreamError(status, data, backend.name)   # nothing sent: may go elsewhere
                     return self._json(turn, data, status)
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   **self._headers(turn)})

@@ -12,12 +12,12 @@ from typing import Any
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
-from pdserve.router.errors import UpstreamError, error_body
+from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.reuse import HIT, MISS, Decision, ReuseStore, decide
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
-from pdserve.router.upstream import Upstream, backend_at_fault
+from pdserve.router.upstream import Upstream
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
 
 log = logging.getLogger("pdserve.router")

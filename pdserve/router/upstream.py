@@ -15,24 +15,10 @@ from typing import Any
 import aiohttp
 
 from pdserve.router.backends import Backend, Pool
-from pdserve.router.errors import UpstreamError, error_body
+from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
 
 ROUTER_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-# vLLM answers invalid input with a 400, but some paths surface it as a 500 whose error type says so.
-CLIENT_FAULT_TYPES = ("badrequest", "validation", "invalidrequest")
-
-
-def backend_at_fault(status: int, data: Any) -> bool:
-    """Is this answer the backend's failure (counts toward its breaker), not the request's?"""
-    if status < 500:
-        return False
-    err = data.get("error") if isinstance(data, dict) else None
-    kind = str(err.get("type") or "") if isinstance(err, dict) else ""
-    kind = kind.lower().replace("_", "").replace(" ", "")
-    return not any(t in kind for t in CLIENT_FAULT_TYPES)
-
-
 class PoolWait:
     """Per-request trace context: True while the request waits for a free pooled connection."""
     queued = False
@@ -78,12 +64,13 @@ class Upstream:
         if isinstance(err, asyncio.TimeoutError) and wait.queued:
             self.metrics.router_busy.labels("pool_wait").inc()
             return None, UpstreamError(503, error_body(f"router busy: no connection to {backend.name} free in "
-                                                       "time; retry", "server_error", 503), backend.name, True)
+                                                       "time; retry", "server_error", 503), backend.name, True,
+                                       routers_own=True)
         if router_resource_error(err):
             self.metrics.router_busy.labels("resources").inc()
             return None, UpstreamError(503, error_body(f"router out of resources ({type(err).__name__}: "
                                                        f"{getattr(err, 'os_error', err)}); retry", "server_error",
-                                                       503), backend.name, True)
+                                                       503), backend.name, True, routers_own=True)
         self.count(backend, route, False)
         if isinstance(err, asyncio.TimeoutError):
             return False, UpstreamError(504, error_body(f"backend {backend.name} did not answer within "

@@ -73,6 +73,10 @@ class FakeVLLM:
     async def _complete(self, request: web.Request, body: dict) -> web.StreamResponse:
         if self.args.delay:
             await asyncio.sleep(self.args.delay)
+        if self.args.drop_connection:
+            # What a client sees of a server killed mid-request: the connection closes, no answer.
+            request.transport.abort()
+            raise asyncio.CancelledError
         if self.args.status != 200:
             kind = self.args.error_type or ("BadRequestError" if self.args.status < 500 else "InternalServerError")
             return web.json_response({"error": {"message": "fake failure", "type": kind,
@@ -220,6 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false")
     p.add_argument("--stream-kv-params", action="store_true", help="kv_transfer_params in the last chunk")
     p.add_argument("--die-mid-stream", action="store_true")
+    p.add_argument("--drop-connection", action="store_true", help="close the connection without an answer")
     p.add_argument("--error-type", default="", help="error.type of --status answers (default by status)")
     p.add_argument("--plain-stream", action="store_true", help="answer streamed requests with text/plain")
     p.add_argument("--bad-sse", action="store_true", help="a malformed SSE line mid-stream, then no [DONE]")

@@ -22,11 +22,15 @@ def breaker_failures(dep, role: str, i: int = 0) -> int:
     return pool.backends[i].breaker.failures
 
 
-async def test_plain_text_answer_to_a_stream_is_a_502_and_ds_failure():
+async def test_plain_text_answer_to_a_stream_is_ds_failure_and_p_serves_it():
     async with deployment(decode_args=(["--plain-stream"],)) as dep:
         status, lines = await dep.stream(CHAT, HI)
-        assert status == 502 and b"text/plain" in b"".join(lines)
+        assert status == 200 and lines[-1] == b"data: [DONE]\n" and b"text/plain" not in b"".join(lines)
         assert breaker_failures(dep, "decode") == 1
+        assert sample(await dep.metrics(), 'pdserve_router_degraded_requests_total{served_by="prefill"}') == 1
+    async with deployment(prefill_args=(["--status", "500"],), decode_args=(["--plain-stream"],)) as dep:
+        status, lines = await dep.stream(CHAT, HI)      # P cannot serve it either: D's failure is reported
+        assert status == 502 and b"text/plain" in b"".join(lines)
 
 
 async def test_malformed_sse_ends_with_an_error_event_and_done_never_an_http_block():
@@ -137,3 +141,25 @@ async def test_degraded_mode_serves_on_p_while_d_is_down_and_on_d_while_p_is_dow
         assert sample(m, 'pdserve_router_degraded_requests_total{served_by="prefill"}') == 2
         assert sample(m, 'pdserve_router_degraded_requests_total{served_by="decode"}') == 1
         assert sample(m, 'pdserve_router_degraded{missing="decode"}') == 0
+
+
+async def test_a_leg_that_fails_before_the_client_saw_anything_is_served_whole_by_the_other_role():
+    """A server killed mid-request (its connection closes unanswered) or failing with a 5xx of its own
+    loses no request: nothing reached the client yet, so the other role serves it whole (degraded)."""
+    for role_args, served_by in (({"decode_args": (["--drop-connection"],)}, "prefill"),
+                                 ({"decode_args": (["--status", "500"],)}, "prefill"),
+                                 ({"prefill_args": (["--drop-connection"],)}, "decode")):
+        async with deployment(**role_args) as dep:
+            status, data = await dep.post(CHAT, {**HI, "max_tokens": 3})
+            assert status == 200 and data["choices"][0]["message"]["content"] == "w0 w1 w2", (role_args, data)
+            status, lines = await dep.stream(CHAT, {**HI, "max_tokens": 3})
+            assert status == 200 and lines[-1] == b"data: [DONE]\n", (role_args, lines)
+            m = await dep.metrics()
+            assert sample(m, f'pdserve_router_degraded_requests_total{{served_by="{served_by}"}}') == 2
+
+
+async def test_a_client_fault_5xx_from_d_is_passed_through_not_retried_elsewhere():
+    async with deployment(decode_args=(["--status", "500", "--error-type", "BadRequestError"],)) as dep:
+        status, data = await dep.post(CHAT, HI)
+        assert status == 500 and data["error"]["type"] == "BadRequestError"
+        assert sample(await dep.metrics(), 'pdserve_router_degraded_requests_total{served_by="prefill"}') == 0
