@@ -1,7 +1,8 @@
 """Stop a cluster: router first, then decode, then prefill; SIGTERM to each process's whole tree (its session,
 its group, whatever carries its marker), SIGKILL after --timeout. Works even when the supervisor was killed
 (pids and start times come from the state file). Then checks that no process of the cluster is alive and
-no port of its plan is bound, and fails (exit 1) naming what is left."""
+no port of its plan is bound and that the servers' GPUs hold no more than 1 GiB each (nvidia-smi, where
+there is one), and fails (exit 1) naming what is left."""
 
 from __future__ import annotations
 
@@ -39,9 +40,17 @@ def command(
         timeout = cluster.stop_timeout_of(cdir)
     console.info(f"stopping {name}")
     report = cluster.stop_cluster(cdir, timeout)
-    if not report.clean:
+    if report.left or report.busy_ports:
         raise PdserveError(f"{name} did not stop cleanly: "
                            + "; ".join([f"{p} still has live processes" for p in report.left] +
-                                       [f"{b} still bound" for b in report.busy_ports]),
+                                       [f"{b} still bound" for b in report.busy_ports] +
+                                       [g.describe() for g in report.gpu_left]),
                            hint=f"`pdserve down {name}` again; `pdserve status {name}` shows what is left")
+    if report.gpu_left:
+        # Every process of the cluster is gone, yet its GPUs are not free: another program's, or memory
+        # that a dead server's peer imported over CUDA IPC (freed only when that holder exits).
+        raise PdserveError(f"{name} stopped, but " + "; ".join(g.describe() for g in report.gpu_left),
+                           hint="`nvidia-smi` shows who holds it; memory that no process lists is held by a "
+                                "process that imported it over CUDA IPC or by a leftover engine: stop it "
+                                "before the next `pdserve up`")
     console.info(f"{name} stopped")

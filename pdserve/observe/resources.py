@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -74,3 +75,67 @@ def human_bytes(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return "-"
+
+
+GPU_LEFT_THRESHOLD_MIB = 1024   # a CUDA context alone is a few hundred MiB; a leaked KV cache is tens of GiB
+
+
+@dataclass(frozen=True)
+class GpuLeft:
+    index: int
+    used_mib: int
+    pids: list[int]             # processes nvidia-smi lists on that GPU (often none: in a container, or
+                                # when a peer's CUDA-IPC import holds a dead server's memory)
+
+    def describe(self) -> str:
+        held_by = f"processes {', '.join(map(str, self.pids))}" if self.pids else "no process listed"
+        return f"GPU {self.index} still holds {self.used_mib} MiB ({held_by})"
+
+
+def _nvidia_smi(args: list[str]) -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        return subprocess.run([exe, *args], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def physical_gpus(visible: list[str], inherited: str | None) -> list[str]:
+    """The devices that CUDA_VISIBLE_DEVICES entries name, as nvidia-smi knows them (index or UUID): a
+    plan's `0` is the first of the launching environment's own CUDA_VISIBLE_DEVICES, when it has one."""
+    outer = [d.strip() for d in inherited.split(",") if d.strip()] if inherited else None
+    out = []
+    for dev in (d.strip() for d in visible):
+        if outer is not None and dev.isdigit():
+            dev = outer[int(dev)] if int(dev) < len(outer) else ""
+        if dev:
+            out.append(dev)
+    return out
+
+
+def gpus_holding_memory(devices: list[str], threshold_mib: int = GPU_LEFT_THRESHOLD_MIB,
+                        run: Callable[[list[str]], str | None] = _nvidia_smi) -> list[GpuLeft] | None:
+    """GPUs among `devices` (nvidia-smi indices or UUIDs) whose used memory is above threshold_mib; None
+    when nvidia-smi is absent or fails. Whole-GPU used memory rather than per-process: the leak seen on an
+    H200 (a dead decode server's KV cache kept by P's CUDA-IPC import) belongs to no listed process."""
+    gpus = run(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
+    if gpus is None:
+        return None
+    apps = run(["--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader,nounits"]) or ""
+    pids_by_uuid: dict[str, list[int]] = {}
+    for line in apps.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[1].isdigit():
+            pids_by_uuid.setdefault(fields[0], []).append(int(fields[1]))
+    wanted = set(devices)
+    left = []
+    for line in gpus.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3 or not fields[0].isdigit() or not fields[2].isdigit():
+            continue
+        index, uuid, used = int(fields[0]), fields[1], int(fields[2])
+        if (fields[0] in wanted or uuid in wanted) and used > threshold_mib:
+            left.append(GpuLeft(index, used, sorted(pids_by_uuid.get(uuid, []))))
+    return left

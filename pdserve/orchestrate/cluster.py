@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from pdserve.observe.routerstats import api_key_for, read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.observe.logfiles import last_lines, root_cause
+from pdserve.observe.resources import GpuLeft, gpus_holding_memory, physical_gpus
 from pdserve.state.folder import ClusterDir, models_dir, write_json_atomic
 from pdserve.state.records import ClusterState, Phase, ProcState
 
@@ -310,7 +311,29 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     if state.phase != Phase.FAILED:
         state.phase = Phase.STOPPED
     cdir.write_state(state)
-    return StopReport(killed, left, busy)
+    return StopReport(killed, left, busy, gpu_memory_left(plan) if plan else [])
+
+
+GPU_SETTLE_S = 15.0   # the driver frees a dead process's memory shortly after it exits, not at once
+
+
+def gpu_memory_left(plan: ClusterPlan, settle_s: float = GPU_SETTLE_S, run=None,
+                    sleep: Callable[[float], None] = time.sleep) -> list[GpuLeft]:
+    """GPUs of the plan's servers (their CUDA_VISIBLE_DEVICES; every launcher is local today) that still
+    hold memory once settle_s has passed; [] when nothing is over the threshold or nvidia-smi is absent."""
+    devices = sorted({d for p in plan.processes if p.env.get("CUDA_VISIBLE_DEVICES")
+                      for d in physical_gpus(p.env["CUDA_VISIBLE_DEVICES"].split(","),
+                                             os.environ.get("CUDA_VISIBLE_DEVICES"))})
+    if not devices:
+        return []
+    kwargs = {"run": run} if run else {}
+    waited = 0.0
+    while True:
+        left = gpus_holding_memory(devices, **kwargs) or []
+        if not left or waited >= settle_s:
+            return left
+        sleep(0.5)
+        waited += 0.5
 
 
 @dataclass
@@ -318,10 +341,11 @@ class StopReport:
     killed: list[str]       # processes that were still alive without a supervisor and had to be stopped here
     left: list[str]         # processes with something of their tree still alive after the stop
     busy_ports: list[str]   # the plan's ports still bound afterwards
+    gpu_left: list[GpuLeft] = field(default_factory=list)   # the servers' GPUs still holding memory
 
     @property
     def clean(self) -> bool:
-        return not self.left and not self.busy_ports
+        return not self.left and not self.busy_ports and not self.gpu_left
 
 
 def _stop_tree(launcher, handle, timeout: float) -> bool:

@@ -1,5 +1,6 @@
 """Write a variant of configs/gpu-1p1d.yaml for the GPU runs: the random-weight model, extra vLLM args and env.
-  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--env K=V ...] [--cost-aware]"""
+  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--arg ARG ...] [--env K=V ...] [--cost-aware]
+--shared starts from configs/gpu-1p1d-shared.yaml (P and D on GPU 0); --arg adds a vLLM argument to both."""
 import argparse
 from pathlib import Path
 
@@ -10,15 +11,18 @@ a = argparse.ArgumentParser()
 a.add_argument("out")
 a.add_argument("name")
 a.add_argument("--block", type=int)
+a.add_argument("--shared", action="store_true")
+a.add_argument("--arg", action="append", default=[])
 a.add_argument("--env", action="append", default=[])
 a.add_argument("--cost-aware", action="store_true")
 a.add_argument("--model", default="/tmp/pdserve-model")
 args = a.parse_args()
-cfg = yaml.safe_load((here / "pdserve/configs/gpu-1p1d.yaml").read_text())
+base = "gpu-1p1d-shared.yaml" if args.shared else "gpu-1p1d.yaml"
+cfg = yaml.safe_load((here / "pdserve/configs" / base).read_text())
 cfg["name"], cfg["model"] = args.name, args.model
 for role in ("prefill", "decode"):
     r = cfg[role]
-    r["vllm_args"] = ["--load-format", "dummy", *r["vllm_args"]]
+    r["vllm_args"] = ["--load-format", "dummy", *r["vllm_args"], *args.arg]
     if args.block:   # replace the shipped block size
         i = r["vllm_args"].index("--block-size")
         r["vllm_args"][i + 1] = str(args.block)

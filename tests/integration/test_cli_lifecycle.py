@@ -438,8 +438,10 @@ def test_a_killed_leader_s_markerless_child_is_gone_before_the_restart_and_other
         wait_for(lambda: (lambda p: p["restarts"] == 1 and p["state"] == "ready")(
             {p["name"]: p for p in status_json("tree")["processes"]}["prefill-0"]), timeout=12,
             what="prefill restarted while decode is still being stopped")
-        now = {p["name"]: p for p in status_json("tree")["processes"]}
+        st = status_json("tree")
+        now = {p["name"]: p for p in st["processes"]}
         assert now["decode-0"]["state"] == "stopping"
+        assert st["phase"] == "degraded"                       # no ready decode server: `status --json` says so
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, "the orphan outlived its leader"
         new_start = psutil.Process(now["prefill-0"]["pid"]).create_time()
         assert new_start >= prefill.create_time()

@@ -1,0 +1,66 @@
+"""`down`'s GPU-memory check: which GPUs of the plan still hold memory, from canned nvidia-smi output."""
+
+from __future__ import annotations
+
+from pdserve.observe.resources import GpuLeft, gpus_holding_memory, physical_gpus
+from pdserve.orchestrate.cluster import StopReport, gpu_memory_left
+from pdserve.plan.records import ClusterPlan, ProcessPlan
+
+GPUS = "0, GPU-aaa, 3\n1, GPU-bbb, 71574\n2, GPU-ccc, 80000\n"
+
+
+def smi(gpus: str, apps: str = ""):
+    calls = []
+
+    def run(args):
+        calls.append(args)
+        return gpus if args[0].startswith("--query-gpu") else apps
+    run.calls = calls
+    return run
+
+
+def test_only_the_plan_s_gpus_above_the_threshold_are_reported_with_their_listed_processes():
+    # GPU 2 holds more but is no GPU of this cluster; GPU 0 holds a bare 3 MiB
+    left = gpus_holding_memory(["0", "1"], run=smi(GPUS, "GPU-bbb, 4242\nGPU-ccc, 7\n"))
+    assert left == [GpuLeft(1, 71574, [4242])]
+    assert left[0].describe() == "GPU 1 still holds 71574 MiB (processes 4242)"
+
+
+def test_memory_no_process_lists_is_named_so_and_uuids_match_too():
+    left = gpus_holding_memory(["GPU-bbb"], run=smi(GPUS))
+    assert [g.describe() for g in left] == ["GPU 1 still holds 71574 MiB (no process listed)"]
+    assert gpus_holding_memory(["1"], threshold_mib=80000, run=smi(GPUS)) == []
+
+
+def test_no_nvidia_smi_is_no_finding():
+    assert gpus_holding_memory(["0"], run=lambda args: None) is None
+
+
+def test_plan_indices_go_through_the_launching_environment_s_own_visible_devices():
+    assert physical_gpus(["0", "1"], None) == ["0", "1"]
+    assert physical_gpus(["1"], "4,5") == ["5"]
+    assert physical_gpus(["0"], "GPU-bbb") == ["GPU-bbb"]
+    assert physical_gpus(["3"], "4,5") == []      # names nothing the environment lets it see
+
+
+def _plan(*gpu_envs: str) -> ClusterPlan:
+    procs = [ProcessPlan(f"p{i}", "prefill", [], {"CUDA_VISIBLE_DEVICES": g} if g else {}, "127.0.0.1", 1, "")
+             for i, g in enumerate(gpu_envs)]
+    return ClusterPlan("c", procs, {}, "", None, "", {})
+
+
+def test_gpu_memory_left_waits_for_the_driver_then_reports(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    readings = iter(["1, GPU-bbb, 70000\n", "1, GPU-bbb, 512\n"])
+    slept = []
+    freed = gpu_memory_left(_plan("0", "1", ""), run=lambda a: next(readings) if a[0].startswith("--query-gpu") else "",
+                            sleep=slept.append)
+    assert freed == [] and slept == [0.5]        # freed after one pause: not reported
+    held = gpu_memory_left(_plan("1"), settle_s=2.0, run=smi(GPUS), sleep=slept.append)
+    assert held == [GpuLeft(1, 71574, [])]
+    assert gpu_memory_left(_plan("", ""), run=smi(GPUS)) == []      # no GPUs in the plan: nothing asked
+
+
+def test_a_gpu_left_makes_the_stop_unclean():
+    assert StopReport([], [], []).clean
+    assert not StopReport([], [], [], [GpuLeft(1, 71574, [])]).clean
