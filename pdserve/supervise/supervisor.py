@@ -175,8 +175,9 @@ class Supervisor:
                                               f"{self.policy.restart_window:g}s; last: {proc.message}")
                 log.error("%s fatal: %s", proc.name, proc.message)
             else:
-                proc.restarts += 1
-                self._start(proc, now)
+                # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff ran
+                # out while P was being reset, and both then started on the GPU at once
+                self._start_when_due(proc, restart=True)
         elif st == ProcState.STOPPED and proc.handle is None and self.phase == Phase.STARTING:
             self._start_when_due(proc)
 
@@ -291,10 +292,11 @@ class Supervisor:
             self._start(proc, now)
 
     # -- starting ----------------------------------------------------------------------------------
-    def _start_when_due(self, proc: ManagedProcess) -> None:
+    def _start_when_due(self, proc: ManagedProcess, restart: bool = False) -> None:
         """Start now, unless its plan says to wait for others to be ready (servers sharing a GPU)."""
         waiting = [n for n in proc.plan.start_after if self.by_name(n).state != ProcState.READY]
         if not waiting:
+            proc.restarts += 1 if restart else 0
             self._start(proc, self.clock.monotonic())
         elif proc.message != f"waiting for {', '.join(waiting)}":
             proc.message = f"waiting for {', '.join(waiting)}"

@@ -148,6 +148,7 @@ def main() -> int:
     recovered = time.monotonic() < deadline
     log("recovered", {"ok": recovered, "t": now(), "s_after_kill": round(now() - t_kill, 1), "gpu_mib": gpu_memory()})
     if recovered:
+        time.sleep(8)   # the router's health probe and breaker see the new D a few seconds after the supervisor
         log("reuse_after", conversation(router, p_url, "after"))
     time.sleep(3)
     # from the watcher's timeline (read after up: the watcher may see `ready` a moment after up returns)

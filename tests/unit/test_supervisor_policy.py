@@ -89,6 +89,24 @@ def test_start_after_holds_a_server_until_the_one_it_names_is_ready(tmp_path):
     assert rig.launcher.started.index("decode-0") > rig.launcher.started.index("router")
 
 
+def test_a_restart_after_a_crash_also_waits_for_start_after(tmp_path):
+    """P and D on one GPU: when both are down, D's backoff running out must not start it beside a P that
+    is still starting (seen on an H200 during a peer reset)."""
+    rig = Rig(tmp_path, backoff_initial=0.5)
+    object.__setattr__(rig.plan.by_name("decode-0"), "start_after", ["prefill-0"])
+    rig.running()
+    rig.launcher.crash("prefill-0")
+    rig.launcher.crash("decode-0")
+    rig.sick("prefill-0", "decode-0")
+    rig.until(lambda: rig.state("prefill-0") == S.STARTING)
+    rig.ticks(40)                                    # D's 0.5 s backoff is long over
+    assert rig.launcher.started.count("decode-0") == 1 and rig.state("decode-0") == S.BACKOFF
+    assert "waiting for prefill-0" in rig.sup.by_name("decode-0").message
+    rig.healthy("prefill-0")
+    rig.until(lambda: rig.launcher.started.count("decode-0") == 2)
+    assert rig.sup.by_name("decode-0").restarts == 1
+
+
 def test_a_crash_stops_the_whole_tree_backs_off_then_restarts(tmp_path):
     rig = Rig(tmp_path, backoff_initial=1.0).running()
     rig.launcher.crash("decode-0")                   # leader SIGKILLed; its engine child lives on
