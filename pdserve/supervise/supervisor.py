@@ -30,7 +30,8 @@ CANARY_TRIES = 3
 CANARY_PAUSE = 2.0
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
-KILL_GRACE = 10.0                # after SIGKILL, how long to wait for the tree before reporting leftovers
+KILL_GRACE = 10.0
+ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died                # after SIGKILL, how long to wait for the tree before reporting leftovers
 FAILED_STARTS_BEFORE_PEER_RESET = 2
 SERVER_ROLES = ("prefill", "decode")
 
@@ -222,16 +223,20 @@ class Supervisor:
     def _on_exit(self, proc: ManagedProcess, now: float, why: str | None = None) -> None:
         """The process died or must go: stop its whole tree (its children may outlive it), then back off
         or, before the cluster was ever up, fail `up`."""
+        grace = None
         if why is None:
             rc = proc.launcher.exit_code(proc.handle) if proc.handle else None
             why = f"exited with code {rc}" if rc is not None else "process disappeared"
+            # What is left of a dead leader is orphans with nothing to finish (on an H200, vLLM's engine
+            # ignored SIGTERM for the whole 20 s): a short grace, then SIGKILL.
+            grace = min(self.stop_timeout, ORPHAN_GRACE)
         if self.phase == Phase.STARTING and not proc.ever_ready:
-            self._begin_stop(proc, ProcState.FATAL, why)
+            self._begin_stop(proc, ProcState.FATAL, why, grace=grace)
             self._fail(f"{proc.name} {why} before it became ready")
             return
         proc.record_failure(now)
         proc.failed_starts += 0 if proc.state in (ProcState.READY, ProcState.UNHEALTHY) else 1
-        self._begin_stop(proc, ProcState.BACKOFF, why)
+        self._begin_stop(proc, ProcState.BACKOFF, why, grace=grace)
         log.warning("%s %s", proc.name, why)
         self._reset_peers_if_stuck(proc)
 
@@ -253,11 +258,12 @@ class Supervisor:
         log.error(error)
 
     # -- timed stop --------------------------------------------------------------------------------
-    def _begin_stop(self, proc: ManagedProcess, then: ProcState, message: str, restart: bool = False) -> None:
+    def _begin_stop(self, proc: ManagedProcess, then: ProcState, message: str, restart: bool = False,
+                    grace: float | None = None) -> None:
         now = self.clock.monotonic()
         proc.to(ProcState.STOPPING, now, message)
         proc.probe = None
-        proc.teardown = Teardown(now + self.stop_timeout, then, message, restart)
+        proc.teardown = Teardown(now + (self.stop_timeout if grace is None else grace), then, message, restart)
         if proc.handle is not None:
             sent = proc.launcher.signal(proc.handle, signal.SIGTERM)
             log.info("%s: SIGTERM to %d process(es) (%s)", proc.name, sent, message)

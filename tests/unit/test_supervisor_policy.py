@@ -321,3 +321,13 @@ def test_adopts_live_processes_of_a_dead_supervisor(tmp_path):
     assert first.launcher.started[started_before:] == ["router"]        # only the dead one
     assert second.sup.by_name("prefill-0").handle.pid == first.sup.by_name("prefill-0").handle.pid
     assert "adopted" in second.sup.by_name("decode-0").message
+
+
+def test_orphans_of_a_dead_leader_get_a_short_grace_not_the_full_stop_timeout(tmp_path):
+    from pdserve.supervise.supervisor import ORPHAN_GRACE
+    rig = Rig(tmp_path, stop_timeout=20.0).running()
+    rig.launcher.live("decode-0").stubborn = True          # its engine ignores SIGTERM
+    rig.launcher.crash("decode-0")
+    start = rig.clock.now
+    rig.until(lambda: signal.SIGKILL in rig.launcher.live("decode-0").signals)
+    assert rig.clock.now - start <= ORPHAN_GRACE + 0.5 < 20.0
