@@ -1,0 +1,47 @@
+"""Launchers: how a process starts, is watched and stopped, wherever it runs. The supervisor and `down`
+get one from this factory and never call the OS themselves.
+
+One launcher object per (cluster, kind) in a pdserve process: the local one keeps the Popen of what it
+started (to reap it), the ssh one keeps each host's reachability (to fail at once while a host is down).
+"""
+
+from __future__ import annotations
+
+from pdserve.launchers.base import Handle, Launcher, LauncherKind
+from pdserve.plan.records import ClusterPlan, ProcessPlan
+
+_shared: dict[tuple[str, str], Launcher] = {}
+
+
+def _kind_for(plan: ClusterPlan, process: ProcessPlan) -> LauncherKind:
+    return LauncherKind(plan.launcher) if plan.is_remote(process) else LauncherKind.LOCAL
+
+
+def _launcher(plan: ClusterPlan, kind: LauncherKind) -> Launcher:
+    key = ("" if kind is LauncherKind.LOCAL else plan.name, kind.value)
+    if key not in _shared:
+        if kind is LauncherKind.LOCAL:
+            from pdserve.launchers.local import LocalLauncher
+            _shared[key] = LocalLauncher()
+        elif kind is LauncherKind.SSH:
+            from pdserve.launchers.ssh import SshLauncher
+            _shared[key] = SshLauncher(plan)
+        else:
+            from pdserve.launchers.slurm import SlurmLauncher
+            _shared[key] = SlurmLauncher(plan)
+    elif kind is not LauncherKind.LOCAL:
+        _shared[key].plan = plan     # the newest plan's hosts; reachability learned so far is kept
+    return _shared[key]
+
+
+def launcher_for(plan: ClusterPlan, process: ProcessPlan) -> Launcher:
+    """The launcher that starts `process`: local for the router and for clusters without remote hosts."""
+    return _launcher(plan, _kind_for(plan, process))
+
+
+def launcher_for_handle(plan: ClusterPlan, handle: Handle) -> Launcher:
+    """The launcher that can watch and stop a process started earlier, from its handle in state.json."""
+    return _launcher(plan, handle.launcher)
+
+
+__all__ = ["Handle", "Launcher", "LauncherKind", "launcher_for", "launcher_for_handle"]
