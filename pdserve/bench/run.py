@@ -23,7 +23,7 @@ from typing import Any
 
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
-from pdserve.observe.promtext import Samples, parse
+from pdserve.observe.promtext import Samples, auth_headers, parse
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 
@@ -51,9 +51,7 @@ def scrape(urls: list[str]) -> Samples:
 
 
 def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
-    headers = {"Content-Type": "application/json"}
-    if ep.api_key:
-        headers["Authorization"] = f"Bearer {ep.api_key}"
+    headers = {"Content-Type": "application/json", **auth_headers(ep.api_key)}
     body = json.dumps({"model": ep.model, "messages": messages, "max_tokens": max_tokens,
                        "temperature": 0}).encode()
     req = urllib.request.Request(ep.router + "/v1/chat/completions", data=body, headers=headers)

@@ -23,7 +23,7 @@ from pdserve.bench import report
 from pdserve.bench.arms import ARMS, arm_config
 from pdserve.bench.run import Endpoints, run_arm
 from pdserve.bench.workload import generate, load
-from pdserve.errors import ConfigError, PdserveError
+from pdserve.errors import PdserveError, UsageError
 from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
 from pdserve.state.folder import ClusterDir
 from pdserve.ui import console
@@ -53,7 +53,7 @@ def command(
     warm = generate(seed + 1000, warmup, max(len(c.user_turns) for c in convs)) if warmup else []
     if attach:
         plan_dict = ClusterDir(attach).read_plan()
-        if not plan_dict or not cluster.is_running(ClusterDir(attach)):
+        if not plan_dict or not cluster.has_live_processes(ClusterDir(attach)):
             raise PdserveError(f"cluster {attach} is not running", hint="`pdserve status` lists clusters", exit_code=3)
         runs = [("attached", None, attach)]
         base_name = attach
@@ -64,7 +64,7 @@ def command(
         chosen = [a.strip() for a in arms.split(",") if a.strip()]
         unknown = [a for a in chosen if a not in ARMS]
         if unknown or not chosen:
-            raise ConfigError(f"--arms: unknown arm {unknown[0] if unknown else '(none)'}",
+            raise UsageError(f"--arms: unknown arm {unknown[0] if unknown else '(none)'}",
                               hint=f"choose from {', '.join(ARMS)}")
         runs = [(arm, arm_config(data, arm), None) for arm in chosen]
         base_name = spec.name

@@ -22,7 +22,7 @@ def command(
                                                            "this (default: 5 on GPU deployments, none on CPU)."),
 ) -> None:
     spec, plan, cdir = cluster.plan_from_file(config)
-    running = cluster.has_supervisor(cdir) or cluster.is_running(cdir)
+    running = cluster.has_live_processes(cdir)
     findings = preflight.machine_findings(spec, plan, None if running else cluster.busy_ports(plan))
     if running:
         on_gpus = spec.prefill.gpus is not None or spec.decode.gpus is not None

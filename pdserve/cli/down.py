@@ -7,7 +7,7 @@ import typer
 
 from pdserve.orchestrate import cluster
 from pdserve.cli.completion import cluster_names
-from pdserve.errors import NotRunningError, PdserveError
+from pdserve.errors import NotRunningError, PdserveError, UsageError
 from pdserve.state.folder import ClusterDir, list_clusters
 from pdserve.ui import console
 
@@ -17,23 +17,29 @@ NAME = "down"
 def command(
     name: str = typer.Argument(None, help="Cluster name (default: the only cluster).",
                                autocompletion=cluster_names),
-    timeout: float = typer.Option(20.0, "--timeout", help="Seconds between SIGTERM and SIGKILL per process."),
+    timeout: float = typer.Option(None, "--timeout", help="Seconds between SIGTERM and SIGKILL per process "
+                                                         "(default: the config's supervisor.stop_timeout)."),
 ) -> None:
     if name is None:
         names = list_clusters()
-        running = [n for n in names if cluster.is_running(ClusterDir(n))]
+        running = [n for n in names if cluster.has_live_processes(ClusterDir(n))]
         if len(running) > 1:
-            raise PdserveError(f"{len(running)} clusters are running: {', '.join(running)}",
-                               hint="name one: `pdserve down NAME`", exit_code=2)
+            raise UsageError(f"{len(running)} clusters are running: {', '.join(running)}",
+                             hint="name one: `pdserve down NAME`")
         if not running:
             raise NotRunningError("no cluster is running")
         name = running[0]
-    cdir = ClusterDir(name)
-    if not cdir.exists():
-        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
-    if not cluster.is_running(cdir):
+    cdir = cluster.find_cluster(name)
+    if not cluster.has_live_processes(cdir):
         console.info(f"{name} is already stopped")
         return
+    if timeout is None:
+        timeout = cluster.stop_timeout_of(cdir)
     console.info(f"stopping {name}")
-    cluster.stop_cluster(cdir, timeout)
+    report = cluster.stop_cluster(cdir, timeout)
+    if not report.clean:
+        raise PdserveError(f"{name} did not stop cleanly: "
+                           + "; ".join([f"{p} still has live processes" for p in report.left] +
+                                       [f"{b} still bound" for b in report.busy_ports]),
+                           hint=f"`pdserve down {name}` again; `pdserve status {name}` shows what is left")
     console.info(f"{name} stopped")

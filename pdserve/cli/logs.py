@@ -9,7 +9,8 @@ import sys
 import typer
 
 from pdserve.cli.completion import cluster_names
-from pdserve.errors import ConfigError, NotRunningError
+from pdserve.errors import UsageError
+from pdserve.orchestrate import cluster
 from pdserve.observe.logfiles import follow, last_lines
 from pdserve.state.folder import ClusterDir
 
@@ -23,12 +24,10 @@ def command(
     lines: int = typer.Option(40, "-n", "--lines", help="How many of the last lines to show."),
     follow_: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines (Ctrl-C stops)."),
 ) -> None:
-    cdir = ClusterDir(name)
-    if not cdir.exists():
-        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
+    cdir = cluster.find_cluster(name)
     available = sorted(p.stem for p in cdir.logs_dir.glob("*.log"))
     if process is not None and process not in available:
-        raise ConfigError(f"no log for process {process!r} in cluster {name}",
+        raise UsageError(f"no log for process {process!r} in cluster {name}",
                           hint=f"processes with logs: {', '.join(available) or 'none'}")
     names = [process] if process else available
     out = sys.stdout
@@ -39,7 +38,7 @@ def command(
     out.flush()
     if follow_:
         if len(names) != 1:
-            raise ConfigError("--follow needs one PROCESS", hint=f"e.g. `pdserve logs {name} router -f`")
+            raise UsageError("--follow needs one PROCESS", hint=f"e.g. `pdserve logs {name} router -f`")
         try:
             for line in follow(cdir.log_path(names[0])):
                 out.write(line + "\n")

@@ -23,9 +23,7 @@ def command(
     process: str = typer.Argument(None, help="Process to restart (default: all, one at a time)."),
     timeout: float = typer.Option(900.0, "--timeout", help="Seconds to wait for them to be ready again."),
 ) -> None:
-    cdir = ClusterDir(name)
-    if not cdir.exists():
-        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
+    cdir = cluster.find_cluster(name)
     before = cluster.request_restart(cdir, [process] if process else None)
     console.info(f"restarting {', '.join(before)}")
     started = time.monotonic()

@@ -51,9 +51,7 @@ def command(
                           "alive" if r["supervisor_alive"] else "gone")
         console.out.print(table if rows else "no clusters")
         return
-    cdir = ClusterDir(name)
-    if not cdir.exists():
-        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
+    cdir = cluster.find_cluster(name)
     st = cluster.cluster_status(cdir)
     if watch and st["running"]:
         return _watch(cdir, count)

@@ -17,6 +17,7 @@ from rich.table import Table
 from pdserve.orchestrate import cluster
 from pdserve.errors import PdserveError
 from pdserve.spec.load import DEFAULT_CONFIG
+from pdserve.state.records import ClusterState, Phase, ProcState
 from pdserve.ui import console
 
 NAME = "up"
@@ -24,15 +25,15 @@ STATE_STYLE = {"ready": "green", "starting": "yellow", "backoff": "yellow", "unh
                "fatal": "bold red", "stopping": "dim", "stopped": "dim"}
 
 
-def progress_table(state: dict, started: float) -> Table:
-    table = Table(title=f"starting {state.get('cluster', '')} ({time.monotonic() - started:.0f}s)",
+def progress_table(state: ClusterState | None, started: float) -> Table:
+    table = Table(title=f"starting {state.cluster if state else ''} ({time.monotonic() - started:.0f}s)",
                   title_justify="left")
     for col in ("process", "state", "pid", "address", "detail"):
         table.add_column(col)
-    for name, proc in (state.get("processes") or {}).items():
-        st = proc.get("state", "?")
-        table.add_row(name, f"[{STATE_STYLE.get(st, '')}]{st}[/]", str(proc.get("pid") or ""),
-                      f"{proc.get('host')}:{proc.get('port')}", proc.get("message") or "")
+    for name, proc in (state.processes if state else {}).items():
+        st = proc.state.value
+        table.add_row(name, f"[{STATE_STYLE.get(st, '')}]{st}[/]", str(proc.handle.pid if proc.handle else ""),
+                      f"{proc.host}:{proc.port}", proc.message)
     return table
 
 
@@ -60,12 +61,12 @@ def command(
         console.info("interrupted: stopping the cluster")
         cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
         raise typer.Exit(130) from None
-    if state.get("phase") != "running":
+    if state.phase != Phase.RUNNING:
         name, lines = cluster.failure_details(cdir, state)
         cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
         for line in lines:
             console.err.print(f"  {name}| {line}", markup=False, highlight=False)
-        raise PdserveError(f"{spec.name} failed to start: {state.get('error') or 'unknown reason'}",
+        raise PdserveError(f"{spec.name} failed to start: {state.error or 'unknown reason'}",
                            hint=f"full log: {cdir.log_path(name) if name != 'supervisor' else cdir.supervisor_log}")
     console.info(f"{spec.name} is ready in {time.monotonic() - started:.0f}s")
     console.out.print(plan.router.url + "/v1", highlight=False)
@@ -91,15 +92,15 @@ def _update_running(plan, cdir, config: Path | None) -> None:
     console.out.print(plan.router.url + "/v1", highlight=False)
 
 
-def _wait(cdir, supervisor, started: float) -> dict:
+def _wait(cdir, supervisor, started: float) -> ClusterState:
     if not console.is_tty():
-        last: dict[str, str] = {}
+        last: dict[str, ProcState] = {}
 
-        def plain(state: dict) -> None:
-            for name, proc in (state.get("processes") or {}).items():
-                if last.get(name) != proc.get("state"):
-                    last[name] = proc.get("state")
-                    console.info(f"{time.monotonic() - started:6.1f}s {name:<10} {proc.get('state')}")
+        def plain(state: ClusterState | None) -> None:
+            for name, proc in (state.processes if state else {}).items():
+                if last.get(name) != proc.state:
+                    last[name] = proc.state
+                    console.info(f"{time.monotonic() - started:6.1f}s {name:<10} {proc.state.value}")
         return cluster.wait_for_phase(cdir, supervisor, plain)
-    with Live(progress_table({}, started), console=console.err, refresh_per_second=4, transient=False) as live:
+    with Live(progress_table(None, started), console=console.err, refresh_per_second=4, transient=False) as live:
         return cluster.wait_for_phase(cdir, supervisor, lambda s: live.update(progress_table(s, started)))

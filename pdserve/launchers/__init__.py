@@ -7,7 +7,9 @@ started (to reap it), the ssh one keeps each host's reachability (to fail at onc
 
 from __future__ import annotations
 
+from pdserve.errors import PdserveError
 from pdserve.launchers.base import Handle, Launcher, LauncherKind
+from pdserve.launchers.local import LocalLauncher
 from pdserve.plan.records import ClusterPlan, ProcessPlan
 
 _shared: dict[tuple[str, str], Launcher] = {}
@@ -17,11 +19,13 @@ def _kind_for(plan: ClusterPlan, process: ProcessPlan) -> LauncherKind:
     return LauncherKind(plan.launcher) if plan.is_remote(process) else LauncherKind.LOCAL
 
 
-def _launcher(plan: ClusterPlan, kind: LauncherKind) -> Launcher:
+def _launcher(plan: ClusterPlan | None, kind: LauncherKind) -> Launcher:
+    if plan is None and kind is not LauncherKind.LOCAL:
+        raise PdserveError(f"a {kind.value} process needs the cluster's plan.json to reach its host",
+                           hint="the state folder lost plan.json; stop the servers on their hosts by hand")
     key = ("" if kind is LauncherKind.LOCAL else plan.name, kind.value)
     if key not in _shared:
         if kind is LauncherKind.LOCAL:
-            from pdserve.launchers.local import LocalLauncher
             _shared[key] = LocalLauncher()
         elif kind is LauncherKind.SSH:
             from pdserve.launchers.ssh import SshLauncher
@@ -39,7 +43,7 @@ def launcher_for(plan: ClusterPlan, process: ProcessPlan) -> Launcher:
     return _launcher(plan, _kind_for(plan, process))
 
 
-def launcher_for_handle(plan: ClusterPlan, handle: Handle) -> Launcher:
+def launcher_for_handle(plan: ClusterPlan | None, handle: Handle) -> Launcher:
     """The launcher that can watch and stop a process started earlier, from its handle in state.json."""
     return _launcher(plan, handle.launcher)
 

@@ -18,10 +18,16 @@ def parse(text: str) -> Samples:
     return out
 
 
-def scrape(url: str, timeout: float = 10.0) -> Samples | None:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header the router (and vLLM with VLLM_API_KEY) wants for a key; none without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def scrape(url: str, timeout: float = 10.0, api_key: str | None = None) -> Samples | None:
     """The samples on `url`/metrics; None when the server does not answer."""
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
+        req = urllib.request.Request(url + "/metrics", headers=auth_headers(api_key))
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return parse(resp.read().decode(errors="replace"))
     except (urllib.error.URLError, OSError, ValueError):
         return None

@@ -10,22 +10,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from pdserve.errors import ConfigError, NotRunningError, PdserveError
-from pdserve.launchers import local
+from pdserve.errors import ConfigError, NotRunningError, PdserveError, UsageError
+from pdserve.launchers import launcher_for_handle
+from pdserve.launchers.local import same_process
 from pdserve.plan.build import build_plan
-from pdserve.plan.records import ClusterPlan
+from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
 from pdserve.observe.routerstats import api_key_for, read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
-from pdserve.state.folder import ClusterDir, models_dir, tail_lines, write_json_atomic
+from pdserve.observe.logfiles import last_lines
+from pdserve.state.folder import ClusterDir, models_dir, write_json_atomic
+from pdserve.state.records import ClusterState, Phase, ProcState
 
-TERMINAL_PHASES = ("running", "failed", "stopped", "degraded")
 
 
 def plan_from_file(path: str | Path | None) -> tuple[ClusterSpec, ClusterPlan, ClusterDir]:
@@ -35,25 +38,39 @@ def plan_from_file(path: str | Path | None) -> tuple[ClusterSpec, ClusterPlan, C
     return spec, plan, cdir
 
 
-def supervisor_process(state: dict[str, Any] | None) -> psutil.Process | None:
-    sup = (state or {}).get("supervisor") or {}
-    return local.same_process(sup.get("pid"), sup.get("create_time"))
+def find_cluster(name: str) -> ClusterDir:
+    """The state folder of a cluster `pdserve up` has seen, or exit 3 saying there is none."""
+    cdir = ClusterDir(name)
+    if not cdir.exists():
+        raise NotRunningError(f"no cluster named {name}", hint="`pdserve status` lists the known clusters")
+    return cdir
 
 
-def live_processes(cdir: ClusterDir, state: dict[str, Any] | None = None) -> dict[str, bool]:
-    """Process name -> whether a process of it is alive (checked by pid + start time, then marker)."""
-    state = state if state is not None else cdir.read_state() or {}
-    procs = state.get("processes") or {}
-    alive = {name: local.same_process(p.get("pid"), p.get("create_time")) is not None for name, p in procs.items()}
-    unseen = {procs[name].get("marker", ""): name for name, ok in alive.items() if not ok}
-    for marker, found in local.processes_by_marker(unseen).items():
-        alive[unseen[marker]] = bool(found)
-    return alive
+def supervisor_process(state: ClusterState | None) -> psutil.Process | None:
+    sup = state.supervisor if state else None
+    return same_process(sup.pid, sup.start_time) if sup else None
 
 
-def is_running(cdir: ClusterDir) -> bool:
+def live_processes(cdir: ClusterDir, state: ClusterState | None = None) -> dict[str, bool]:
+    """Process name -> whether anything of its tree is alive (leader by pid + start time, its group, its
+    marker), asked of the launcher that started it."""
+    state = state if state is not None else cdir.read_state()
+    if state is None:
+        return {}
+    plan = _stored_plan(cdir)
+    return {name: bool(p.handle and launcher_for_handle(plan, p.handle).tree_alive(p.handle))
+            for name, p in state.processes.items()}
+
+
+def has_live_processes(cdir: ClusterDir) -> bool:
+    """The supervisor or any process of the cluster is alive."""
     state = cdir.read_state()
     return bool(supervisor_process(state)) or any(live_processes(cdir, state).values())
+
+
+def _stored_plan(cdir: ClusterDir) -> ClusterPlan | None:
+    data = cdir.read_plan()
+    return ClusterPlan.from_dict(data) if data else None
 
 
 def busy_ports(plan: ClusterPlan, skip: set[str] = frozenset()) -> list[str]:
@@ -97,7 +114,7 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
     if supervisor_process(state) is not None:
         raise PdserveError(f"cluster {spec.name} is already running",
                            hint=f"`pdserve status {spec.name}` to see it, `pdserve down {spec.name}` to stop it")
-    alive = [name for name, ok in live_processes(cdir, state).items() if ok] if state else []
+    alive = [name for name, ok in live_processes(cdir, state).items() if ok]
     if alive:
         changed = changed_processes(cdir.read_plan(), plan)
         if changed:
@@ -134,56 +151,54 @@ def start_supervisor(cdir: ClusterDir, adopt: bool = False) -> subprocess.Popen:
                                 start_new_session=True, close_fds=True)
 
 
-def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Callable[[dict], None],
-                   poll: float = 0.5) -> dict[str, Any]:
+def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Callable[[ClusterState | None], None],
+                   poll: float = 0.5) -> ClusterState:
     """Poll state.json until the cluster is up, failed, or the supervisor died. Only a state written by
     this supervisor counts: on re-attach, state.json still says "running" from the one that died."""
-    def ours(state: dict[str, Any]) -> bool:
-        return (state.get("supervisor") or {}).get("pid") == supervisor.pid
+    def ours(state: ClusterState | None) -> bool:
+        return bool(state and state.supervisor and state.supervisor.pid == supervisor.pid)
 
     while True:
-        state = cdir.read_state() or {}
+        state = cdir.read_state()
         on_update(state)
-        if ours(state) and state.get("phase") in TERMINAL_PHASES:
+        if ours(state) and state.phase.settled:
             return state
         if supervisor.poll() is not None:
-            state = cdir.read_state() or {}
-            if not ours(state) or state.get("phase") not in TERMINAL_PHASES:
-                # A dead predecessor's error is not this supervisor's: show this one's log instead.
-                own_error = state.get("error") if ours(state) else None
-                state["phase"] = "failed"
-                state["error"] = own_error or (
-                    "the supervisor exited: " + " | ".join(tail_lines(cdir.supervisor_log, 3)))
-            return state
+            state = cdir.read_state()
+            if ours(state) and state.phase.settled:
+                return state
+            # A dead predecessor's error is not this supervisor's: show this one's log instead.
+            own_error = state.error if ours(state) else None
+            failed = state if ours(state) else ClusterState(cdir.name, Phase.FAILED, "")
+            failed.phase = Phase.FAILED
+            failed.error = own_error or ("the supervisor exited: " + " | ".join(last_lines(cdir.supervisor_log, 3)))
+            return failed
         time.sleep(poll)
 
 
-def failure_details(cdir: ClusterDir, state: dict[str, Any], lines: int = 20) -> tuple[str, list[str]]:
+def failure_details(cdir: ClusterDir, state: ClusterState, lines: int = 20) -> tuple[str, list[str]]:
     """The process that failed and the end of its log."""
-    for name, proc in (state.get("processes") or {}).items():
-        if proc.get("state") == "fatal":
-            return name, tail_lines(cdir.log_path(name), lines)
-    return "supervisor", tail_lines(cdir.supervisor_log, lines)
-
-
-RESTART_ORDER = {"prefill": 0, "decode": 1, "router": 2}
+    for name, proc in state.processes.items():
+        if proc.state == ProcState.FATAL:
+            return name, last_lines(cdir.log_path(name), lines)
+    return "supervisor", last_lines(cdir.supervisor_log, lines)
 
 
 def request_restart(cdir: ClusterDir, names: list[str] | None, reload: bool = False) -> dict[str, int]:
-    """Ask the running supervisor to restart some processes (None: all), one at a time in a safe order
+    """Ask the running supervisor to restart some processes (None: all), one at a time in start order
     (prefill replicas, then decode, then the router); with `reload`, from the plan now on disk. Returns
     each one's restart count before the request."""
-    state = cdir.read_state() or {}
+    state = cdir.read_state()
     if supervisor_process(state) is None:
         raise NotRunningError(f"cluster {cdir.name} has no running supervisor",
                               hint=f"`pdserve up` re-attaches to live processes; `pdserve status {cdir.name}`")
-    procs = state.get("processes") or {}
+    procs = state.processes
     unknown = [n for n in names or [] if n not in procs]
     if unknown:
-        raise ConfigError(f"no process {unknown[0]!r} in cluster {cdir.name}", hint=f"processes: {', '.join(procs)}")
-    order = sorted(names if names is not None else procs, key=lambda n: RESTART_ORDER.get(procs[n].get("role"), 9))
+        raise UsageError(f"no process {unknown[0]!r} in cluster {cdir.name}", hint=f"processes: {', '.join(procs)}")
+    order = sorted(names if names is not None else procs, key=lambda n: ROLE_ORDER.get(procs[n].role, 9))
     write_json_atomic(cdir.requests_dir / f"{time.time_ns()}.json", {"restart": order, "reload": reload})
-    return {n: int(procs[n].get("restarts") or 0) for n in order}
+    return {n: procs[n].restarts for n in order}
 
 
 def has_supervisor(cdir: ClusterDir) -> bool:
@@ -218,16 +233,17 @@ def wait_restarted(cdir: ClusterDir, before: dict[str, int], timeout: float,
     deadline = time.monotonic() + timeout
     pending = dict(before)
     while pending:
-        procs = (cdir.read_state() or {}).get("processes") or {}
+        state = cdir.read_state()
+        procs = state.processes if state else {}
         for name in list(pending):
-            p = procs.get(name) or {}
-            if int(p.get("restarts") or 0) <= pending[name]:
+            p = procs.get(name)
+            if p is None or p.restarts <= pending[name]:
                 continue                          # the supervisor has not restarted it yet
-            if p.get("state") == "ready":
+            if p.state == ProcState.READY:
                 del pending[name]
                 on_ready(name)
-            elif p.get("state") == "fatal":
-                raise PdserveError(f"{name} did not come back: {p.get('message')}",
+            elif p.state == ProcState.FATAL:
+                raise PdserveError(f"{name} did not come back: {p.message}",
                                    hint=f"`pdserve logs {cdir.name} {name}`")
         if pending and time.monotonic() > deadline:
             raise PdserveError(f"not ready again after {timeout:g}s: {', '.join(pending)}",
@@ -235,55 +251,96 @@ def wait_restarted(cdir: ClusterDir, before: dict[str, int], timeout: float,
         time.sleep(0.25)
 
 
-def stop_cluster(cdir: ClusterDir, timeout: float = 20.0) -> list[str]:
-    """Stop everything: the supervisor (which stops its processes in order), then any survivor, in the
-    same order (router, decode, prefill). Works when the supervisor is gone; never kills a recycled pid."""
-    state = cdir.read_state() or {}
+def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
+    """Stop everything: the supervisor (which stops its processes in order, with this timeout), then any
+    survivor, in the same order (router, decode, prefill), its whole tree each; then check that nothing
+    of the cluster is left. Works when the supervisor is gone; never signals a recycled pid."""
+    state = cdir.read_state()
     sup = supervisor_process(state)
     if sup is not None:
+        write_json_atomic(cdir.requests_dir / f"{time.time_ns()}.json", {"stop_timeout": timeout})
         sup.send_signal(signal.SIGTERM)
         try:
-            sup.wait(timeout=timeout * 3 + 10)
+            sup.wait(timeout=timeout * (len(state.processes) + 1) + 15)
         except psutil.TimeoutExpired:
             sup.kill()
-    state = cdir.read_state() or state
-    plan_data = cdir.read_plan()
-    order = [p.name for p in ClusterPlan.from_dict(plan_data).stop_order()] if plan_data else []
-    procs = state.get("processes") or {}
+        state = cdir.read_state() or state
+    if state is None:
+        return StopReport([], [], [])
+    plan = _stored_plan(cdir)
+    order = [p.name for p in plan.stop_order()] if plan else []
     killed = []
-    for name in sorted(procs, key=lambda n: order.index(n) if n in order else len(order)):
-        proc = procs[name]
-        if local.stop(proc.get("pid"), proc.get("create_time"), proc.get("marker", ""), timeout):
+    for name in sorted(state.processes, key=lambda n: order.index(n) if n in order else len(order)):
+        rec = state.processes[name]
+        if rec.handle is not None and _stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
             killed.append(name)
-        proc.update(state="stopped", pid=None)
-    if state:
-        state["phase"] = "stopped" if state.get("phase") != "failed" else "failed"
-        cdir.write_state(state)
-    return killed
+    left = [name for name, alive in live_processes(cdir, state).items() if alive]
+    busy = busy_ports(plan) if plan else []
+    for name, rec in state.processes.items():
+        if name not in left:
+            rec.state, rec.handle = ProcState.STOPPED, None
+    if state.phase != Phase.FAILED:
+        state.phase = Phase.STOPPED
+    cdir.write_state(state)
+    return StopReport(killed, left, busy)
+
+
+@dataclass
+class StopReport:
+    killed: list[str]       # processes that were still alive without a supervisor and had to be stopped here
+    left: list[str]         # processes with something of their tree still alive after the stop
+    busy_ports: list[str]   # the plan's ports still bound afterwards
+
+    @property
+    def clean(self) -> bool:
+        return not self.left and not self.busy_ports
+
+
+def _stop_tree(launcher, handle, timeout: float) -> bool:
+    """SIGTERM the whole tree, SIGKILL what is left after `timeout`; True when anything was alive."""
+    if not launcher.tree_alive(handle):
+        return False
+    launcher.signal(handle, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while launcher.tree_alive(handle) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kill_until = time.monotonic() + 10
+    while launcher.tree_alive(handle) and time.monotonic() < kill_until:
+        launcher.signal(handle, signal.SIGKILL)
+        time.sleep(0.2)
+    return True
 
 
 def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
-    state = cdir.read_state() or {}
+    """The cluster as `status` shows it (its --json shape)."""
+    state = cdir.read_state() or ClusterState(cdir.name, Phase.STOPPED, "")
     alive = live_processes(cdir, state)
     sup_alive = supervisor_process(state) is not None
     now = time.time()
     processes = []
-    for name, proc in (state.get("processes") or {}).items():
-        row = {"name": name, **{k: proc.get(k) for k in ("role", "state", "pid", "host", "port", "restarts",
-                                                           "message")}}
+    for name, proc in state.processes.items():
+        row = {"name": name, "role": proc.role, "state": proc.state.value,
+               "pid": proc.handle.pid if proc.handle else None, "host": proc.host, "port": proc.port,
+               "restarts": proc.restarts, "message": proc.message}
         # Without a supervisor nobody updates state.json: a dead process is simply stopped.
-        if not alive.get(name) and not sup_alive and row["state"] not in ("fatal", "backoff"):
-            row["state"] = "stopped"
-        started = proc.get("started_at")
-        row["uptime_s"] = round(now - started, 1) if started and alive.get(name) else None
+        if not alive.get(name) and not sup_alive and proc.state not in (ProcState.FATAL, ProcState.BACKOFF):
+            row["state"] = ProcState.STOPPED.value
+        row["uptime_s"] = round(now - proc.started_at, 1) if proc.started_at and alive.get(name) else None
         row["alive"] = alive.get(name, False)
         processes.append(row)
     running = sup_alive or any(alive.values())
-    router_url = state.get("router_url")
+    router_url = state.router_url or None
     return {
-        "name": cdir.name, "phase": state.get("phase") if running else "stopped", "running": running,
-        "supervisor_alive": sup_alive, "error": state.get("error"), "router_url": router_url,
+        "name": cdir.name, "phase": state.phase.value if running else "stopped", "running": running,
+        "supervisor_alive": sup_alive, "error": state.error, "router_url": router_url,
         "processes": processes,
         "router": read_router(router_url, api_key_for(cdir.root / "router.json")) if running and router_url else None,
         "state_dir": str(cdir.root),
     }
+
+
+def stop_timeout_of(cdir: ClusterDir) -> float:
+    """The stored plan's SIGTERM -> SIGKILL window (the spec's default when there is no plan)."""
+    from pdserve.spec.schema import SupervisorSpec
+    plan = _stored_plan(cdir)
+    return SupervisorSpec.model_validate(plan.supervisor if plan else {}).stop_timeout

@@ -30,6 +30,9 @@ class ProcessPlan:
     # Variables copied at launch from the launching environment, target <- source; secrets such as the
     # API key travel this way so they are never written into the plan or the state folder.
     env_from: dict[str, str] = field(default_factory=dict)
+    # Processes that must be ready before this one starts (servers sharing a GPU start one at a time:
+    # vLLM profiles free memory while it starts).
+    start_after: list[str] = field(default_factory=list)
     host_name: str = LOCAL_HOST   # the spec's host this process runs on (`host` is its bind address there)
 
     @property

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+from pdserve.state.records import ClusterState
 
 
 def pdserve_home() -> Path:
@@ -56,11 +59,15 @@ class ClusterDir:
     def exists(self) -> bool:
         return self.state_path.exists() or self.plan_path.exists()
 
-    def read_state(self) -> dict[str, Any] | None:
-        return read_json(self.state_path)
+    def read_state(self) -> ClusterState | None:
+        """The one reader of state.json (None when absent or unreadable; a newer version is an error)."""
+        data = read_json(self.state_path)
+        return ClusterState.from_dict(data, str(self.logs_dir)) if isinstance(data, dict) else None
 
-    def write_state(self, state: dict[str, Any]) -> None:
-        write_json_atomic(self.state_path, state)
+    def write_state(self, state: ClusterState) -> None:
+        """The one writer of state.json (atomic)."""
+        state.updated_at = time.time()
+        write_json_atomic(self.state_path, state.to_dict())
 
     def read_plan(self) -> dict[str, Any] | None:
         return read_json(self.plan_path)
@@ -71,13 +78,3 @@ def list_clusters(home: Path | None = None) -> list[str]:
     if not base.is_dir():
         return []
     return sorted(p.name for p in base.iterdir() if (p / "plan.json").exists())
-
-
-def tail_lines(path: Path, n: int = 20) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            return f.read().decode(errors="replace").splitlines()[-n:]
-    except OSError:
-        return []

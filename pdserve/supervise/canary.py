@@ -12,7 +12,8 @@ import os
 import urllib.error
 import urllib.request
 
-from pdserve.observe.promtext import has, scrape, total
+from pdserve.observe.promtext import auth_headers, has, scrape, total
+from pdserve.plan.records import ClusterPlan
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
@@ -32,10 +33,8 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env:
                timeout: float = 120.0) -> tuple[bool, str]:
     """(passed, what happened)."""
     before = [external_tokens(u) for u in decode_urls]
-    headers = {"Content-Type": "application/json"}
-    key = os.environ.get(api_key_env) if api_key_env else None
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+    headers = {"Content-Type": "application/json",
+               **auth_headers(os.environ.get(api_key_env) if api_key_env else None)}
     body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": CANARY_TEXT}]})
     req = urllib.request.Request(router_url + "/v1/chat/completions", data=body.encode(), headers=headers)
     try:
@@ -52,3 +51,11 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env:
     if all(a is None for a in after):
         return False, "decode servers export no vllm:prompt_tokens_by_source_total metric; cannot verify KV transfer"
     return False, "canary answered but no KV reached a decode server (check NIXL: side-channel host/ports, UCX)"
+
+
+def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
+    """The canary through a planned cluster's router, checked on its decode servers."""
+    cfg = plan.router_config
+    decode = [p.url for p in plan.processes if p.role == "decode"]
+    return run_canary(plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
+                      timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))

@@ -1,31 +1,46 @@
-"""One supervised process: its plan, its live handle and its walk through the state machine."""
+"""One supervised process: its plan, its launcher and handle, and its walk through the state machine."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
-from pdserve.launchers import local
-from pdserve.plan.records import MARKER_ENV, ProcessPlan
+from pdserve.launchers.base import Handle, Launcher
+from pdserve.plan.records import ProcessPlan
 from pdserve.spec.schema import SupervisorSpec
-from pdserve.state.records import ProcState, check_transition
+from pdserve.state.records import ProcessRecord, ProcState
+from pdserve.supervise.transitions import check_transition
+
+
+@dataclass
+class Teardown:
+    """A stop in progress: SIGTERM was sent at `since`; SIGKILL goes out once `deadline` passes."""
+    deadline: float
+    then: ProcState                  # stopped, backoff or fatal once nothing of the tree is left
+    message: str
+    restart: bool = False            # a requested restart: start again once stopped
+    killed_at: float | None = None
 
 
 @dataclass
 class ManagedProcess:
     plan: ProcessPlan
     policy: SupervisorSpec
+    launcher: Launcher
     state: ProcState = ProcState.STOPPED
-    handle: local.Handle | None = None
+    state_since: float = 0.0
+    handle: Handle | None = None
     started_at: float | None = None       # wall clock, for uptime shown to people
-    state_since: float = field(default_factory=time.monotonic)
     ever_ready: bool = False
     restarts: int = 0
     failures: deque = field(default_factory=deque)   # monotonic times of unplanned exits
+    failed_starts: int = 0                # exits before ready since the last time it was ready
     next_start: float = 0.0
     last_probe: float = 0.0
+    failed_probes: int = 0
+    probe: Future | None = None           # a health probe in flight
+    teardown: Teardown | None = None
     message: str = ""
 
     @property
@@ -33,12 +48,12 @@ class ManagedProcess:
         return self.plan.name
 
     @property
-    def marker(self) -> str:
-        return self.plan.env[MARKER_ENV]
+    def role(self) -> str:
+        return self.plan.role
 
-    def to(self, new: ProcState, message: str = "") -> None:
+    def to(self, new: ProcState, now: float, message: str = "") -> None:
         self.state = check_transition(self.state, new)
-        self.state_since = time.monotonic()
+        self.state_since = now
         if message:
             self.message = message
 
@@ -46,18 +61,17 @@ class ManagedProcess:
         p = self.policy
         return min(p.backoff_max, p.backoff_initial * 2 ** max(0, len(self.failures) - 1))
 
-    def record_failure(self, now: float) -> bool:
-        """Count an unplanned exit; True when the crash-loop limit is reached (-> fatal)."""
+    def record_failure(self, now: float) -> None:
+        """Count an unplanned exit within the restart window."""
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.policy.restart_window:
             self.failures.popleft()
+
+    @property
+    def crash_looping(self) -> bool:
         return len(self.failures) > self.policy.max_restarts
 
-    def snapshot(self) -> dict[str, Any]:
-        h = self.handle
-        return {
-            "role": self.plan.role, "state": self.state.value,
-            "pid": h.pid if h else None, "create_time": h.create_time if h else None,
-            "host": self.plan.host, "port": self.plan.port, "started_at": self.started_at,
-            "restarts": self.restarts, "message": self.message, "marker": self.marker,
-        }
+    def record(self) -> ProcessRecord:
+        return ProcessRecord(name=self.name, role=self.role, state=self.state, host=self.plan.host,
+                             port=self.plan.port, handle=self.handle, started_at=self.started_at,
+                             restarts=self.restarts, message=self.message)

@@ -1,6 +1,8 @@
-"""The supervision loop: ordered start, readiness by health probe, restarts with backoff, ordered stop.
+"""The supervision loop: ordered start, readiness by health probe, restarts with backoff, timed stops.
 
-It never renders anything: it records each process's state in state.json, which the CLI reads.
+Each tick looks at every process and returns at once: probes and canaries run on the executor and are
+read on a later tick; a stop sends SIGTERM to the process's whole tree, SIGKILL once its deadline passes,
+and ends when nothing of the tree is left. It never renders: it writes state.json, which the CLI reads.
 """
 
 from __future__ import annotations
@@ -8,49 +10,57 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
-import psutil
-
-from pdserve.launchers import local
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.folder import ClusterDir, read_json
-from pdserve.state.records import ProcState
-from pdserve.supervise.canary import run_canary
-from pdserve.supervise.health import probe
-from pdserve.supervise.process import ManagedProcess
+from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
+from pdserve.supervise.process import ManagedProcess, Teardown
+from pdserve.supervise.services import Services
 
 log = logging.getLogger("pdserve.supervisor")
 
 TICK = 0.25
 LOG_CHECK_INTERVAL = 5.0
 CANARY_TRIES = 3
+CANARY_PAUSE = 2.0
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
+KILL_GRACE = 10.0                # after SIGKILL, how long to wait for the tree before reporting leftovers
+FAILED_STARTS_BEFORE_PEER_RESET = 2
+SERVER_ROLES = ("prefill", "decode")
 
 
 class Supervisor:
-    def __init__(self, plan: ClusterPlan, cdir: ClusterDir, adopt: bool = False):
+    def __init__(self, plan: ClusterPlan, cdir: ClusterDir, services: Services | None = None,
+                 adopt: bool = False):
         self.plan = plan
         self.cdir = cdir
+        self.services = services or Services()
+        self.clock = self.services.clock
         self.policy = SupervisorSpec.model_validate(plan.supervisor)
-        self.procs = [ManagedProcess(p, self.policy) for p in plan.processes]
-        self.phase = "starting"
+        self.stop_timeout = self.policy.stop_timeout
+        self.procs = [ManagedProcess(p, self.policy, self.services.launcher_for(plan, p),
+                                     state_since=self.clock.monotonic()) for p in plan.processes]
+        self.phase = Phase.STARTING
         self.error: str | None = None
         self.stop_requested = False
-        self._failed_probes: dict[str, int] = {}
-        self._own_create_time = psutil.Process().create_time()
-        self._next_log_check = 0.0
         self.adopt = adopt
+        self._next_log_check = 0.0
         self._verify: set[str] = set()        # restarted servers whose P->D path is not yet verified
         self._canary_failures = 0
         self._next_canary = 0.0
+        self._canary_future: Future | None = None
         self.restart_queue: deque[str] = deque()
         self._restarting: ManagedProcess | None = None
+        self._record = SupervisorRecord(os.getpid(), _own_start_time())
+
+    def by_name(self, name: str) -> ManagedProcess:
+        return next(p for p in self.procs if p.name == name)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -61,42 +71,49 @@ class Supervisor:
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
         try:
-            previous = (self.cdir.read_state() or {}).get("processes") or {} if self.adopt else {}
-            for proc in self.procs:
-                if not self._adopt(proc, previous.get(proc.name) or {}):
-                    self._start(proc)
-            self.write_state()
+            self.begin()
             while not self.stop_requested:
                 self.tick()
                 self.write_state()
-                time.sleep(TICK)
+                self.clock.sleep(TICK)
         finally:
             self.shutdown()
-        return 1 if self.phase == "failed" else 0
+            self.services.executor.shutdown(wait=False, cancel_futures=True)
+        return 1 if self.phase == Phase.FAILED else 0
+
+    def begin(self) -> None:
+        """Adopt what a dead predecessor left running (when asked), start the rest in order."""
+        previous = self.cdir.read_state() if self.adopt else None
+        for proc in self.procs:
+            before = previous.processes.get(proc.name) if previous else None
+            if not (before and self._adopt(proc, before)):
+                self._start_when_due(proc)
+        self.write_state()
 
     def shutdown(self) -> None:
-        if self.phase != "failed":
-            self.phase = "stopping"
-        self.write_state()
-        order = {p.name: i for i, p in enumerate(self.plan.stop_order())}
-        for proc in sorted(self.procs, key=lambda p: order[p.name]):
-            if proc.state == ProcState.STOPPED:
+        """Stop every process in stop order (router, decode, prefill), each a timed stop; the next starts
+        once the previous is gone. Ticks the clock, never blocks on a process."""
+        if self.phase != Phase.FAILED:
+            self.phase = Phase.STOPPING
+        self._take_stop_timeout()
+        for plan in self.plan.stop_order():
+            proc = self.by_name(plan.name)
+            if proc.state in (ProcState.STOPPED, ProcState.FATAL, ProcState.BACKOFF) and proc.handle is None:
                 continue
-            proc.to(ProcState.STOPPING)
-            self.write_state()
-            h = proc.handle
-            local.stop(h.pid if h else None, h.create_time if h else None, proc.marker,
-                       self.policy.stop_timeout, h.popen if h else None)
-            proc.to(ProcState.STOPPED)
-            proc.handle = None
-            self.write_state()
-        if self.phase != "failed":
-            self.phase = "stopped"
+            if proc.state != ProcState.STOPPING:
+                self._begin_stop(proc, ProcState.STOPPED, "stopped by request")
+            while proc.state == ProcState.STOPPING:
+                self._step_stopping(proc, self.clock.monotonic())
+                self.write_state()
+                if proc.state == ProcState.STOPPING:
+                    self.clock.sleep(TICK / 5)
+        if self.phase != Phase.FAILED:
+            self.phase = Phase.STOPPED
         self.write_state()
 
     # -- one pass over every process ---------------------------------------------------------------
     def tick(self) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         self._take_requests()
         self._restart_next()
         if now >= self._next_log_check:
@@ -108,108 +125,234 @@ class Supervisor:
             self._step(proc, now)
             if self.stop_requested:
                 return
+        self._update_phase(now)
+
+    def _update_phase(self, now: float) -> None:
         fatal = [p for p in self.procs if p.state == ProcState.FATAL]
-        if self.phase == "starting" and fatal:
-            # gave up on a process before the cluster was ever fully up: `up` fails and stops the rest
-            self.phase = "failed"
-            self.error = f"{fatal[0].name}: {fatal[0].message}"
-            self.stop_requested = True
-        elif self.phase == "starting" and all(p.state == ProcState.READY for p in self.procs):
-            if self._canary_passes(now):
-                self.phase = "running"
+        all_ready = all(p.state == ProcState.READY for p in self.procs)
+        if self.phase == Phase.STARTING:
+            if fatal:
+                # gave up on a process before the cluster was ever up: `up` fails and stops the rest
+                self._fail(f"{fatal[0].name}: {fatal[0].message}")
+            elif all_ready and self._canary_passes(now):
+                self.phase = Phase.RUNNING
                 log.info("all processes ready")
-        elif self._verify and all(p.state == ProcState.READY for p in self.procs):
+            return
+        if self._verify and all_ready:
             self._verify_restarted(now)
-        elif self.phase == "running" and fatal:
-            self.phase = "degraded"
-        elif self.phase == "degraded" and not fatal:
-            self.phase = "running"
+        short = self.roles_without_ready_server()
+        if self.phase == Phase.RUNNING and (fatal or short):
+            self.phase = Phase.DEGRADED
+            log.warning("degraded: %s", "; ".join([f"no ready {r} server" for r in short] +
+                                                   [f"{p.name} gave up" for p in fatal]))
+        elif self.phase == Phase.DEGRADED and not fatal and not short:
+            self.phase = Phase.RUNNING
+            log.info("running again: every role has a ready server")
+
+    def roles_without_ready_server(self) -> list[str]:
+        roles = dict.fromkeys(p.role for p in self.procs)
+        return [r for r in roles if not any(p.role == r and p.state == ProcState.READY for p in self.procs)]
 
     def _step(self, proc: ManagedProcess, now: float) -> None:
         st = proc.state
-        if st.running and not local.is_alive(proc.handle):
+        if st == ProcState.STOPPING:
+            self._step_stopping(proc, now)
+        elif st.has_process and not proc.launcher.is_alive(proc.handle):
             self._on_exit(proc, now)
         elif st == ProcState.STARTING:
-            if now - proc.last_probe >= STARTUP_PROBE_INTERVAL:
-                proc.last_probe = now
-                if probe(proc.plan.health_url):
-                    proc.ever_ready = True
-                    proc.to(ProcState.READY, "health check passed")
-                    log.info("%s ready", proc.name)
-                    if self.phase in ("running", "degraded") and proc.plan.role != "router":
-                        self._verify.add(proc.name)
-                elif now - proc.state_since > self.policy.startup_timeout:
-                    self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
+            healthy = self._probe_result(proc, now, STARTUP_PROBE_INTERVAL)
+            if healthy:
+                self._became_ready(proc, now)
+            elif now - proc.state_since > self.policy.startup_timeout:
+                self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
         elif st in (ProcState.READY, ProcState.UNHEALTHY):
-            if now - proc.last_probe >= self.policy.health_interval:
-                proc.last_probe = now
-                self._check_health(proc, now)
+            healthy = self._probe_result(proc, now, self.policy.health_interval)
+            if healthy is not None:
+                self._after_probe(proc, now, healthy)
         elif st == ProcState.BACKOFF and now >= proc.next_start:
-            if len(proc.failures) > self.policy.max_restarts:
-                proc.to(ProcState.FATAL, f"crash loop: {len(proc.failures)} failures within "
-                                         f"{self.policy.restart_window:g}s; last: {proc.message}")
+            if proc.crash_looping:
+                proc.to(ProcState.FATAL, now, f"crash loop: {len(proc.failures)} failures within "
+                                              f"{self.policy.restart_window:g}s; last: {proc.message}")
                 log.error("%s fatal: %s", proc.name, proc.message)
             else:
                 proc.restarts += 1
-                self._start(proc)
+                self._start(proc, now)
+        elif st == ProcState.STOPPED and proc.handle is None and self.phase == Phase.STARTING:
+            self._start_when_due(proc)
 
-    def _check_health(self, proc: ManagedProcess, now: float) -> None:
-        if probe(proc.plan.health_url):
-            self._failed_probes[proc.name] = 0
+    def _probe_result(self, proc: ManagedProcess, now: float, interval: float) -> bool | None:
+        """The result of a probe that finished (None while none has): one in flight per process, the next
+        submitted `interval` after the previous was."""
+        if proc.probe is not None:
+            if not proc.probe.done():
+                return None
+            result, proc.probe = bool(proc.probe.result()), None
+            return result
+        if now - proc.last_probe >= interval:
+            proc.last_probe = now
+            proc.probe = self.services.executor.submit(self.services.probe, proc.plan.health_url)
+            if proc.probe.done():              # an inline executor (tests) answers at once
+                result, proc.probe = bool(proc.probe.result()), None
+                return result
+        return None
+
+    def _became_ready(self, proc: ManagedProcess, now: float) -> None:
+        proc.ever_ready = True
+        proc.failed_starts = 0
+        proc.failed_probes = 0
+        proc.to(ProcState.READY, now, "health check passed")
+        log.info("%s ready", proc.name)
+        if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role != "router":
+            self._verify.add(proc.name)
+
+    def _after_probe(self, proc: ManagedProcess, now: float, healthy: bool) -> None:
+        if healthy:
+            proc.failed_probes = 0
             if proc.state == ProcState.UNHEALTHY:
-                proc.to(ProcState.READY, "health check passed again")
+                proc.to(ProcState.READY, now, "health check passed again")
             return
-        fails = self._failed_probes[proc.name] = self._failed_probes.get(proc.name, 0) + 1
-        if proc.state == ProcState.READY and fails >= FAILED_PROBES_BEFORE_UNHEALTHY:
-            proc.to(ProcState.UNHEALTHY, f"{fails} health checks failed while the process lives")
+        proc.failed_probes += 1
+        if proc.state == ProcState.READY and proc.failed_probes >= FAILED_PROBES_BEFORE_UNHEALTHY:
+            proc.to(ProcState.UNHEALTHY, now, f"{proc.failed_probes} health checks failed while the process lives")
             log.warning("%s unhealthy", proc.name)
         elif proc.state == ProcState.UNHEALTHY and now - proc.state_since > self.policy.unhealthy_grace:
             self._on_exit(proc, now, f"unhealthy for {self.policy.unhealthy_grace:g}s; restarted")
 
     def _on_exit(self, proc: ManagedProcess, now: float, why: str | None = None) -> None:
+        """The process died or must go: stop its whole tree (its children may outlive it), then back off
+        or, before the cluster was ever up, fail `up`."""
         if why is None:
-            rc = proc.handle.popen.poll() if proc.handle and proc.handle.popen else None
+            rc = proc.launcher.exit_code(proc.handle) if proc.handle else None
             why = f"exited with code {rc}" if rc is not None else "process disappeared"
-        # Stop the whole group: the API server may be gone (or hung) while its engine children hold memory.
-        self._kill(proc)
-        if self.phase == "starting" and not proc.ever_ready:
-            proc.to(ProcState.FATAL, why)
-            self.phase = "failed"
-            self.error = f"{proc.name} {why} before it became ready"
-            log.error(self.error)
-            self.stop_requested = True
+        if self.phase == Phase.STARTING and not proc.ever_ready:
+            self._begin_stop(proc, ProcState.FATAL, why)
+            self._fail(f"{proc.name} {why} before it became ready")
             return
         proc.record_failure(now)
-        proc.next_start = now + proc.backoff_delay()
-        proc.to(ProcState.BACKOFF, why)
-        log.warning("%s %s; restart in %.1fs", proc.name, why, proc.next_start - now)
+        proc.failed_starts += 0 if proc.state in (ProcState.READY, ProcState.UNHEALTHY) else 1
+        self._begin_stop(proc, ProcState.BACKOFF, why)
+        log.warning("%s %s", proc.name, why)
+        self._reset_peers_if_stuck(proc)
 
-    def _start(self, proc: ManagedProcess) -> None:
-        proc.handle = local.start(proc.plan, self.cdir.log_path(proc.name))
-        proc.started_at = time.time()
+    def _reset_peers_if_stuck(self, proc: ManagedProcess) -> None:
+        """A server that keeps dying before it is ready after a crash may be starved by its peers: a P that
+        imported a dead D's GPU memory over CUDA IPC keeps it until P restarts. Restart the other role's
+        servers once, one at a time."""
+        if proc.role not in SERVER_ROLES or proc.failed_starts != FAILED_STARTS_BEFORE_PEER_RESET:
+            return
+        peers = [p.name for p in self.procs if p.role in SERVER_ROLES and p.role != proc.role
+                 and p.name not in self.restart_queue]
+        if peers:
+            log.warning("%s failed to start %d times in a row: restarting %s, which may hold its memory",
+                        proc.name, proc.failed_starts, ", ".join(peers))
+            self.restart_queue.extend(peers)
+
+    def _fail(self, error: str) -> None:
+        self.phase, self.error, self.stop_requested = Phase.FAILED, error, True
+        log.error(error)
+
+    # -- timed stop --------------------------------------------------------------------------------
+    def _begin_stop(self, proc: ManagedProcess, then: ProcState, message: str, restart: bool = False) -> None:
+        now = self.clock.monotonic()
+        proc.to(ProcState.STOPPING, now, message)
+        proc.probe = None
+        proc.teardown = Teardown(now + self.stop_timeout, then, message, restart)
+        if proc.handle is not None:
+            sent = proc.launcher.signal(proc.handle, signal.SIGTERM)
+            log.info("%s: SIGTERM to %d process(es) (%s)", proc.name, sent, message)
+        self._step_stopping(proc, now)
+
+    def _step_stopping(self, proc: ManagedProcess, now: float) -> None:
+        td = proc.teardown
+        assert td is not None
+        left = proc.launcher.tree_alive(proc.handle) if proc.handle is not None else 0
+        if left and td.killed_at is None and now >= td.deadline:
+            proc.launcher.signal(proc.handle, signal.SIGKILL)
+            td.killed_at = now
+            log.warning("%s: %d process(es) still alive %gs after SIGTERM: SIGKILL", proc.name, left,
+                        self.stop_timeout)
+            left = proc.launcher.tree_alive(proc.handle)
+        if left and td.killed_at is not None and now - td.killed_at < KILL_GRACE:
+            if now - td.killed_at >= 1.0:
+                proc.launcher.signal(proc.handle, signal.SIGKILL)
+            return
+        if left and td.killed_at is None:
+            return
+        message = td.message + (f"; {left} process(es) would not die" if left else "")
+        if left:
+            log.error("%s: %s", proc.name, message)
+        proc.handle, proc.teardown = None, None
+        proc.to(td.then, now, message)
+        if td.then == ProcState.BACKOFF:
+            proc.next_start = now + proc.backoff_delay()
+            log.info("%s stopped; restart in %.1fs", proc.name, proc.backoff_delay())
+        if td.restart and not self.stop_requested:
+            proc.restarts += 1
+            self._start(proc, now)
+
+    # -- starting ----------------------------------------------------------------------------------
+    def _start_when_due(self, proc: ManagedProcess) -> None:
+        """Start now, unless its plan says to wait for others to be ready (servers sharing a GPU)."""
+        waiting = [n for n in proc.plan.start_after if self.by_name(n).state != ProcState.READY]
+        if not waiting:
+            self._start(proc, self.clock.monotonic())
+        elif proc.message != f"waiting for {', '.join(waiting)}":
+            proc.message = f"waiting for {', '.join(waiting)}"
+
+    def _start(self, proc: ManagedProcess, now: float) -> None:
+        try:
+            proc.handle = proc.launcher.start(proc.plan, self.cdir.log_path(proc.name))
+        except OSError as err:
+            proc.handle = None
+            if proc.state != ProcState.BACKOFF:
+                proc.to(ProcState.BACKOFF, now)
+            proc.record_failure(now)
+            proc.next_start = now + proc.backoff_delay()
+            proc.message = f"could not start: {err}"
+            log.error("%s could not start: %s", proc.name, err)
+            return
+        proc.started_at = self.clock.time()
         proc.last_probe = 0.0
-        self._failed_probes[proc.name] = 0
-        proc.to(ProcState.STARTING, f"pid {proc.handle.pid}")
-        log.info("%s started, pid %d", proc.name, proc.handle.pid)
+        proc.failed_probes = 0
+        proc.to(ProcState.STARTING, now, f"pid {proc.handle.pid}")
+        log.info("%s started, pid %s", proc.name, proc.handle.pid)
+
+    def _adopt(self, proc: ManagedProcess, before: ProcessRecord) -> bool:
+        """Take over a process the previous (dead) supervisor started, if it is provably the same one;
+        it is ready again once its health endpoint answers."""
+        handle = proc.launcher.adopt(before.handle) if before.handle else None
+        if handle is None:
+            return False
+        proc.handle = handle
+        proc.started_at = before.started_at
+        proc.restarts = before.restarts
+        proc.ever_ready = True     # it served before: dying now means restart, not a failed `up`
+        proc.last_probe = 0.0
+        proc.to(ProcState.STARTING, self.clock.monotonic(), f"adopted pid {handle.pid}")
+        log.info("%s adopted, pid %s", proc.name, handle.pid)
+        return True
 
     # -- canary: the P->D KV path really works ------------------------------------------------------
-    def _canary(self) -> tuple[bool, str]:
-        cfg = self.plan.router_config
-        decode = [p.url for p in self.plan.processes if p.role == "decode"]
-        return run_canary(self.plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
-                          timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))
-
     def _canary_try(self, now: float) -> tuple[bool, str, bool] | None:
-        """One canary, at most every 2 s after a failure: None while waiting, else (passed, what happened,
-        out of tries). CANARY_TRIES failures in a row are out of tries, and the count starts over."""
-        if now < self._next_canary:
+        """One canary on the executor, at most every CANARY_PAUSE s after a failure: None while waiting or
+        running, else (passed, what happened, out of tries). CANARY_TRIES failures in a row are out of
+        tries, and the count starts over."""
+        if self._canary_future is None:
+            if now < self._next_canary:
+                return None
+            self._canary_future = self.services.executor.submit(self.services.canary, self.plan)
+        if not self._canary_future.done():
             return None
-        ok, detail = self._canary()
+        future, self._canary_future = self._canary_future, None
+        try:
+            ok, detail = future.result()
+        except Exception as err:      # a canary that crashed is a failed canary, not a dead supervisor
+            ok, detail = False, f"canary error: {err!r}"
         if ok:
             self._canary_failures = 0
             return True, detail, False
         self._canary_failures += 1
-        self._next_canary = time.monotonic() + 2.0
+        self._next_canary = now + CANARY_PAUSE
         out_of_tries = self._canary_failures >= CANARY_TRIES
         if out_of_tries:
             self._canary_failures = 0
@@ -225,7 +368,7 @@ class Supervisor:
         ok, detail, out_of_tries = tried
         log.info("%s", detail)
         if out_of_tries:
-            self.phase, self.error, self.stop_requested = "failed", detail, True
+            self._fail(detail)
         return ok
 
     def _verify_restarted(self, now: float) -> None:
@@ -245,24 +388,32 @@ class Supervisor:
             return
         log.warning("after restarting %s: %s", restarted, detail)
         if out_of_tries:
-            roles = {p.plan.role for p in self.procs if p.name in self._verify}
+            roles = {p.role for p in self.procs if p.name in self._verify}
             self._verify.clear()
             if "prefill" in roles:
-                decode = [p.name for p in self.procs if p.plan.role == "decode" and p.name not in self.restart_queue]
+                decode = [p.name for p in self.procs if p.role == "decode" and p.name not in self.restart_queue]
                 log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
                 self.restart_queue.extend(decode)
 
-    # -- restarts asked for by `pdserve restart` -----------------------------------------------------
+    # -- requests from the CLI (`pdserve restart`, `up` with a changed config, `down --timeout`) ------
     def _take_requests(self) -> None:
         for path in sorted(self.cdir.requests_dir.glob("*.json")):
             request = read_json(path) or {}
             path.unlink(missing_ok=True)
+            if request.get("stop_timeout"):
+                self.stop_timeout = float(request["stop_timeout"])
             if request.get("reload"):
                 self._reload_plan()
             known = {p.name for p in self.procs}
             names = [n for n in request.get("restart") or [] if n in known]
-            log.info("restart requested for %s", ", ".join(names) or "nothing known")
+            if names:
+                log.info("restart requested for %s", ", ".join(names))
             self.restart_queue.extend(n for n in names if n not in self.restart_queue)
+
+    def _take_stop_timeout(self) -> None:
+        """`down --timeout` writes its timeout just before it signals us: honour it for this stop."""
+        if self.cdir.requests_dir.is_dir():
+            self._take_requests()
 
     def _reload_plan(self) -> None:
         """`up` with a changed config wrote a new plan: the next start of each process uses it."""
@@ -272,6 +423,7 @@ class Supervisor:
         new = ClusterPlan.from_dict(data)
         self.plan = new
         self.policy = SupervisorSpec.model_validate(new.supervisor)
+        self.stop_timeout = self.policy.stop_timeout
         for proc in self.procs:
             proc.plan = new.by_name(proc.name)
             proc.policy = self.policy
@@ -286,41 +438,26 @@ class Supervisor:
             self._restarting = None
         if not self.restart_queue:
             return
-        name = self.restart_queue.popleft()
-        proc = next(p for p in self.procs if p.name == name)
-        if proc.state.running:
-            proc.to(ProcState.STOPPING, "restart requested")
-            self._kill(proc)
-            proc.to(ProcState.STOPPED)
-        proc.restarts += 1
-        self._start(proc)
+        proc = self.by_name(self.restart_queue.popleft())
+        if proc.state == ProcState.STOPPING:
+            proc.teardown.restart = True
+        elif proc.state.has_process or proc.handle is not None:
+            self._begin_stop(proc, ProcState.STOPPED, "restart requested", restart=True)
+        else:
+            proc.restarts += 1
+            self._start(proc, self.clock.monotonic())
         self._restarting = proc
 
-    def _adopt(self, proc: ManagedProcess, before: dict[str, Any]) -> bool:
-        """Take over a process the previous (dead) supervisor started, if it is provably the same one;
-        it is ready again once its health endpoint answers."""
-        handle = local.adopt(before.get("pid"), before.get("create_time"), proc.marker)
-        if handle is None:
-            return False
-        proc.handle = handle
-        proc.started_at = before.get("started_at")
-        proc.restarts = int(before.get("restarts") or 0)
-        proc.ever_ready = True     # it served before: dying now means restart, not a failed `up`
-        proc.last_probe = 0.0
-        proc.to(ProcState.STARTING, f"adopted pid {handle.pid}")
-        log.info("%s adopted, pid %d", proc.name, handle.pid)
-        return True
-
-    def _kill(self, proc: ManagedProcess) -> None:
-        h = proc.handle
-        if h is not None:
-            local.stop(h.pid, h.create_time, proc.marker, self.policy.stop_timeout, h.popen)
-
     # -- state file --------------------------------------------------------------------------------
+    def state(self) -> ClusterState:
+        return ClusterState(cluster=self.plan.name, phase=self.phase, router_url=self.plan.router.url,
+                            processes={p.name: p.record() for p in self.procs}, supervisor=self._record,
+                            error=self.error)
+
     def write_state(self) -> None:
-        self.cdir.write_state({
-            "cluster": self.plan.name, "phase": self.phase, "error": self.error, "updated_at": time.time(),
-            "supervisor": {"pid": os.getpid(), "create_time": self._own_create_time},
-            "router_url": self.plan.router.url,
-            "processes": {p.name: p.snapshot() for p in self.procs},
-        })
+        self.cdir.write_state(self.state())
+
+
+def _own_start_time() -> float:
+    import psutil
+    return psutil.Process().create_time()

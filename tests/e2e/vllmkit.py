@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.observe.promtext import scrape, total
 from pdserve.spec.load import DEFAULT_CONFIG
 from tests.integration.test_cli_lifecycle import free_ports
 
@@ -26,12 +26,9 @@ def pdserve(*args, timeout=900) -> subprocess.CompletedProcess:
 
 def metric(url: str, name: str, **labels) -> float:
     """Sum of a metric's samples on a server's /metrics whose labels include `labels`."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
-        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    samples = scrape(url)
+    assert samples is not None, f"{url}/metrics did not answer"
+    return total(samples, name, **labels)
 
 
 def status(name: str) -> dict:

@@ -203,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
     p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
     p.add_argument("--spawn-child", action="store_true", help="start a long-lived child, like vLLM's EngineCore")
+    p.add_argument("--child-without-marker", action="store_true", help="the child's environment is empty")
     args, _ = p.parse_known_args(argv)   # ignore vLLM's own flags when started by pdserve
     return args
 
@@ -213,7 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.exit_after:
         threading.Timer(args.exit_after, os._exit, (3,)).start()
     if args.spawn_child:
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        # Like vLLM's retitled EngineCore: an empty environment (no marker), and it outlives its parent.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                         env={} if args.child_without_marker else None)
     web.run_app(build_app(args), host=args.host, port=args.port, print=None, access_log=None)
 
 

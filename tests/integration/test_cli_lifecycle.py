@@ -415,3 +415,35 @@ def test_doctor_checks_the_machine_and_the_running_cluster(tmp_path, home):
     refused = pdserve("up", str(path))
     assert refused.returncode == 2 and "CPU 4096 does not exist" in refused.stderr
     assert pdserve("plan", str(path)).returncode == 1
+
+
+def test_a_killed_leader_s_markerless_child_is_gone_before_the_restart_and_others_keep_being_served(tmp_path, home):
+    """SIGKILL of one pid (what the OOM killer does) leaves a child with no marker in its environment (like
+    vLLM's retitled EngineCore): it is found by its process group and killed before the new server starts.
+    Meanwhile another server is being stopped slowly (hung: SIGTERM cannot act), and the loop keeps
+    restarting the killed one instead of waiting on that stop."""
+    path, cfg = write_config(tmp_path, "tree", server_args=["--spawn-child", "--child-without-marker"])
+    cfg["supervisor"].update(unhealthy_grace=0.5, stop_timeout=15)
+    path.write_text(yaml.safe_dump(cfg))
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        procs = {p["name"]: p for p in status_json("tree")["processes"]}
+        prefill = psutil.Process(procs["prefill-0"]["pid"])
+        child = prefill.children()[0]
+        assert b"PDSERVE_PROCESS" not in Path(f"/proc/{child.pid}/environ").read_bytes()
+        os.kill(procs["decode-0"]["pid"], signal.SIGSTOP)     # hung: its stop will take the full 15 s
+        wait_for(lambda: {p["name"]: p for p in status_json("tree")["processes"]}["decode-0"]["state"]
+                 == "stopping", timeout=30, what="decode stopping")
+        os.kill(prefill.pid, signal.SIGKILL)                   # one pid, not the group
+        wait_for(lambda: (lambda p: p["restarts"] == 1 and p["state"] == "ready")(
+            {p["name"]: p for p in status_json("tree")["processes"]}["prefill-0"]), timeout=12,
+            what="prefill restarted while decode is still being stopped")
+        now = {p["name"]: p for p in status_json("tree")["processes"]}
+        assert now["decode-0"]["state"] == "stopping"
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, "the orphan outlived its leader"
+        new_start = psutil.Process(now["prefill-0"]["pid"]).create_time()
+        assert new_start >= prefill.create_time()
+    finally:
+        down = pdserve("down", "tree")
+        assert down.returncode == 0, down.stderr
+        assert all_markers(home, "tree") == []

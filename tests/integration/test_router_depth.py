@@ -4,10 +4,12 @@ reuse, client disconnects, request ids, API key and size limits."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 import openai
 
+from pdserve.observe.promtext import parse
 from pdserve.router.app import FLOW
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
@@ -25,11 +27,10 @@ def offered(app) -> list[dict | None]:
 
 
 def sample(metrics: str, name: str) -> float:
-    """The value of one sample, `name` written as in the exposition (labels sorted); 0 when absent."""
-    for line in metrics.splitlines():
-        if line.rsplit(" ", 1)[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """The value of one sample, `name` written as in the exposition (`n{a="x",b="y"}`); 0 when absent."""
+    metric, _, label_text = name.partition("{")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+    return sum(v for (n, ls), v in parse(metrics).items() if n == metric and dict(ls) == labels)
 
 
 async def test_unmodified_openai_client_gets_reuse_by_history():

@@ -7,19 +7,13 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from pdserve.plan.build import build_plan
-from pdserve.spec.load import parse_spec
-from pdserve.state.folder import ClusterDir
+from pdserve.state.records import Phase
 from pdserve.supervise.supervisor import CANARY_TRIES, Supervisor
-from tests.unit.test_spec import GOOD
+from tests.unit.test_supervisor_policy import Rig
 
 
 def supervisor(tmp_path: Path, outcomes: list[bool]) -> Supervisor:
-    plan = build_plan(parse_spec(GOOD), python="/py", cluster_dir=tmp_path, models_dir=tmp_path)
-    sup = Supervisor(plan, ClusterDir("t", home=tmp_path))
-    script = iter(outcomes)
-    sup._canary = lambda: (ok := next(script), "moved" if ok else "no KV reached a decode server")
-    return sup
+    return Rig(tmp_path, canary=outcomes).sup
 
 
 def later():
@@ -30,9 +24,9 @@ def later():
 def test_start_up_fails_after_the_tries_and_passes_on_a_success(tmp_path):
     sup, t = supervisor(tmp_path, [False] * CANARY_TRIES), later()
     results = [sup._canary_passes(next(t)) for _ in range(CANARY_TRIES)]
-    assert results == [False] * CANARY_TRIES and sup.phase == "failed" and "no KV" in sup.error
+    assert results == [False] * CANARY_TRIES and sup.phase == Phase.FAILED and "no KV" in sup.error
     ok = supervisor(tmp_path, [False, True])
-    assert [ok._canary_passes(next(t)) for _ in range(2)] == [False, True] and ok.phase == "starting"
+    assert [ok._canary_passes(next(t)) for _ in range(2)] == [False, True] and ok.phase == Phase.STARTING
 
 
 def test_a_failed_try_waits_before_the_next(tmp_path):

@@ -3,6 +3,7 @@ the supervisor that died; returning on that let `up` finish before the new super
 
 from pdserve.orchestrate import cluster
 from pdserve.state.folder import ClusterDir
+from pdserve.state.records import ClusterState, Phase, SupervisorRecord
 
 
 class FakeSupervisor:
@@ -13,28 +14,32 @@ class FakeSupervisor:
         return None   # still running
 
 
+def state_of(phase: Phase, pid: int, error: str | None = None, url: str = "") -> ClusterState:
+    return ClusterState("c", phase, url, supervisor=SupervisorRecord(pid, 1.0), error=error)
+
+
 def test_a_terminal_phase_from_the_dead_supervisor_is_not_ours(tmp_path):
     cdir = ClusterDir("c", home=tmp_path)
     cdir.root.mkdir(parents=True)
-    cdir.write_state({"phase": "running", "supervisor": {"pid": 111}})   # left by the one that died
-    seen: list[str] = []
+    cdir.write_state(state_of(Phase.RUNNING, 111))   # left by the one that died
+    seen: list[Phase] = []
 
-    def on_update(state: dict) -> None:
-        seen.append(state["phase"])
+    def on_update(state: ClusterState) -> None:
+        seen.append(state.phase)
         if len(seen) == 3:   # the new supervisor takes over, then reports its own phase
-            cdir.write_state({"phase": "running", "supervisor": {"pid": 222}, "adopted": True})
+            cdir.write_state(state_of(Phase.RUNNING, 222, url="adopted"))
 
     state = cluster.wait_for_phase(cdir, FakeSupervisor(222), on_update, poll=0.01)
-    assert state["supervisor"]["pid"] == 222 and state["adopted"]
+    assert state.supervisor.pid == 222 and state.router_url == "adopted"
     assert len(seen) == 4
 
 
 def test_its_own_failure_is_returned_at_once(tmp_path):
     cdir = ClusterDir("c", home=tmp_path)
     cdir.root.mkdir(parents=True)
-    cdir.write_state({"phase": "failed", "error": "boom", "supervisor": {"pid": 7}})
+    cdir.write_state(state_of(Phase.FAILED, 7, "boom"))
     state = cluster.wait_for_phase(cdir, FakeSupervisor(7), lambda s: None, poll=0.01)
-    assert state["phase"] == "failed" and state["error"] == "boom"
+    assert state.phase == Phase.FAILED and state.error == "boom"
 
 
 class ExitedSupervisor(FakeSupervisor):
@@ -46,6 +51,6 @@ def test_a_new_supervisor_that_dies_at_once_is_a_failure_not_the_old_running(tmp
     cdir = ClusterDir("c", home=tmp_path)
     cdir.logs_dir.mkdir(parents=True)
     cdir.supervisor_log.write_text("Traceback ...\nImportError: no module named x\n")
-    cdir.write_state({"phase": "running", "error": "an old error", "supervisor": {"pid": 111}})
+    cdir.write_state(state_of(Phase.RUNNING, 111, "an old error"))
     state = cluster.wait_for_phase(cdir, ExitedSupervisor(222), lambda s: None, poll=0.01)
-    assert state["phase"] == "failed" and "ImportError" in state["error"]
+    assert state.phase == Phase.FAILED and "ImportError" in state.error and "old error" not in state.error

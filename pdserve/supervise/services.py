@@ -1,0 +1,44 @@
+"""What the supervisor is given instead of calling the OS: launchers, a health probe, the canary, a clock,
+and an executor for the calls that wait on a socket (probes, canaries), so its loop never blocks on one.
+Tests hand it fakes and drive it tick by tick in milliseconds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.launchers import launcher_for
+from pdserve.launchers.base import Handle, Launcher
+from pdserve.plan.records import ClusterPlan, ProcessPlan
+from pdserve.supervise.canary import plan_canary
+from pdserve.supervise.health import probe
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+    def time(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def time(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+@dataclass
+class Services:
+    launcher_for: Callable[[ClusterPlan, ProcessPlan], Launcher] = launcher_for
+    launcher_for_handle: Callable[[ClusterPlan, Handle], Launcher] | None = None
+    probe: Callable[[str], bool] = probe
+    canary: Callable[[ClusterPlan], tuple[bool, str]] = plan_canary
+    clock: Clock = field(default_factory=SystemClock)
+    executor: Executor = field(default_factory=lambda: ThreadPoolExecutor(8, thread_name_prefix="pdserve-io"))
