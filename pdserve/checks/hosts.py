@@ -20,7 +20,8 @@ def _gpu_indices(env: dict[str, str]) -> list[int]:
     return [int(g) for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip().isdigit()]
 
 
-def host_findings(plan: ClusterPlan, probe: Probe, *, check_ports: bool = True) -> list[Finding]:
+def host_findings(plan: ClusterPlan, probe: Probe, *, check_ports: bool = True,
+                  skip: frozenset[str] = frozenset()) -> list[Finding]:
     efa = any('"LIBFABRIC"' in " ".join(p.argv) for p in plan.processes)
     out: list[Finding] = []
     versions: dict[str, dict[str, str]] = {"vllm": {}, "nixl": {}}
@@ -28,7 +29,8 @@ def host_findings(plan: ClusterPlan, probe: Probe, *, check_ports: bool = True) 
         procs = [p for p in plan.processes if p.host_name == host.name and plan.is_remote(p)]
         if not procs:
             continue
-        ports = sorted({port for p in procs for port in [p.port, *p.side_channel_ports]}) if check_ports else []
+        ports = sorted({port for p in procs if p.name not in skip
+                        for port in [p.port, *p.side_channel_ports]}) if check_ports else []
         try:
             facts = probe(host.name, host.address, ports, efa)
         except PdserveError as err:

@@ -175,3 +175,15 @@ def test_host_preflight_runs_per_host_and_compares_versions():
         raise HostUnreachable(host, "Connection timed out")
     out = machine_findings(spec, plan, None, unreachable)
     assert [(f.level, f.message) for f in out][0] == ("fail", "host a is unreachable: Connection timed out")
+
+
+def test_host_preflight_leaves_the_ports_of_adopted_processes_alone():
+    from pdserve.checks.hosts import host_findings
+    plan = plan_of(TWO_HOSTS)
+    asked = {}
+
+    def probe(host, address, ports, efa):
+        asked[host] = ports
+        return {"vllm": ["vllm", "1"], "nixl": ["nixl", "1"], "gpus": None, "efa_rc": None, "busy": []}
+    assert all(f.level == "ok" for f in host_findings(plan, probe, skip=frozenset({"decode-0"})))
+    assert asked == {"a": [5600, 8100], "b": []}
