@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.integration.test_cli_lifecycle import wait_for
+
 NODE = "pdnode"
 
 
@@ -57,15 +59,6 @@ def _daemon(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"slurm rig: {what} did not happen in {timeout:g} s")
-
-
 def start_slurm(root: Path) -> Slurm:
     munged = shutil.which("munged") or "/usr/sbin/munged"
     for d in ("state", "spool", "munge"):
@@ -106,15 +99,15 @@ PartitionName=pdtest Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
         procs.append(_daemon([munged, "-F", "--force", f"--socket={sock}", f"--key-file={key}",
                               f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munge' / 'munged.log'}",
                               f"--seed-file={root / 'munge' / 'seed'}"], env, root / "munged.out"))
-        _wait(sock.exists, 10, "munged socket")
+        wait_for(sock.exists, 10, "munged socket")
         procs.append(_daemon(["slurmctld", "-D", "-i", "-L", str(root / "slurmctld.log")], env, root / "slurmctld.out"))
         procs.append(_daemon(["slurmd", "-D", "-N", NODE, "-L", str(root / "slurmd.log")], env, root / "slurmd.out"))
         slurm = Slurm(root, env, pids=tuple(p.pid for p in procs), daemons=tuple(procs))
-        _wait(lambda: "idle" in slurm.run("sinfo", "-h", "-o", "%T", check=False).stdout, 60, "node idle")
+        wait_for(lambda: "idle" in slurm.run("sinfo", "-h", "-o", "%T", check=False).stdout, 60, "node idle")
         job = slurm.run("sbatch", "--parsable", "-N1", "-n1", "-o", str(root / "alloc.out"),
                         "--wrap", "sleep 100000").stdout.strip()
         slurm.job_id = job.split(";")[0]
-        _wait(lambda: slurm.run("squeue", "-h", "-j", slurm.job_id, "-o", "%T", check=False).stdout.strip() == "RUNNING",
+        wait_for(lambda: slurm.run("squeue", "-h", "-j", slurm.job_id, "-o", "%T", check=False).stdout.strip() == "RUNNING",
               60, "allocation running")
         return slurm
     except BaseException:
@@ -142,9 +135,9 @@ def stop_slurm(slurm: Slurm) -> None:
     if slurm.job_id:
         slurm.run("scancel", slurm.job_id, check=False)
         try:
-            _wait(lambda: not slurm.run("squeue", "-h", "-j", slurm.job_id, check=False).stdout.strip(), 20,
+            wait_for(lambda: not slurm.run("squeue", "-h", "-j", slurm.job_id, check=False).stdout.strip(), 20,
                   "the allocation to end")
-        except RuntimeError:
+        except AssertionError:
             pass
     for pid in _rig_processes(slurm.env["SLURM_CONF"]):
         if pid not in slurm.pids:
