@@ -48,4 +48,15 @@ def launcher_for_handle(plan: ClusterPlan | None, handle: Handle) -> Launcher:
     return _launcher(plan, handle.launcher)
 
 
-__all__ = ["Handle", "Launcher", "LauncherKind", "launcher_for", "launcher_for_handle"]
+def unreachable_hosts(plan: ClusterPlan) -> dict[str, str]:
+    """Host -> why, for the hosts of `plan` its launchers in this process last found unreachable (for
+    status and the supervisor's messages; empty for local clusters)."""
+    out: dict[str, str] = {}
+    for (cluster, _), launcher in _shared.items():
+        health = getattr(launcher, "host_health", None)
+        if cluster == plan.name and health is not None:
+            out.update({h.name: health(h.name).reason for h in plan.hosts if not health(h.name).reachable})
+    return out
+
+
+__all__ = ["Handle", "Launcher", "LauncherKind", "launcher_for", "launcher_for_handle", "unreachable_hosts"]

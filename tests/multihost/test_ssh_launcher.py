@@ -135,3 +135,33 @@ def test_preflight_probe_runs_on_the_host_and_binds_its_address_there(rig):
             socket.socket().bind((host.address, 8112))
     finally:
         holder.kill()
+
+
+def test_a_host_that_drops_off_mid_run_is_reported_promptly_and_comes_back(rig, tmp_path):
+    from tests.multihost.netns import sh
+    host = rig.hosts[0]
+    launcher = SshLauncher(cluster(rig), connect_timeout=2, backoff_max=2)
+    handle = launcher.start(proc(host.name, "prefill-0"), tmp_path / "prefill-0.log")
+    try:
+        assert launcher.is_alive(handle)              # a ControlMaster connection is now open
+        sh("ip", "link", "set", f"{host.name}v", "down")   # the host's cable is pulled
+        began = time.monotonic()
+        with pytest.raises(HostUnreachable):
+            launcher.is_alive(handle)
+        took = time.monotonic() - began
+        print(f"unreachable reported after {took:.1f} s: {launcher.host_health(host.name).reason}")
+        assert took < 8, "bounded by the connect timeout, not TCP's minutes"
+        sh("ip", "link", "set", f"{host.name}v", "up")
+        time.sleep(2.5)                               # past the backoff: the next call tries again
+        assert wait_for(lambda: _alive_or_none(launcher, handle), timeout=30)
+        assert launcher.host_health(host.name).reachable
+    finally:
+        sh("ip", "link", "set", f"{host.name}v", "up", check=False)
+        launcher.signal(handle, signal.SIGKILL)
+
+
+def _alive_or_none(launcher, handle):
+    try:
+        return launcher.is_alive(handle)
+    except HostUnreachable:
+        return None

@@ -34,3 +34,16 @@ def test_remote_processes_get_their_clusters_launcher_and_handles_find_it_again(
     assert isinstance(launcher_for_handle(None, Handle(LauncherKind.LOCAL, "local", 1, 1.0, "m", "/l")), LocalLauncher)
     with pytest.raises(PdserveError, match="needs the cluster's plan.json"):
         launcher_for_handle(None, handle)
+
+
+def test_unreachable_hosts_collects_what_the_launchers_learned():
+    import subprocess
+    from pdserve.launchers import unreachable_hosts
+    from pdserve.launchers.ssh import HostUnreachable
+    plan = plan_of(with_("name", "unreach", TWO_HOSTS))
+    ssh = launcher_for(plan, plan.by_name("decode-0"))
+    ssh._run = lambda *a, **k: subprocess.CompletedProcess(a, 255, b"", b"ssh: connect to host 10.77.0.3 port 22: No route to host")
+    assert unreachable_hosts(plan) == {}
+    with pytest.raises(HostUnreachable, match="No route to host"):
+        ssh.is_alive(Handle(LauncherKind.SSH, "b", 1, 1.0, "m", "/l"))
+    assert unreachable_hosts(plan) == {"b": "ssh: connect to host 10.77.0.3 port 22: No route to host"}
