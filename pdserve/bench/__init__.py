@@ -1,1 +1,1 @@
-"""Multi-turn benchmark building blocks (workloads, metric deltas) for `pdserve bench`."""
+"""`pdserve bench`: arms, multi-turn workloads, metric deltas and reports."""

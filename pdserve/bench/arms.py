@@ -11,8 +11,14 @@ model could only ever switch `on` to the `off` behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from pdserve.errors import PdserveError
+from pdserve.orchestrate import cluster
 
 ARMS = ("on", "off", "prefix-cache")
 PREFIX_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
@@ -30,3 +36,19 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
     prefill["vllm_args"] = [*args, "--enable-prefix-caching" if arm == "prefix-cache" else "--no-enable-prefix-caching"]
     cfg.setdefault("router", {})["cost_aware"] = False
     return cfg
+
+
+@contextlib.contextmanager
+def deployed(arm: str, config: Path) -> Iterator[None]:
+    """One arm's cluster, up for the body and down after it, through the same library `up` and `down` use."""
+    spec, plan, cdir = cluster.plan_from_file(config)
+    adopted = cluster.prepare(spec, plan, cdir, config)
+    try:
+        cluster.supervise_until_up(cdir, bool(adopted), lambda state: None, spec.supervisor.stop_timeout)
+    except cluster.StartFailed as failed:
+        raise PdserveError(f"arm {arm}: {failed.message}: {' | '.join(failed.log_lines[-3:])}",
+                           hint=f"`pdserve up {config}` to see it") from None
+    try:
+        yield
+    finally:
+        cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import resource
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -109,6 +110,19 @@ def check_ports(plan: ClusterPlan, busy: list[str]) -> list[Finding]:
     return [Finding("ok", "ports", "all ports of the plan are free")]
 
 
+def check_open_files(spec: ClusterSpec, limits: tuple[int, int] | None = None) -> list[Finding]:
+    """The router raises its own soft open-file limit to the hard one at start; a hard limit below its
+    connection caps means clients (and backend connections) would be refused for want of descriptors."""
+    soft, hard = limits or resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = spec.router.max_connections + spec.router.upstream_max_connections + 64
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        return [Finding("warn", "open files", f"hard open-file limit {hard} is below the router's "
+                        f"{needed} (max_connections + upstream_max_connections + 64); it will cap connections",
+                        "raise it (ulimit -Hn, LimitNOFILE= in a unit, /etc/security/limits.conf) or lower "
+                        "router.max_connections")]
+    return [Finding("ok", "open files", f"hard open-file limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}")]
+
+
 def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | None,
                      probe: Callable | None = None, skip: frozenset[str] = frozenset()) -> list[Finding]:
     """`busy`: ports taken on this machine (None: skip the port checks, e.g. the cluster runs); `skip`:
@@ -117,8 +131,9 @@ def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | Non
         # Servers run on other hosts: check them there; this machine only runs the router.
         from pdserve.checks.hosts import host_findings, launcher_probe
         out = host_findings(plan, probe or launcher_probe(plan), check_ports=busy is not None, skip=skip)
+        out += check_open_files(spec)          # the router's, on this machine
         return out + (check_ports(plan, busy) if busy is not None else [])
-    out = [*check_software(spec), *check_devices(spec), *check_fabric(spec)]
+    out = [*check_software(spec), *check_devices(spec), *check_fabric(spec), *check_open_files(spec)]
     if busy is not None:
         out += check_ports(plan, busy)
     return out

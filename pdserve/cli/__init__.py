@@ -1,0 +1,1 @@
+"""The command line: one thin typer module per command; rendering lives here and in ui/, policy does not."""

@@ -8,8 +8,6 @@ With no FILE it runs configs/bench-cpu.yaml (the CPU default with the larger `pd
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from rich.table import Table
 
 from pdserve.orchestrate import cluster
 from pdserve.bench import report
-from pdserve.bench.arms import ARMS, arm_config
+from pdserve.bench.arms import ARMS, arm_config, deployed
 from pdserve.bench.run import Endpoints, run_arm
 from pdserve.bench.workload import generate, load
 from pdserve.errors import PdserveError, UsageError
@@ -94,15 +92,8 @@ def _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency, on_reque
         return _measure(arm, _endpoints(name), convs, warm, max_tokens, concurrency, on_request)
     arm_file = out / f"{arm}.yaml"
     arm_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", str(arm_file)], stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)
-    if up.returncode != 0:
-        raise PdserveError(f"arm {arm}: `pdserve up` failed: {up.stderr.strip().splitlines()[-1:]}",
-                           hint=f"`pdserve up {arm_file}` to see it")
-    try:
+    with deployed(arm, arm_file):
         return _measure(arm, _endpoints(cfg["name"]), convs, warm, max_tokens, concurrency, on_request)
-    finally:
-        subprocess.run([sys.executable, "-m", "pdserve", "down", cfg["name"]], capture_output=True)
 
 
 def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request):

@@ -1,5 +1,7 @@
-"""Stop a cluster: router first, then decode, then prefill; SIGTERM to each process group, SIGKILL after
---timeout. Works even when the supervisor was killed (pids and start times come from the state file)."""
+"""Stop a cluster: router first, then decode, then prefill; SIGTERM to each process's whole tree (its session,
+its group, whatever carries its marker), SIGKILL after --timeout. Works even when the supervisor was killed
+(pids and start times come from the state file). Then checks that no process of the cluster is alive and
+no port of its plan is bound, and fails (exit 1) naming what is left."""
 
 from __future__ import annotations
 

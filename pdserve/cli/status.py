@@ -120,6 +120,11 @@ def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
         parts.append(Text(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
                           f"({r['reuse_hits']:.0f}/{decided:.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, "
                           f"pulled {r['reuse_tokens_pulled']:.0f}; misses: {misses}"))
+        if r.get("degraded_missing") or r.get("degraded_requests"):
+            now = ", ".join(f"no usable {role} server" for role in r.get("degraded_missing") or []) or "none now"
+            served = ", ".join(f"{n} on {role}" for role, n in sorted((r.get("degraded_requests") or {}).items()))
+            parts.append(Text(f"degraded mode (requests served whole on one role): {now}; "
+                              f"served so far: {served or 'none'}"))
     return Group(*parts)
 
 

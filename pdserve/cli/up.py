@@ -7,6 +7,7 @@ time), and is a no-op that says so when nothing changed."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -15,9 +16,8 @@ from rich.live import Live
 from rich.table import Table
 
 from pdserve.orchestrate import cluster
-from pdserve.errors import PdserveError
 from pdserve.spec.load import DEFAULT_CONFIG
-from pdserve.state.records import ClusterState, Phase, ProcState
+from pdserve.state.records import ClusterState, ProcState
 from pdserve.ui import console
 
 NAME = "up"
@@ -52,22 +52,18 @@ def command(
         console.info(f"{spec.name}: its supervisor was gone; re-attaching to live {', '.join(adopted)} "
                      "after checking their identity")
     started = time.monotonic()
-    supervisor = cluster.start_supervisor(cdir, adopt=bool(adopted))
     console.info(f"starting {spec.name}: {len(plan.processes)} processes; logs in {cdir.logs_dir} "
                  f"(`pdserve logs {spec.name} PROCESS`)")
     try:
-        state = _wait(cdir, supervisor, started)
+        with _progress(started) as on_update:
+            supervisor = cluster.supervise_until_up(cdir, bool(adopted), on_update, spec.supervisor.stop_timeout)
     except KeyboardInterrupt:
-        console.info("interrupted: stopping the cluster")
-        cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
+        console.info("interrupted: the cluster was stopped")
         raise typer.Exit(130) from None
-    if state.phase != Phase.RUNNING:
-        name, lines = cluster.failure_details(cdir, state)
-        cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
-        for line in lines:
-            console.err.print(f"  {name}| {line}", markup=False, highlight=False)
-        raise PdserveError(f"{spec.name} failed to start: {state.error or 'unknown reason'}",
-                           hint=f"full log: {cdir.log_path(name) if name != 'supervisor' else cdir.supervisor_log}")
+    except cluster.StartFailed as failed:
+        for line in failed.log_lines:
+            console.err.print(f"  {failed.process}| {line}", markup=False, highlight=False)
+        raise
     console.info(f"{spec.name} is ready in {time.monotonic() - started:.0f}s")
     console.out.print(plan.router.url + "/v1", highlight=False)
     if foreground:
@@ -92,7 +88,9 @@ def _update_running(plan, cdir, config: Path | None) -> None:
     console.out.print(plan.router.url + "/v1", highlight=False)
 
 
-def _wait(cdir, supervisor, started: float) -> ClusterState:
+@contextlib.contextmanager
+def _progress(started: float):
+    """A live table on a terminal, else one line per state change."""
     if not console.is_tty():
         last: dict[str, ProcState] = {}
 
@@ -101,6 +99,7 @@ def _wait(cdir, supervisor, started: float) -> ClusterState:
                 if last.get(name) != proc.state:
                     last[name] = proc.state
                     console.info(f"{time.monotonic() - started:6.1f}s {name:<10} {proc.state.value}")
-        return cluster.wait_for_phase(cdir, supervisor, plain)
+        yield plain
+        return
     with Live(progress_table(None, started), console=console.err, refresh_per_second=4, transient=False) as live:
-        return cluster.wait_for_phase(cdir, supervisor, lambda s: live.update(progress_table(s, started)))
+        yield lambda s: live.update(progress_table(s, started))

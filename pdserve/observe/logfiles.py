@@ -9,6 +9,7 @@ the truncate can be lost; that is the usual copytruncate trade-off.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -51,6 +52,24 @@ def last_lines(path: Path, n: int) -> list[str]:
     except OSError:
         return []
     return data.decode(errors="replace").splitlines()[-n:] if n > 0 else []
+
+
+# `pkg.module.SomeError: message` as Python prints the last line of a traceback (vLLM prefixes its own
+# logger's lines with "(EngineCore pid=N) ERROR ...", so the pattern may start mid-line).
+_EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)):\s+(.*\S)")
+# Wrappers that only point at the real cause printed before them.
+_WRAPPERS = ("See root cause above", "See stack trace (above)")
+
+
+def root_cause(lines: list[str]) -> str | None:
+    """The exception that made a process fail: the last exception line that is not a wrapper pointing
+    above (vLLM's API server ends with "Engine core initialization failed. See root cause above.")."""
+    found = None
+    for line in lines:
+        m = _EXCEPTION.search(line)
+        if m and not any(w in line for w in _WRAPPERS):
+            found = f"{m.group(1)}: {m.group(2)}"
+    return found
 
 
 def follow(path: Path, poll: float = 0.25, stop=lambda: False) -> Iterator[str]:

@@ -37,6 +37,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
                            "reuse_tokens_pulled": 0.0, "entries_unavailable": 0.0}
     misses: Counter[str] = Counter()
+    degraded_served: Counter[str] = Counter()
+    missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
     for (name, label_set), value in samples.items():
         labels = dict(label_set)
@@ -54,10 +56,16 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["reuse_tokens_pulled"] += value
         elif name == "pdserve_router_reuse_entries_total" and labels.get("outcome") == "unavailable":
             out["entries_unavailable"] += value
+        elif name == "pdserve_router_degraded_requests_total":
+            degraded_served[labels.get("served_by", "")] += int(value)
+        elif name == "pdserve_router_degraded" and value:
+            missing_roles.append(labels.get("missing", ""))
         elif name in BACKEND_GAUGES:
             backends.setdefault(labels.get("backend", ""), {})[BACKEND_GAUGES[name]] = int(value)
     decided = out["reuse_hits"] + out["reuse_misses"]
     out["reuse_hit_rate"] = out["reuse_hits"] / decided if decided else None
     out["misses_by_reason"] = dict(misses)
     out["backends"] = backends
+    out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
+    out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now
     return out

@@ -25,7 +25,7 @@ from pdserve.checks.preflight import machine_findings
 from pdserve.observe.routerstats import api_key_for, read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
-from pdserve.observe.logfiles import last_lines
+from pdserve.observe.logfiles import last_lines, root_cause
 from pdserve.state.folder import ClusterDir, models_dir, write_json_atomic
 from pdserve.state.records import ClusterState, Phase, ProcState
 
@@ -174,6 +174,35 @@ def wait_for_phase(cdir: ClusterDir, supervisor: subprocess.Popen, on_update: Ca
             failed.error = own_error or ("the supervisor exited: " + " | ".join(last_lines(cdir.supervisor_log, 3)))
             return failed
         time.sleep(poll)
+
+
+class StartFailed(PdserveError):
+    """`up` failed; `process` and `log_lines` say where (shown before the error line)."""
+
+    def __init__(self, message: str, hint: str, process: str, log_lines: list[str]):
+        super().__init__(message, hint)
+        self.process, self.log_lines = process, log_lines
+
+
+def supervise_until_up(cdir: ClusterDir, adopt: bool, on_update: Callable[[ClusterState | None], None],
+                       stop_timeout: float) -> subprocess.Popen:
+    """Start the supervisor and wait until the cluster runs; on failure stop everything and raise
+    StartFailed with the failed process's log (Ctrl-C stops everything too)."""
+    supervisor = start_supervisor(cdir, adopt=adopt)
+    try:
+        state = wait_for_phase(cdir, supervisor, on_update)
+    except KeyboardInterrupt:
+        stop_cluster(cdir, stop_timeout)
+        raise
+    if state.phase != Phase.RUNNING:
+        name, lines = failure_details(cdir, state)
+        stop_cluster(cdir, stop_timeout)
+        cause = root_cause(last_lines(cdir.log_path(name), 400)) if name != "supervisor" else None
+        raise StartFailed(f"{cdir.name} failed to start: {state.error or 'unknown reason'}"
+                          + (f"; root cause: {cause}" if cause else ""),
+                          f"full log: {cdir.log_path(name) if name != 'supervisor' else cdir.supervisor_log}",
+                          name, lines)
+    return supervisor
 
 
 def failure_details(cdir: ClusterDir, state: ClusterState, lines: int = 20) -> tuple[str, list[str]]:

@@ -12,7 +12,7 @@ from typing import Any
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, replica_devices, replica_ports
 from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan, connect_host
-from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec, RoleSpec
+from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 from pdserve.spec.topology import platform_env, replica_host
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -94,20 +94,16 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
     router_cfg_path = str(cluster_dir / "router.json")
     router_config = {
         "cluster": spec.name,
-        "host": spec.router.host,
-        "port": spec.router.port,
         "model": spec.model_name,
         "prefill": [{"name": p.name, "url": p.url} for p in servers if p.role == "prefill"],
         "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
+        # every router: field passes by its own name, but the two given in MiB and the computed TTL
+        **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl"}),
         "reuse_ttl": spec.reuse_ttl,
+        "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
+        "max_body_bytes": int(spec.router.max_body_mb * MIB),
         "kv_recompute_threshold": spec.kv_transfer.kv_recompute_threshold,
         "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
-        "request_timeout": spec.router.request_timeout,
-        "api_key_env": spec.router.api_key_env,
-        "cost_aware": spec.router.cost_aware,
-        "breaker_failures": spec.router.breaker_failures,
-        "breaker_cooldown": spec.router.breaker_cooldown,
-        "max_body_bytes": int(spec.router.max_body_mb * 1024 * 1024),
         "health_interval": spec.supervisor.health_interval,
         # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window
         "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),

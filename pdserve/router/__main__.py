@@ -10,25 +10,33 @@ import sys
 
 from aiohttp import web
 
+from pdserve.router import logs
 from pdserve.router.app import build_app, server_limits
 from pdserve.router.config import RouterConfig
+from pdserve.router.limits import GuardedRunner, connection_cap, raise_fd_limit
 
 
 async def serve(cfg: RouterConfig, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting connections and give in-flight requests
     (streams included) up to drain_timeout to finish, so `pdserve down` loses no answer in progress."""
+    log = logging.getLogger("pdserve.router")
+    soft, hard = raise_fd_limit()
+    cap = connection_cap(cfg.max_connections, soft, cfg.upstream_max_connections)
+    log.info("open-file limit %d (hard %d): up to %d client connections, %d upstream", soft, hard, cap,
+             cfg.upstream_max_connections)
     # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
-    runner = web.AppRunner(build_app(cfg), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.drain_timeout, **server_limits(cfg))
+    runner = GuardedRunner(build_app(cfg), max_connections=cap, header_timeout=cfg.header_timeout,
+                           handler_cancellation=True, access_log=None, shutdown_timeout=cfg.drain_timeout,
+                           **server_limits(cfg))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logging.getLogger("pdserve.router").info("listening on %s:%d", host, port)
+    log.info("listening on %s:%d", host, port)
     await stop.wait()
-    logging.getLogger("pdserve.router").info("draining (up to %gs)", cfg.drain_timeout)
+    log.info("draining (up to %gs)", cfg.drain_timeout)
     await runner.cleanup()
 
 
@@ -38,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="override the bind address")
     parser.add_argument("--port", type=int, help="override the port")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(logging.INFO)
     cfg = RouterConfig.load(args.config)
     loop_factory = None
     try:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import os
 import time
@@ -22,10 +21,11 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
 from pdserve.router.flow import Flow
+from pdserve.router.inputs import BadInput, read_json, validate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import Upstream, pool_trace
 
 log = logging.getLogger("pdserve.router")
 
@@ -35,30 +35,25 @@ CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 API_KEY = web.AppKey("api_key", str)
 OPEN_PATHS = ("/health",)
+LINGER_SECONDS = 1.0
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    route = request.path
-    metrics = request.app[METRICS]
     started = time.perf_counter()
-    resp = await _completions(request, route)
-    metrics.requests.labels(route, str(resp.status)).inc()
-    metrics.latency.labels(route).observe(time.perf_counter() - started)
+    resp = await _completions(request, request.path)
+    request.app[METRICS].latency.labels(request.path).observe(time.perf_counter() - started)
     return resp
 
 
 async def _completions(request: web.Request, route: str) -> web.StreamResponse:
     try:
-        body: Any = await request.json()
-    except web.HTTPRequestEntityTooLarge:
-        return json_error(413, "request body too large")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return json_error(400, "request body is not valid JSON")
-    if not isinstance(body, dict):
-        return json_error(400, "request body must be a JSON object")
-    key = "messages" if route.endswith("chat/completions") else "prompt"
-    if key not in body:
-        return json_error(400, f"'{key}' is required", param=key)
+        body = await read_json(request, request.app[CONFIG].body_timeout)
+        key = "messages" if route.endswith("chat/completions") else "prompt"
+        if key not in body:
+            raise BadInput(400, f"'{key}' is required", key)
+        validate(route, body)
+    except BadInput as bad:
+        return bad.response()
     return await request.app[FLOW].handle(request, route, body)
 
 
@@ -78,6 +73,22 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def count_requests(request: web.Request, handler):
+    """Every answer counted by route and status (401s and 404s included); a client that went away
+    counted apart. Unknown paths share one route label, so clients cannot grow the label set."""
+    metrics = request.app[METRICS]
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "other"
+    try:
+        resp = await handler(request)
+    except asyncio.CancelledError:
+        metrics.client_cancelled.labels(route).inc()
+        raise
+    metrics.requests.labels(route, str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
 async def openai_errors(request: web.Request, handler):
     """Every error the router itself produces has the OpenAI shape, 404/405 included."""
     try:
@@ -87,6 +98,7 @@ async def openai_errors(request: web.Request, handler):
             raise
         return json_error(exc.status, exc.reason or "error")
     except Exception:  # noqa: BLE001 - the client must get a JSON error, not a dropped connection
+        request.app[METRICS].internal_errors.inc()
         log.exception("unhandled error on %s", request.path)
         return json_error(500, "internal router error", "server_error")
 
@@ -96,10 +108,11 @@ async def require_api_key(request: web.Request, handler):
     """With an API key configured, every endpoint but /health wants `Authorization: Bearer <key>`."""
     key = request.app[API_KEY]
     if key and request.path not in OPEN_PATHS:
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: encode them back, never fail.
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         # Compare digests: constant time whatever the lengths.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-                hashlib.sha256(given.encode()).digest(), hashlib.sha256(key.encode()).digest()):
+                hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(), hashlib.sha256(key.encode()).digest()):
             body = error_body("invalid or missing API key; send 'Authorization: Bearer <key>'",
                               "invalid_request_error", "invalid_api_key")
             return web.json_response(body, status=401)
@@ -115,13 +128,18 @@ def api_key_from_env(cfg: RouterConfig) -> str:
     return key
 
 
-def server_limits(cfg: RouterConfig) -> dict[str, int]:
-    """aiohttp parser limits: an oversized request line or header is refused (plain 400) before any handler."""
-    return {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes}
+def server_limits(cfg: RouterConfig) -> dict[str, Any]:
+    """aiohttp per-connection settings: an oversized request line or header is refused (plain 400) before
+    any handler; an idle keep-alive connection is closed after idle_timeout; after an answer sent before
+    the body was read (408, 413), what is left of it is drained at most LINGER_SECONDS, then the
+    connection closes (aiohttp's default, 10 s, would let a never-ending body hold it that long)."""
+    return {"max_line_size": cfg.max_header_bytes, "max_field_size": cfg.max_header_bytes,
+            "keepalive_timeout": cfg.idle_timeout, "lingering_time": LINGER_SECONDS,
+            "auto_decompress": False}   # compressed bodies are refused (inputs.py), never inflated
 
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors, require_api_key])
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[count_requests, openai_errors, require_api_key])
     metrics = RouterMetrics()
     app[CONFIG] = cfg
     app[METRICS] = metrics
@@ -133,15 +151,19 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics_endpoint)
 
     async def lifecycle(app: web.Application):
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector)
+        # A bounded pool of kept-alive connections: under load requests wait for one (up to
+        # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
+        connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
+                                         limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
+        session = aiohttp.ClientSession(connector=connector, trace_configs=[pool_trace()])
         def breaker() -> CircuitBreaker:
             return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
 
         prefill = Pool("prefill", cfg.prefill, metrics, breaker)
         decode = Pool("decode", cfg.decode, metrics, breaker)
-        store = ReuseStore(cfg.reuse_ttl)
-        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None)
+        store = ReuseStore(cfg.reuse_ttl, max_entries=cfg.reuse_max_entries, max_bytes=cfg.reuse_max_bytes,
+                           on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n))
+        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout)
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
             if cfg.cost_aware else None
         app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),
@@ -154,11 +176,21 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
                 if dropped:
                     log.info("dropped %d reuse entries held by %s", dropped, backend.name)
 
-        prober = asyncio.create_task(probe_forever([prefill, decode], session, cfg.health_interval, on_down))
+        async def purge_forever() -> None:
+            # Expired entries also leave an idle router on time (put and take purge as they go).
+            while True:
+                await asyncio.sleep(min(cfg.reuse_ttl, 10.0))
+                store.purge_expired()
+                metrics.entries_live.set(len(store))
+                metrics.entries_bytes.set(store.bytes)
+
+        tasks = [asyncio.create_task(probe_forever([prefill, decode], session, cfg.health_interval, on_down)),
+                 asyncio.create_task(purge_forever())]
         yield
-        prober.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await prober
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await session.close()
 
     app.cleanup_ctx.append(lifecycle)

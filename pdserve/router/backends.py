@@ -30,6 +30,11 @@ class Backend:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     seen_alive: bool = False   # answered since the last generation bump
 
+    @property
+    def down(self) -> bool:
+        """Seen failing its probes (or refusing connections) since it last answered."""
+        return not self.healthy and self.failed_probes > 0
+
     def mark_answering(self) -> bool:
         """The server answered (a probe or a real request); True when that brings it back into routing.
 
@@ -94,19 +99,28 @@ class Pool:
         rotated = candidates[self._rr % n:] + candidates[:self._rr % n]
         return min(rotated, key=lambda b: b.in_flight)
 
+    def any_usable(self) -> bool:
+        """Could a request go to some backend now (not seen down, breaker letting traffic through)?"""
+        return any(b.breaker.allows() and not b.down for b in self.backends)
+
     def least_loaded(self) -> Backend | None:
         usable = [b for b in self.backends if b.healthy and b.breaker.allows()] or self.backends
         return min(usable, key=lambda b: b.in_flight) if usable else None
 
-    def acquire(self, backend: Backend) -> None:
+    def acquire(self, backend: Backend) -> bool:
+        """Count a request as outstanding; True when it is the breaker's half-open trial (pass that back
+        to `release`)."""
         backend.in_flight += 1
-        backend.breaker.begin()
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+        return backend.breaker.begin()
 
-    def release(self, backend: Backend, ok: bool | None) -> None:
+    def release(self, backend: Backend, ok: bool | None, trial: bool = False) -> None:
         """The request is over: ok, failed (counts toward the breaker), or None when the outcome says
-        nothing about this backend (e.g. P failing to read another server's blocks)."""
+        nothing about this backend (the client went away, or P failed to read another server's blocks).
+        Call it from a `finally`: a trial released with no outcome frees the slot for the next request."""
         backend.in_flight -= 1
+        if ok is None and trial:
+            backend.breaker.abandon_trial()
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
         if ok and backend.mark_answering():
             log.info("%s %s is healthy (answered a request)", self.role, backend.name)

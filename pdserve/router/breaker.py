@@ -3,7 +3,9 @@
 Health probes only say a server answers `/health`; a server can do that and still fail every request
 (a broken NIXL agent, a wedged engine). After `threshold` consecutive failed requests the breaker opens
 and the backend gets no traffic; after `cooldown` seconds it is half-open and one trial request may go
-through: success closes it, failure opens it again for twice as long (capped).
+through: success closes it, failure opens it again for twice as long (capped). A trial that ends with
+no verdict (the client went away, or the failure was not this backend's) gives the slot back, so the
+breaker can never stay half-open with no trial possible.
 """
 
 from __future__ import annotations
@@ -41,10 +43,17 @@ class CircuitBreaker:
         state = self.state
         return state == CLOSED or (state == HALF_OPEN and not self._trial_out)
 
-    def begin(self) -> None:
-        """A request is being sent; in half-open state it is the one trial."""
-        if self.state == HALF_OPEN:
+    def begin(self) -> bool:
+        """A request is being sent; in half-open state it is the one trial (returns True then)."""
+        if self.state == HALF_OPEN and not self._trial_out:
             self._trial_out = True
+            return True
+        return False
+
+    def abandon_trial(self) -> None:
+        """The trial ended without an outcome about this backend: let another request be the trial."""
+        if self._state == HALF_OPEN:
+            self._trial_out = False
 
     def record(self, ok: bool) -> bool:
         """Record a request's outcome; True when this outcome opened the breaker."""

@@ -22,24 +22,36 @@ class RouterConfig:
     port: int = 8000
     cluster: str = ""
     reuse_ttl: float = 432.0
+    reuse_max_entries: int = 100_000              # reuse entries held at most (least recently stored out first)
+    reuse_max_bytes: int = 256 * 1024 * 1024      # ... and their estimated memory at most
     kv_recompute_threshold: int = 64
     bidirectional_kv_xfer: bool = True
     request_timeout: float = 600.0
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_header_bytes: int = 8190
+    header_timeout: float = 10.0       # a request head must be complete this long after its first byte
+    body_timeout: float = 30.0         # a request body must be complete this long after its head (else 408)
+    idle_timeout: float = 60.0         # an idle keep-alive connection is closed after this long
+    max_connections: int = 4096        # open client connections (lowered to fit the open-file limit)
     api_key_env: str | None = None     # name of the environment variable holding the API key
     cost_aware: bool = True
     cost_probe_every: int = 8          # while a pull is predicted slower, pull anyway every Nth turn ...
     cost_probe_interval: float = 60.0  # ... or when the last pull is this old
+    upstream_max_connections: int = 1024   # connections to all backends together (pooled, kept alive)
+    upstream_max_per_backend: int = 512    # ... and to any one backend
+    upstream_pool_timeout: float = 30.0    # waiting this long for a pooled connection is the router's fault: 503
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     drain_timeout: float = 15.0        # on SIGTERM: stop accepting, let in-flight requests finish this long
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        """Unknown keys are an error: a misspelt setting must not fall back to a default silently."""
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown router settings: {', '.join(unknown)}")
+        kwargs = dict(data)
         kwargs["prefill"] = [BackendConfig(**b) for b in data["prefill"]]
         kwargs["decode"] = [BackendConfig(**b) for b in data["decode"]]
         return cls(**kwargs)

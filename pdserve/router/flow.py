@@ -5,6 +5,7 @@ generates, streams to the client), with D's block handles remembered for the con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -23,9 +24,9 @@ from pdserve.router.errors import UpstreamError, error_body, sse_error
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
-from pdserve.router.reuse import Decision, ReuseStore
+from pdserve.router.reuse import ReuseStore
 from pdserve.router.tokens import SequenceCollector, StreamRelay
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import PoolWait, Upstream, backend_at_fault
 
 log = logging.getLogger("pdserve.router")
 
@@ -85,6 +86,16 @@ class Flow:
     # -- entry -------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, body: dict[str, Any]) -> web.StreamResponse:
         turn = self._turn(request, route, body)
+        # Check D before the P leg: a prefill whose blocks no decode server can read is wasted work.
+        missing = [pool for pool in (self.decode, self.prefill.pool) if not pool.any_usable()]
+        for pool in (self.decode, self.prefill.pool):
+            self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)
+        if missing:
+            other = self.prefill.pool if missing[0] is self.decode else self.decode
+            if other in missing:
+                return self._json(turn, error_body("no prefill or decode server available", "server_error", 503),
+                                  503)
+            return await self._degraded(request, turn, other)
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
         keys = self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         decision = await self.prefill.decide(keys, route, body) if keys else None
@@ -92,17 +103,33 @@ class Flow:
         try:
             p_params = await self.prefill.run(route, body, turn.headers, decision)
         except UpstreamError as err:
+            if err.status == 503 and not self.prefill.pool.any_usable():
+                return await self._degraded(request, turn, self.decode)   # every P failed just now
             return self._json(turn, err.body, err.status)
         turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
         d_body = {**body, "kv_transfer_params": p_params}
         if track:
             d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
         collector = SequenceCollector(keep_for_client=bool(body.get("return_token_ids")))
+        return await self._serve(request, turn, self.decode, decision.holder if decision else None, d_body,
+                                 collector, track)
+
+    async def _degraded(self, request: web.Request, turn: Turn, pool: Pool) -> web.StreamResponse:
+        """No server of the other role is usable: serve the request whole on `pool` as a plain vLLM
+        request, no KV transfer (the body carries no kv_transfer_params), and remember nothing."""
+        log.warning("%s: degraded: served whole by a %s server (no %s server usable)", turn.request_id,
+                    pool.role, "decode" if pool is not self.decode else "prefill")
+        self.metrics.degraded.labels(pool.role).inc()
+        collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
+        return await self._serve(request, turn, pool, None, turn.body, collector, False)
+
+    async def _serve(self, request: web.Request, turn: Turn, pool: Pool, prefer: str | None, body: dict[str, Any],
+                     collector: SequenceCollector, track: bool) -> web.StreamResponse:
         if body.get("stream"):
-            return await self._on_a_decode_server(
-                turn, decision, lambda b: self._stream_from(request, turn, b, d_body, collector, track))
-        return await self._on_a_decode_server(
-            turn, decision, lambda b: self._decode_from(turn, b, d_body, collector, track))
+            return await self._on_a_server(
+                turn, pool, prefer, lambda b: self._stream_from(request, turn, pool, b, body, collector, track))
+        return await self._on_a_server(turn, pool, prefer,
+                                       lambda b: self._decode_from(turn, pool, b, body, collector, track))
 
     def _json(self, turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
         return web.json_response(data, status=status, headers=self._headers(turn, decode_ms))
@@ -116,9 +143,6 @@ class Flow:
         if timing:
             headers["Server-Timing"] = ", ".join(timing)
         return headers
-
-    def _pick_decode(self, decision: Decision | None, tried: set[str]) -> Backend | None:
-        return self.decode.pick(exclude=tried, prefer=decision.holder if decision else None)
 
     def _remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None:
         self.metrics.turns.inc()
@@ -135,17 +159,18 @@ class Flow:
                  d_params.get("remote_num_tokens"))
         self.metrics.entries.labels("stored").inc()
         self.metrics.entries_live.set(len(self.store))
+        self.metrics.entries_bytes.set(self.store.bytes)
 
-    # -- D leg -------------------------------------------------------------------------------------
-    async def _on_a_decode_server(self, turn: Turn, decision: Decision | None,
-                                  attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """Run `attempt` on the chosen decode server; another one is tried only when no connection was made
+    # -- D leg (or a whole request, degraded) ------------------------------------------------------
+    async def _on_a_server(self, turn: Turn, pool: Pool, prefer: str | None,
+                           attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Run `attempt` on the chosen server; another one is tried only when no connection was made
         at all (otherwise D may have read P's blocks, and a second D could not)."""
         tried: set[str] = set()
         while True:
-            backend = self._pick_decode(decision, tried)
+            backend = pool.pick(exclude=tried, prefer=prefer)
             if backend is None:
-                return self._json(turn, error_body("no decode server available", "server_error", 503), 503)
+                return self._json(turn, error_body(f"no {pool.role} server available", "server_error", 503), 503)
             tried.add(backend.name)
             try:
                 return await attempt(backend)
@@ -153,32 +178,31 @@ class Flow:
                 if not err.never_sent:
                     return self._json(turn, err.body, err.status)
 
-    async def _decode_from(self, turn: Turn, backend: Backend, body: dict[str, Any], collector: SequenceCollector,
-                           track: bool) -> web.Response:
+    async def _decode_from(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
+                           collector: SequenceCollector, track: bool) -> web.Response:
         d_started = time.perf_counter()
-        status, data = await self.upstream.post_json(self.decode, backend, turn.route, body, turn.headers)
+        status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
         if status == 200:
             self._remember(turn, backend, collector, track)
             self.metrics.ttft.labels("false").observe(time.perf_counter() - turn.started)
         return self._json(turn, data, status, 1000 * (time.perf_counter() - d_started))
 
-    async def _stream_from(self, request: web.Request, turn: Turn, backend: Backend, body: dict[str, Any],
-                           collector: SequenceCollector, track: bool) -> web.StreamResponse:
+    async def _stream_from(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend,
+                           body: dict[str, Any], collector: SequenceCollector, track: bool) -> web.StreamResponse:
         """Relay D's stream. Raises UpstreamError only before anything reached the client."""
-        self.decode.acquire(backend)
+        trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
+        wait = PoolWait()
         try:
             async with self.upstream.session.post(backend.url + turn.route, json=body,
                                                   headers={**turn.headers, **self.upstream.auth},
-                                                  timeout=self.upstream.timeout) as resp:
-                if resp.status != 200:
-                    ok = resp.status < 500
+                                                  timeout=self.upstream.timeout, trace_request_ctx=wait) as resp:
+                if resp.status != 200 or resp.content_type != "text/event-stream":
+                    ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
-                    data = await resp.json(content_type=None)
-                    return self._json(turn, data if isinstance(data, dict) else error_body("decode server sent an unexpected body", "server_error", 502),
-                                      resp.status)
+                    return self._json(turn, data, status)
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   **self._headers(turn)})
                 await out.prepare(request)
@@ -194,23 +218,52 @@ class Flow:
                 tail = relay.close()
                 if tail:
                     await out.write(tail)
+                if not relay.done:
+                    raise ValueError("the stream ended without [DONE]")
                 relay.finish()
             ok = True
             self.upstream.count(backend, turn.route, True)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
-            ok = False
-            self.upstream.count(backend, turn.route, False)
-            why = f"decode server {backend.name} failed mid-stream: {type(err).__name__}"
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             if out is None:
-                never_sent = isinstance(err, aiohttp.ClientConnectorError)
-                raise UpstreamError.unreachable(backend.name, type(err).__name__, never_sent) from None
-            # Bytes already reached the client: never retry or restart the stream; end it with an error.
-            await out.write(sse_error(why))
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
+                ok, error = self.upstream.failure(backend, turn.route, err, wait)
+                raise error from None
+            ok = await self._broken_stream(out, backend, turn, err)
+            return out
+        except Exception as err:  # noqa: BLE001 - D sent what the relay cannot handle: its fault, not a 500
+            if out is None:
+                raise
+            ok = await self._broken_stream(out, backend, turn, err)
             return out
         finally:
-            self.decode.release(backend, ok)
+            pool.release(backend, ok, trial)
         self._remember(turn, backend, collector, track)
         await out.write_eof()
         return out
+
+    async def _not_a_stream(self, backend: Backend, resp: aiohttp.ClientResponse) -> tuple[bool, int, dict[str, Any]]:
+        """D answered a streamed request with an error or with something that is not SSE:
+        (breaker verdict, status, body) for the client, before anything was sent."""
+        try:
+            data = await resp.json(content_type=None)
+        except (ValueError, aiohttp.ClientError):
+            data = None
+        if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
+            return False, 502, error_body(f"decode server {backend.name} answered a streamed request with "
+                                          f"{resp.content_type or 'no content type'}", "server_error", 502)
+        if not isinstance(data, dict):
+            data = error_body(f"{backend.role} server {backend.name} sent an unexpected body (HTTP {resp.status})",
+                              "server_error", 502)
+        return not backend_at_fault(resp.status, data), resp.status, data
+
+    async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException) -> bool:
+        """Bytes already reached the client: never retry or restart the stream; end it with an error event
+        and [DONE]. Returns the breaker verdict (the backend failed)."""
+        self.upstream.count(backend, turn.route, False)
+        log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
+                    type(err).__name__)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await out.write(sse_error(f"{backend.role} server {backend.name} failed mid-stream: "
+                                      f"{type(err).__name__}"))
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        return False

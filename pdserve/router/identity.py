@@ -22,7 +22,8 @@ MAX_CONVERSATION_ID = 256
 
 def tenant(request: web.Request) -> str:
     auth = request.headers.get("Authorization", "")
-    return hashlib.sha256(auth.encode()).hexdigest()[:16] if auth else ""
+    # Non-UTF-8 header bytes arrive as surrogate escapes: hash the original bytes.
+    return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:16] if auth else ""
 
 
 def explicit_key(request: web.Request, body: dict[str, Any]) -> Key | None:
@@ -46,7 +47,8 @@ def _canonical(message: Any) -> bytes:
     if not isinstance(message, dict):
         return json.dumps(message, sort_keys=True, default=str).encode()
     calls = []
-    for call in message.get("tool_calls") or []:
+    tool_calls = message.get("tool_calls")
+    for call in tool_calls if isinstance(tool_calls, list) else []:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
             calls.append([fn.get("name") or "", fn.get("arguments") or ""])

@@ -12,6 +12,21 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdserve_router_requests", "Client requests by route and HTTP status.",
                                 ["route", "status"], registry=r)
+        self.client_cancelled = Counter("pdserve_router_client_cancelled",
+                                        "Requests whose client went away before the answer was complete.",
+                                        ["route"], registry=r)
+        self.internal_errors = Counter("pdserve_router_internal_errors",
+                                       "Requests that hit an unhandled router error (answered 500).", registry=r)
+        self.router_busy = Counter("pdserve_router_busy",
+                                   "Backend calls the router could not make for want of its own resources "
+                                   "(pool_wait: no pooled connection free in time; resources: EMFILE, ENOMEM...). "
+                                   "Never counted against a backend.", ["reason"], registry=r)
+        self.degraded = Counter("pdserve_router_degraded_requests",
+                                "Requests served whole by one server, without KV transfer, because no server "
+                                "of the other role was usable.", ["served_by"], registry=r)
+        self.degraded_now = Gauge("pdserve_router_degraded",
+                                  "1 while no server of this role is usable (the last request found none).",
+                                  ["missing"], registry=r)
         self.backend_requests = Counter("pdserve_router_backend_requests",
                                         "Requests sent to backends by backend, route and outcome (ok, error).",
                                         ["backend", "route", "outcome"], registry=r)
@@ -50,3 +65,8 @@ class RouterMetrics:
                           "Learned prefill cost per token: kind=recompute (per prefill server) or "
                           "pull (per prefill/decode pair).", ["kind", "prefill", "decode"], registry=r)
         self.entries_live = Gauge("pdserve_router_reuse_entries_live", "Reuse entries held now.", registry=r)
+        self.entries_bytes = Gauge("pdserve_router_reuse_entries_bytes",
+                                   "Estimated memory held by reuse entries.", registry=r)
+        self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
+                                       "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
+                                       "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)

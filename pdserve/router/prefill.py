@@ -17,7 +17,7 @@ from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.reuse import HIT, MISS, Decision, ReuseStore, decide
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import Upstream, backend_at_fault
 
 log = logging.getLogger("pdserve.router")
 BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
@@ -106,7 +106,8 @@ class PrefillLeg:
                         except UpstreamError as again:
                             err = again
                     # Nothing has reached the client yet: another prefill server may answer.
-                    if err.status < 500 or err.status == 504 or len(tried) >= len(self.pool.backends):
+                    if (not backend_at_fault(err.status, err.body) or err.status == 504
+                            or len(tried) >= len(self.pool.backends)):
                         raise err from None
         finally:
             if outcome is not None:

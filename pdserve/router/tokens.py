@@ -58,11 +58,13 @@ class SequenceCollector:
         if isinstance(message, dict):            # a whole response
             self._text = [message.get("content") or ""]
             self._calls = {}
-            parts = [(i, c) for i, c in enumerate(message.get("tool_calls") or [])]
+            calls = message.get("tool_calls")
+            parts = list(enumerate(calls)) if isinstance(calls, list) else []
         elif isinstance(choice.get("delta"), dict):   # a stream chunk
             delta = choice["delta"]
             self._text.append(delta.get("content") or "")
-            parts = [(c.get("index", i), c) for i, c in enumerate(delta.get("tool_calls") or [])
+            calls = delta.get("tool_calls")
+            parts = [(c.get("index", i), c) for i, c in enumerate(calls if isinstance(calls, list) else [])
                      if isinstance(c, dict)]
         else:
             return
@@ -84,7 +86,8 @@ class SequenceCollector:
             if not self.keep:
                 del obj["prompt_token_ids"]
                 changed = True
-        for choice in obj.get("choices") or []:
+        choices = obj.get("choices")
+        for choice in choices if isinstance(choices, list) else []:   # D's output is checked, not trusted
             if not isinstance(choice, dict):
                 continue
             first = choice.get("index", 0) == 0
@@ -145,6 +148,7 @@ class StreamRelay:
         self.collector = collector
         self.keep_lines = keep_lines
         self.lines: list[bytes] = []
+        self.done = False              # D sent its final `data: [DONE]`
         self._partial = b""
 
     def feed(self, data: bytes) -> bytes:
@@ -160,6 +164,8 @@ class StreamRelay:
     def _process(self, block: bytes) -> bytes:
         if not block:
             return b""
+        if b"data: [DONE]" in block:
+            self.done = True
         if self.keep_lines:
             self.lines.extend(line for line in block.split(b"\n") if line.startswith(b"data: {"))
         if not any(marker in block for marker in ROUTER_ONLY_MARKERS):

@@ -1,8 +1,14 @@
-"""Requests to backends: JSON in, JSON out, with load accounting, circuit-breaker outcomes and metrics."""
+"""Requests to backends: JSON in, JSON out, with load accounting, circuit-breaker outcomes and metrics.
+
+What counts against a backend's breaker: no connection, a timeout, or a 5xx that is not vLLM's answer to
+invalid input. The router's own shortages (out of file descriptors or memory, no pooled connection free
+within upstream_pool_timeout) and the client's bad input never do.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 from typing import Any
 
@@ -12,29 +18,89 @@ from pdserve.router.backends import Backend, Pool
 from pdserve.router.errors import UpstreamError, error_body
 from pdserve.router.metrics import RouterMetrics
 
+ROUTER_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# vLLM answers invalid input with a 400, but some paths surface it as a 500 whose error type says so.
+CLIENT_FAULT_TYPES = ("badrequest", "validation", "invalidrequest")
+
+
+def backend_at_fault(status: int, data: Any) -> bool:
+    """Is this answer the backend's failure (counts toward its breaker), not the request's?"""
+    if status < 500:
+        return False
+    err = data.get("error") if isinstance(data, dict) else None
+    kind = str(err.get("type") or "") if isinstance(err, dict) else ""
+    kind = kind.lower().replace("_", "").replace(" ", "")
+    return not any(t in kind for t in CLIENT_FAULT_TYPES)
+
+
+class PoolWait:
+    """Per-request trace context: True while the request waits for a free pooled connection."""
+    queued = False
+
+
+def pool_trace() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+
+    async def queued(session: Any, ctx: Any, params: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, PoolWait):
+            ctx.trace_request_ctx.queued = True
+
+    async def dequeued(session: Any, ctx: Any, params: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, PoolWait):
+            ctx.trace_request_ctx.queued = False
+
+    trace.on_connection_queued_start.append(queued)
+    trace.on_connection_queued_end.append(dequeued)
+    return trace
+
+
+def router_resource_error(err: BaseException) -> bool:
+    os_error = getattr(err, "os_error", err)
+    return isinstance(os_error, OSError) and os_error.errno in ROUTER_ERRNOS
+
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, request_timeout: float,
-                 api_key: str | None = None):
+                 api_key: str | None = None, pool_timeout: float | None = None):
         self.session = session
         self.metrics = metrics
         self.request_timeout = request_timeout
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout)
+        # `connect` bounds the wait for a pooled connection plus the TCP connect.
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout, connect=pool_timeout)
         # Backends started with the cluster's API key (VLLM_API_KEY) get it from the router, never the client's.
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def count(self, backend: Backend, route: str, ok: bool) -> None:
         self.metrics.backend_requests.labels(backend.name, route, "ok" if ok else "error").inc()
 
+    def failure(self, backend: Backend, route: str, err: BaseException, wait: PoolWait) -> tuple[bool | None, UpstreamError]:
+        """A request that got no HTTP answer: (breaker verdict, the error for the client)."""
+        if isinstance(err, asyncio.TimeoutError) and wait.queued:
+            self.metrics.router_busy.labels("pool_wait").inc()
+            return None, UpstreamError(503, error_body(f"router busy: no connection to {backend.name} free in "
+                                                       "time; retry", "server_error", 503), backend.name, True)
+        if router_resource_error(err):
+            self.metrics.router_busy.labels("resources").inc()
+            return None, UpstreamError(503, error_body(f"router out of resources ({type(err).__name__}: "
+                                                       f"{getattr(err, 'os_error', err)}); retry", "server_error",
+                                                       503), backend.name, True)
+        self.count(backend, route, False)
+        if isinstance(err, asyncio.TimeoutError):
+            return False, UpstreamError(504, error_body(f"backend {backend.name} did not answer within "
+                                                        f"{self.request_timeout:g}s", "timeout", 504), backend.name)
+        return False, UpstreamError.unreachable(backend.name, type(err).__name__,
+                                                isinstance(err, aiohttp.ClientConnectorError))
+
     async def post_json(self, pool: Pool, backend: Backend, route: str, body: dict[str, Any],
                         headers: dict[str, str], blame: bool = True) -> tuple[int, dict[str, Any]]:
-        """POST and parse; a 5xx, a timeout or no connection count against the backend's breaker unless
-        `blame` is False. Raises UpstreamError when there is no HTTP answer at all."""
+        """POST and parse; the backend's own failures count against its breaker unless `blame` is False.
+        Raises UpstreamError when there is no HTTP answer at all."""
         ok: bool | None = None    # stays None when the client went away (cancelled): no verdict on the backend
-        pool.acquire(backend)
+        trial = pool.acquire(backend)
+        wait = PoolWait()
         try:
             async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
-                                         timeout=self.timeout) as resp:
+                                         timeout=self.timeout, trace_request_ctx=wait) as resp:
                 status = resp.status
                 try:
                     data = await resp.json(content_type=None)
@@ -44,21 +110,14 @@ class Upstream:
                 if not isinstance(data, dict):
                     status, data = 502, error_body(f"backend {backend.name} sent an unexpected body",
                                                    "server_error", 502)
-                ok = status < 500
+                ok = not backend_at_fault(status, data)
                 self.count(backend, route, status == 200)
                 return status, data
-        except asyncio.TimeoutError:
-            ok = False
-            self.count(backend, route, False)
-            raise UpstreamError(504, error_body(f"backend {backend.name} did not answer within "
-                                                f"{self.request_timeout:g}s", "timeout", 504), backend.name)
-        except aiohttp.ClientError as err:
-            ok = False
-            self.count(backend, route, False)
-            raise UpstreamError.unreachable(backend.name, type(err).__name__,
-                                            isinstance(err, aiohttp.ClientConnectorError)) from None
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
+            ok, error = self.failure(backend, route, err, wait)
+            raise error from None
         finally:
-            pool.release(backend, ok if blame else None)
+            pool.release(backend, ok if blame else None, trial)
 
     async def get_text(self, backend: Backend, path: str) -> str | None:
         try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.router.config import RouterConfig
 
 BUILTIN_MODEL_PREFIX = "pdserve:"
 # Flags pdserve sets itself from the topology; giving them in vllm_args would contradict the plan.
@@ -59,23 +62,47 @@ class KVTransferSpec(Strict):
         default_factory=dict, description="More kv_connector_extra_config keys, passed verbatim.")
 
 
+MIB = 1024 * 1024
+# The router's own dataclass is the one source of its defaults; these fields pass to it by name.
+ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+
+
 class RouterSpec(Strict):
-    host: str = Field("127.0.0.1", description="Router bind address; 127.0.0.1 unless you mean to expose it.")
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field(ROUTER_DEFAULTS["host"],
+                      description="Router bind address; 127.0.0.1 unless you mean to expose it.")
+    port: int = Field(ROUTER_DEFAULTS["port"], ge=1, le=65535)
     reuse_ttl: float | None = Field(
         None, gt=0, description="Seconds the router keeps D's block handles; default 90% of decoder_kv_blocks_ttl.")
-    request_timeout: float = Field(600.0, gt=0, description="Seconds before a backend leg is abandoned.")
+    reuse_max_entries: int = Field(ROUTER_DEFAULTS["reuse_max_entries"], ge=1,
+                                   description="Conversations whose D handles the router holds at most "
+                                               "(least recently stored out first).")
+    reuse_max_mb: float = Field(ROUTER_DEFAULTS["reuse_max_bytes"] / MIB, gt=0,
+                                description="Estimated memory of those handles at most, in MiB.")
+    request_timeout: float = Field(ROUTER_DEFAULTS["request_timeout"], gt=0,
+                                   description="Seconds before a backend leg is abandoned.")
+    header_timeout: float = Field(ROUTER_DEFAULTS["header_timeout"], gt=0,
+                                  description="Seconds a client may take to send a request's headers.")
+    body_timeout: float = Field(ROUTER_DEFAULTS["body_timeout"], gt=0,
+                                description="Seconds a client may take to send a request's body (then 408).")
+    idle_timeout: float = Field(ROUTER_DEFAULTS["idle_timeout"], gt=0,
+                                description="Seconds an idle keep-alive client connection stays open.")
+    max_connections: int = Field(ROUTER_DEFAULTS["max_connections"], ge=1,
+                                 description="Open client connections at most (lowered to fit the open-file limit).")
+    upstream_max_connections: int = Field(ROUTER_DEFAULTS["upstream_max_connections"], ge=1,
+                                          description="Pooled connections to all backends together.")
+    upstream_max_per_backend: int = Field(ROUTER_DEFAULTS["upstream_max_per_backend"], ge=1,
+                                          description="Pooled connections to any one backend.")
     api_key_env: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Name of an environment variable holding an API key. When set, every router endpoint but "
                     "/health requires 'Authorization: Bearer <key>', and the vLLM servers get the same key "
                     "(VLLM_API_KEY), so they refuse clients that bypass the router.")
-    cost_aware: bool = Field(True, description="Offer D's blocks to P only while pulling them is measured to be "
+    cost_aware: bool = Field(ROUTER_DEFAULTS["cost_aware"], description="Offer D's blocks to P only while pulling them is measured to be "
                                                "faster than recomputing (see docs/router.md).")
-    breaker_failures: int = Field(3, ge=1, description="Consecutive failed requests that open a backend's "
+    breaker_failures: int = Field(ROUTER_DEFAULTS["breaker_failures"], ge=1, description="Consecutive failed requests that open a backend's "
                                                        "circuit breaker.")
-    breaker_cooldown: float = Field(5.0, gt=0, description="Seconds an open breaker waits before one trial request.")
-    max_body_mb: float = Field(16.0, gt=0, description="Largest request body accepted, in MiB.")
+    breaker_cooldown: float = Field(ROUTER_DEFAULTS["breaker_cooldown"], gt=0, description="Seconds an open breaker waits before one trial request.")
+    max_body_mb: float = Field(ROUTER_DEFAULTS["max_body_bytes"] / MIB, gt=0, description="Largest request body accepted, in MiB.")
 
 
 class SupervisorSpec(Strict):

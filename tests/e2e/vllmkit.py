@@ -93,3 +93,18 @@ def converse(cluster: dict, conv_id: str | None, turns: int, history: list,
         rows.append(row)
     cluster["turns"].extend(rows)
     return rows
+
+
+def down_leaves_nothing(cluster: dict) -> None:
+    """`pdserve down` succeeds, no process of the cluster is left, and no port of its config is bound."""
+    from pdserve.launchers.local import marked_processes
+    from tests.integration.test_cli_lifecycle import port_free
+    res = pdserve("down", cluster["name"])
+    assert res.returncode == 0, res.stderr
+    root = cluster["home"] / "clusters" / cluster["name"]
+    for proc in ("prefill-0", "decode-0", "router"):
+        assert marked_processes(f"{root}#{proc}") == []
+    cfg = cluster["cfg"]
+    for port in (cfg["prefill"]["port"], cfg["decode"]["port"], cfg["router"]["port"],
+                 cfg["prefill"]["nixl_side_channel_port"], cfg["decode"]["nixl_side_channel_port"]):
+        assert port_free(port), port

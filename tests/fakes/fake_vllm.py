@@ -46,6 +46,7 @@ class FakeVLLM:
         self.healthy = True
         self.cancelled = 0                  # streams cut off by the other side (client went away)
         self.computed_tokens = 0            # like ...{source="local_compute"}
+        self.in_flight = self.max_in_flight = 0
 
     def prompt_ids(self, route: str, body: dict) -> list[int]:
         if "messages" in body:
@@ -55,11 +56,23 @@ class FakeVLLM:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body})
+        if self.args.record:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()},
+                                  "body": body, "peer": peer[1] if peer else None})
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._complete(request, body)
+        finally:
+            self.in_flight -= 1
+
+    async def _complete(self, request: web.Request, body: dict) -> web.StreamResponse:
         if self.args.delay:
             await asyncio.sleep(self.args.delay)
         if self.args.status != 200:
-            return web.json_response({"error": {"message": "fake failure", "type": "BadRequestError",
+            kind = self.args.error_type or ("BadRequestError" if self.args.status < 500 else "InternalServerError")
+            return web.json_response({"error": {"message": "fake failure", "type": kind,
                                                 "param": None, "code": self.args.status}}, status=self.args.status)
         kv = body.get("kv_transfer_params") or {}
         prompt = self.prompt_ids(request.path, body)
@@ -110,6 +123,8 @@ class FakeVLLM:
         return web.json_response(resp)
 
     async def stream(self, request, chat, words, generated, prompt, params, ids) -> web.StreamResponse:
+        if self.args.plain_stream:     # a broken server: plain text where SSE was asked for
+            return web.Response(text=" ".join(words), content_type="text/plain")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         try:
@@ -134,6 +149,10 @@ class FakeVLLM:
             if i == len(words) - 1 and params and self.args.stream_kv_params:
                 event["kv_transfer_params"] = params   # vLLM >= 0.33 puts them in the final chunk
             await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            if self.args.bad_sse and i == 1:   # a line the router cannot parse, and no [DONE]
+                await out.write(b'data: {"kv_transfer_params": 1, "choices": 5, "token_ids": "x"}\n\n')
+                await out.write_eof()
+                return
             await asyncio.sleep(self.args.token_delay)
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
@@ -194,6 +213,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false")
     p.add_argument("--stream-kv-params", action="store_true", help="kv_transfer_params in the last chunk")
     p.add_argument("--die-mid-stream", action="store_true")
+    p.add_argument("--error-type", default="", help="error.type of --status answers (default by status)")
+    p.add_argument("--plain-stream", action="store_true", help="answer streamed requests with text/plain")
+    p.add_argument("--bad-sse", action="store_true", help="a malformed SSE line mid-stream, then no [DONE]")
+    p.add_argument("--no-record", dest="record", action="store_false", help="keep no request bodies (benchmarks)")
     p.add_argument("--no-kv-in", action="store_true", help="as decode, never count P's blocks as read (broken NIXL)")
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")

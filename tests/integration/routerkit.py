@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pdserve.router.app import build_app, server_limits
 from pdserve.router.config import RouterConfig
+from pdserve.router.limits import GuardedRunner
 from tests.fakes.fake_vllm import build_app as build_fake
 from tests.fakes.fake_vllm import parse_args
 
@@ -33,12 +34,15 @@ class Deployment:
             return resp.status, [line async for line in resp.content if line.strip()]
 
     async def metrics(self) -> str:
-        async with self.session.get(self.url + "/metrics") as resp:
+        return await self.metrics_with({})
+
+    async def metrics_with(self, headers: dict) -> str:
+        async with self.session.get(self.url + "/metrics", headers=headers) as resp:
             return await resp.text()
 
 
-async def _serve(app: web.Application, **handler_args) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, **handler_args)
+async def _serve(app: web.Application, runner_class=web.AppRunner, **handler_args) -> tuple[web.AppRunner, str]:
+    runner = runner_class(app, handler_cancellation=True, **handler_args)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -60,7 +64,8 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
     cfg = RouterConfig.from_dict({"prefill": p_cfg, "decode": d_cfg, "model": "fake", "health_interval": 0.1,
                                   "kv_recompute_threshold": 4, **router_overrides})
     router = build_app(cfg, api_key=api_key)
-    runner, url = await _serve(router, **server_limits(cfg))
+    runner, url = await _serve(router, GuardedRunner, max_connections=cfg.max_connections,
+                               header_timeout=cfg.header_timeout, **server_limits(cfg))
     runners.append(runner)
     session = aiohttp.ClientSession()
     dep = Deployment(url, p_apps, d_apps, router, session, runners)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 
 from tests.fakes.fake_vllm import FAKE
@@ -78,17 +80,16 @@ async def test_session_header_and_tenant_isolation():
 
 
 async def test_entries_are_single_use():
-    async with deployment() as dep:
+    """Two identical next turns at once: only one may be offered D's blocks (a read releases them on D).
+    Fails if the router offered an entry without removing it."""
+    async with deployment(prefill_args=(["--delay", "0.3"],)) as dep:
         first = chat("alpha " * 40, conversation_id="c")
         _, data = await dep.post(CHAT, first)
+        stored = leg_bodies(dep.prefill[0])
         nxt = chat("beta", first["messages"] + [data["choices"][0]["message"]], conversation_id="c", max_tokens=1)
-        await dep.post(CHAT, nxt)
-        # the second turn consumed the entry and stored a new one for the third; replaying turn 2 must
-        # not offer the blocks turn 2 already consumed
-        offered_2 = leg_bodies(dep.prefill[0])[1]["kv_transfer_params"]
-        await dep.post(CHAT, nxt)
-        offered_3 = leg_bodies(dep.prefill[0])[2]["kv_transfer_params"]
-        assert offered_2.get("remote_request_id") != offered_3.get("remote_request_id")
+        await asyncio.gather(dep.post(CHAT, nxt), dep.post(CHAT, nxt))
+        offers = [b["kv_transfer_params"].get("remote_request_id") for b in leg_bodies(dep.prefill[0])[len(stored):]]
+        assert len(offers) == 2 and sum(o is not None for o in offers) == 1, offers
 
 
 async def test_failed_read_retries_without_blocks():

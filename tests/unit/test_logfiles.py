@@ -57,3 +57,26 @@ def test_follow_survives_truncation(tmp_path):
     done.set()
     t.join(2)
     assert got == ["one", "two", "three"]
+
+
+VLLM_FAILED_START = """\
+(EngineCore pid=812) Process EngineCore:
+(EngineCore pid=812) Traceback (most recent call last):
+(EngineCore pid=812)   File "/venv/lib/python3.11/site-packages/vllm/v1/worker/cpu_worker.py", line 83, in init_device
+(EngineCore pid=812)     raise ValueError(
+(EngineCore pid=812) ValueError: Available memory on node 0 (9.56/12.21 GiB) on startup is less than desired CPU memory utilization (0.92, 11.24 GiB). On the CPU backend ...
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/vllm/v1/engine/utils.py", line 1433, in wait_for_engine_startup
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+"""
+
+
+def test_root_cause_is_the_exception_before_vllm_s_wrapper():
+    from pdserve.observe.logfiles import root_cause
+    cause = root_cause(VLLM_FAILED_START.splitlines())
+    assert cause.startswith("ValueError: Available memory on node 0 (9.56/12.21 GiB)"), cause
+    assert root_cause(["INFO all fine", "zmq.error.ZMQError: Address already in use (addr='tcp://*:5601')"]) \
+        == "zmq.error.ZMQError: Address already in use (addr='tcp://*:5601')"
+    assert root_cause(["nothing went wrong here"]) is None

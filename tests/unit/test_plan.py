@@ -134,3 +134,17 @@ def test_every_shipped_config_loads_and_plans():
         prefill = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "prefill"}
         decode = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "decode"}
         assert not prefill & decode, path     # P and D never share a core
+
+
+def test_the_planned_router_config_is_exactly_what_the_router_reads():
+    """One source for router settings: every planned key is a RouterConfig field (unknown keys are an
+    error there), and a spec value reaches the router unchanged."""
+    import pytest as _pytest
+    from pdserve.router.config import RouterConfig
+    spec = parse_spec(GOOD)
+    spec.router = spec.router.model_copy(update={"idle_timeout": 7.0, "reuse_max_mb": 2.0})
+    cfg = RouterConfig.from_dict(build_plan(spec, python="/py", cluster_dir=Path("/h/clusters/t"),
+                                            models_dir=Path("/m")).router_config)
+    assert cfg.idle_timeout == 7.0 and cfg.reuse_max_bytes == 2 * 1024 * 1024
+    with _pytest.raises(ValueError, match="unknown router settings: idel_timeout"):
+        RouterConfig.from_dict({"prefill": [], "decode": [], "model": "m", "idel_timeout": 3})

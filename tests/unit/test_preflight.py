@@ -52,3 +52,11 @@ def test_ports():
     plan = plan_of(GOOD)
     assert check_ports(plan, ["router: port 8000"])[0].level == "fail"
     assert check_ports(plan, [])[0].level == "ok"
+
+
+def test_open_file_limit_below_the_router_caps_is_a_warning():
+    from pdserve.checks.preflight import check_open_files
+    spec = parse_spec(GOOD)
+    low = check_open_files(spec, (1024, 1024))
+    assert low[0].level == "warn" and "1024" in low[0].message and "max_connections" in low[0].hint
+    assert check_open_files(spec, (1024, 1048576))[0].level == "ok"

@@ -127,3 +127,13 @@ pdserve_router_backend_in_flight{backend="decode-0"} 2.0
     assert r["turns"] == 5 and r["reuse_hit_rate"] == 0.6 and r["reuse_tokens_pulled"] == 640
     assert r["misses_by_reason"] == {"no_entry": 1, "pull_slower": 1}
     assert r["backends"]["decode-0"] == {"healthy": 1, "breaker_open": 1, "in_flight": 2}
+
+
+def test_parse_router_metrics_degraded_mode():
+    r = parse_metrics("""
+pdserve_router_degraded_requests_total{served_by="prefill"} 4.0
+pdserve_router_degraded_requests_total{served_by="decode"} 1.0
+pdserve_router_degraded{missing="decode"} 1.0
+pdserve_router_degraded{missing="prefill"} 0.0
+""")
+    assert r["degraded_requests"] == {"prefill": 4, "decode": 1} and r["degraded_missing"] == ["decode"]

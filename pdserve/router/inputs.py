@@ -1,0 +1,105 @@
+"""Reading and checking a client's request body: every bad input becomes an OpenAI-style 4xx, never
+reaches code that would crash on it, and costs bounded time and memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.router.errors import json_error
+
+MAX_DEPTH = 64           # JSON nesting accepted; real requests nest a handful of levels
+JSON_CHARSETS = ("", "utf-8", "utf8")
+
+
+class BadInput(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> web.Response:
+        resp = json_error(self.status, self.message, param=self.param)
+        if self.status == 408:
+            resp.force_close()
+        return resp
+
+
+async def read_json(request: web.Request, body_timeout: float) -> dict[str, Any]:
+    """The request's JSON object; raises BadInput. Compressed bodies are refused, not inflated: the
+    server's auto_decompress is off, so a small gzip bomb cannot cost a gigabyte of memory."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BadInput(415, f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")
+    if request.charset is not None and request.charset.lower() not in JSON_CHARSETS:
+        raise BadInput(415, "JSON bodies must be UTF-8 (Content-Type charset)")
+    try:
+        async with asyncio.timeout(body_timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise BadInput(408, f"request body not received within {body_timeout:g}s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BadInput(413, "request body too large") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadInput(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadInput(400, "request body must be a JSON object")
+    if _depth(body) > MAX_DEPTH:
+        raise BadInput(400, f"request body nests deeper than {MAX_DEPTH} levels")
+    return body
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth, without recursion (a deep value must not crash the check itself)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return deepest
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(route: str, body: dict[str, Any]) -> None:
+    """Field types the router (or its identity and token code) relies on; raises BadInput. Anything
+    finer is left to vLLM, which answers bad values with a 400 of its own."""
+    if route.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise BadInput(400, "'messages' must be a list of objects", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role", ""), str):
+                raise BadInput(400, f"messages[{i}].role must be a string", "messages")
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise BadInput(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+            calls = m.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                raise BadInput(400, f"messages[{i}].tool_calls must be a list of objects", "messages")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)):
+            raise BadInput(400, "'prompt' must be a string or a list", "prompt")
+    for name in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and value >= 0):
+            raise BadInput(400, f"'{name}' must be an integer >= 0", name)
+    for name in ("stream", "return_token_ids"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise BadInput(400, f"'{name}' must be a boolean", name)
+    for name in ("model", "conversation_id"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadInput(400, f"'{name}' must be a string", name)
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise BadInput(400, "'stream_options' must be an object", "stream_options")

@@ -1,0 +1,117 @@
+"""Connection-level limits the aiohttp server lacks: a deadline for the request head, a cap on open
+connections, and the router's own file-descriptor limit.
+
+aiohttp closes a connection that is idle (or has sent only part of a request head) `keepalive_timeout`
+after its last response; a slowloris client that trickles a head byte by byte would still hold a
+descriptor that long. Here a request head must be complete `header_timeout` after its first byte, and
+past `max_connections` the oldest connection not in a request is closed to make room (slow heads and idle
+keep-alives go first), so slow clients can neither exhaust descriptors nor lock out legitimate requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
+
+log = logging.getLogger("pdserve.router")
+FD_RESERVE = 64   # descriptors kept back for listening sockets, logs, probes
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit; returns (soft, hard) as they are now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as err:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, err)
+    return soft, hard
+
+
+def connection_cap(configured: int, fd_soft_limit: int, upstream_connections: int) -> int:
+    """Client connections allowed: the configured cap, lowered so that client sockets plus the upstream
+    pool stay under the process's descriptor limit."""
+    return max(1, min(configured, fd_soft_limit - upstream_connections - FD_RESERVE))
+
+
+class GuardedHandler(RequestHandler):
+    """aiohttp's per-connection protocol, plus a deadline for each request head."""
+
+    def __init__(self, manager: Server, *, header_timeout: float, **kwargs: Any):
+        super().__init__(manager, **kwargs)
+        self.header_timeout = header_timeout
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        heads = self._request_count
+        super().data_received(data)
+        if self._request_count != heads:           # a request head is complete
+            self._cancel_head_timer()
+        elif data and self._head_timer is None and not self._request_in_progress and self.transport:
+            # The first byte of a new request head (a body's bytes arrive while a request is in progress).
+            self._head_timer = self._loop.call_later(self.header_timeout, self._head_timed_out, heads)
+
+    def _head_timed_out(self, heads: int) -> None:
+        self._head_timer = None
+        if self._request_count == heads and not self._request_in_progress and self.transport is not None:
+            peer = self.transport.get_extra_info("peername")
+            log.info("closed a connection from %s: request head incomplete after %gs", peer and peer[0],
+                     self.header_timeout)
+            self.force_close()
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    @property
+    def busy(self) -> bool:
+        return self._request_in_progress or bool(self._messages)
+
+
+class GuardedServer(Server):
+    def __init__(self, *args: Any, max_connections: int, header_timeout: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.max_connections = max_connections
+        self.header_timeout = header_timeout
+
+    def __call__(self) -> RequestHandler:
+        return GuardedHandler(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        if len(self._connections) >= self.max_connections:
+            # Full: make room by closing the oldest connection that is not in a request (dicts keep
+            # insertion order); if every one is busy, the newcomer is refused.
+            victim = next((h for h in self._connections if not getattr(h, "busy", True)), None)
+            if victim is not None:
+                victim.force_close()
+                self._connections.pop(victim, None)
+            else:
+                log.warning("refused a connection: %d connections, all busy", len(self._connections))
+                transport.close()
+        super().connection_made(handler, transport)
+
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose server applies the limits above."""
+
+    def __init__(self, app: web.Application, *, max_connections: int, header_timeout: float, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self._guard = {"max_connections": max_connections, "header_timeout": header_timeout}
+
+    async def _make_server(self) -> Server:
+        plain = await super()._make_server()
+        return GuardedServer(plain.request_handler, request_factory=plain.request_factory,
+                             handler_cancellation=plain.handler_cancellation, loop=plain._loop,
+                             **self._guard, **plain._kwargs)

@@ -1,0 +1,43 @@
+"""One log record, one line: whatever a client sent (paths, headers, ids, or the bytes the HTTP parser
+quotes when it refuses a request) is escaped, so no request can forge or split log lines."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp.http_exceptions import HttpProcessingError
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def escape(text: str) -> str:
+    """Control characters (newlines included) and backslashes as Python escapes; printable text as is."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+class OneLineFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        exc = record.exc_info[1] if record.exc_info else None
+        line = super().formatMessage(_with_message(record, self))
+        if isinstance(exc, HttpProcessingError):
+            # The parser refused a request: the reason is the news, not aiohttp's traceback.
+            return f"{line}: {escape(type(exc).__name__ + ': ' + str(exc.message))}"
+        if record.exc_info:
+            line += " | " + escape(self.formatException(record.exc_info))
+        return line
+
+
+def _with_message(record: logging.LogRecord, formatter: logging.Formatter) -> logging.LogRecord:
+    record.message = escape(record.getMessage())
+    if formatter.usesTime():
+        record.asctime = formatter.formatTime(record, formatter.datefmt)
+    return record
+
+
+def configure(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter(FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])

