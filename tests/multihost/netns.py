@@ -112,7 +112,7 @@ MaxStartups 50
     return cfg
 
 
-def _wait_port(address: str, port: int, timeout: float = 10.0) -> None:
+def _wait_port(address: str, port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
