@@ -32,10 +32,10 @@ SSH_ERROR = 255       # ssh's own exit status: could not connect / authenticate 
 class HostUnreachable(PdserveError):
     """A host could not be reached (or did not answer in time); `host` and `reason` say which and why."""
 
-    def __init__(self, host: str, reason: str):
+    def __init__(self, host: str, reason: str, destination: str | None = None):
         self.host, self.reason = host, reason
         super().__init__(f"host {host} is unreachable: {reason}",
-                         hint=f"check that `ssh {host}` works non-interactively (BatchMode), and the network")
+                         hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
 
 
 @dataclass
@@ -91,13 +91,13 @@ class SshLauncher:
         """What the launcher last learned of a host (for status: which host and why)."""
         return self._health.setdefault(host, HostHealth())
 
-    def _failed(self, host: str, reason: str) -> HostUnreachable:
+    def _failed(self, host: str, reason: str, destination: str | None = None) -> HostUnreachable:
         h = self.host_health(host)
         if h.reachable:
             h.since = time.time()
         h.reachable, h.reason, h.failures = False, reason, h.failures + 1
         h.retry_at = time.monotonic() + min(self.backoff_max, 2.0 ** h.failures)
-        return HostUnreachable(host, reason)
+        return HostUnreachable(host, reason, destination)
 
     def call(self, host_name: str, request: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """Run one remote_ops request on a host; HostUnreachable when ssh cannot get there in time."""
@@ -108,15 +108,16 @@ class SshLauncher:
         if not h.reachable and time.monotonic() < h.retry_at:
             raise HostUnreachable(host_name, h.reason + " (retrying later)")
         argv = ssh_argv(host, [host.python or "python3", "-c", BOOTSTRAP], self.connect_timeout)
+        dest = f"{host.user}@{host.destination}" if host.user else host.destination
         program = f"{REMOTE_OPS}\nmain(json.loads({json.dumps(request)!r}))\n"
         limit = timeout or self.call_timeout
         try:
             res = self._run(argv, input=program.encode(), capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:
-            raise self._failed(host_name, f"no answer over ssh within {limit:g} s") from None
+            raise self._failed(host_name, f"no answer over ssh within {limit:g} s", dest) from None
         stderr = res.stderr.decode("utf-8", "replace").strip()
         if res.returncode == SSH_ERROR:
-            raise self._failed(host_name, stderr.splitlines()[-1] if stderr else "ssh failed")
+            raise self._failed(host_name, stderr.splitlines()[-1] if stderr else "ssh failed", dest)
         h.reachable, h.failures, h.reason = True, 0, ""
         lines = res.stdout.decode("utf-8", "replace").strip().splitlines()
         if res.returncode != 0 or not lines:
