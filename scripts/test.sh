@@ -5,4 +5,5 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 bash scripts/install-cpu.sh
+bash scripts/install-test-deps.sh     # sshd, iproute2, Slurm, munge for tests/multihost
 exec .venv/bin/python -m pytest -m "e2e or not e2e" "$@"

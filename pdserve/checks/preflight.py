@@ -150,7 +150,16 @@ def check_open_files(spec: ClusterSpec, limits: tuple[int, int] | None = None) -
     return [Finding("ok", "open files", f"hard open-file limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}")]
 
 
-def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | None) -> list[Finding]:
+def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | None,
+                     probe: Callable | None = None, skip: frozenset[str] = frozenset()) -> list[Finding]:
+    """`busy`: ports taken on this machine (None: skip the port checks, e.g. the cluster runs); `skip`:
+    processes whose ports are their own (live ones being adopted), not checked on remote hosts either."""
+    if any(plan.is_remote(p) for p in plan.processes):
+        # Servers run on other hosts: check them there; this machine only runs the router.
+        from pdserve.checks.hosts import host_findings, launcher_probe
+        out = host_findings(plan, probe or launcher_probe(plan), check_ports=busy is not None, skip=skip)
+        out += check_open_files(spec)          # the router's, on this machine
+        return out + (check_ports(plan, busy) if busy is not None else [])
     out = [*check_software(spec), *check_devices(spec), *check_fabric(spec), *check_open_files(spec),
            *check_chat_template(spec)]
     if busy is not None:

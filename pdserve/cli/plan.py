@@ -32,7 +32,8 @@ def command(
     # Plain lines, never truncated: the argv must be exact and copyable.
     for proc in plan.processes:
         side = f"  nixl side channel {', '.join(map(str, proc.side_channel_ports))}" if proc.side_channel_ports else ""
-        console.out.print(f"[bold]{proc.name}[/] ({proc.role})  {proc.host}:{proc.port}{side}  "
+        where = f"host {proc.host_name} ({plan.launcher}) " if plan.is_remote(proc) else ""
+        console.out.print(f"[bold]{proc.name}[/] ({proc.role})  {where}{proc.host}:{proc.port}{side}  "
                           f"health {proc.health_url}", highlight=False)
         console.out.print("  env:  " + " ".join(shlex.quote(f"{k}={v}") for k, v in proc.env.items()),
                           markup=False, highlight=False)

@@ -1,31 +1,62 @@
-"""Launchers: start, watch and stop one process where the plan puts it (this machine today).
+"""Launchers: how a process starts, is watched and stopped, wherever it runs. The supervisor and `down`
+get one from this factory and never call the OS themselves.
 
-The supervisor and `down` get their launchers from these two functions, never by importing one directly.
+One launcher object per (cluster, kind) in a pdserve process: the local one keeps the Popen of what it
+started (to reap it), the ssh one keeps each host's reachability (to fail at once while a host is down).
 """
 
 from __future__ import annotations
 
+from pdserve.errors import PdserveError
 from pdserve.launchers.base import Handle, Launcher, LauncherKind
 from pdserve.launchers.local import LocalLauncher
 from pdserve.plan.records import ClusterPlan, ProcessPlan
 
-_local: LocalLauncher | None = None
+_shared: dict[tuple[str, str], Launcher] = {}
 
 
-def _local_launcher() -> LocalLauncher:
-    global _local
-    if _local is None:
-        _local = LocalLauncher()
-    return _local
+def _kind_for(plan: ClusterPlan, process: ProcessPlan) -> LauncherKind:
+    return LauncherKind(plan.launcher) if plan.is_remote(process) else LauncherKind.LOCAL
+
+
+def _launcher(plan: ClusterPlan | None, kind: LauncherKind) -> Launcher:
+    if plan is None and kind is not LauncherKind.LOCAL:
+        raise PdserveError(f"a {kind.value} process needs the cluster's plan.json to reach its host",
+                           hint="the state folder lost plan.json; stop the servers on their hosts by hand")
+    key = ("" if kind is LauncherKind.LOCAL else plan.name, kind.value)
+    if key not in _shared:
+        if kind is LauncherKind.LOCAL:
+            _shared[key] = LocalLauncher()
+        elif kind is LauncherKind.SSH:
+            from pdserve.launchers.ssh import SshLauncher
+            _shared[key] = SshLauncher(plan)
+        else:
+            from pdserve.launchers.slurm import SlurmLauncher
+            _shared[key] = SlurmLauncher(plan)
+    elif kind is not LauncherKind.LOCAL:
+        _shared[key].plan = plan     # the newest plan's hosts; reachability learned so far is kept
+    return _shared[key]
 
 
 def launcher_for(plan: ClusterPlan, process: ProcessPlan) -> Launcher:
-    """The launcher that starts `process` of `plan`."""
-    return _local_launcher()
+    """The launcher that starts `process`: local for the router and for clusters without remote hosts."""
+    return _launcher(plan, _kind_for(plan, process))
 
 
 def launcher_for_handle(plan: ClusterPlan | None, handle: Handle) -> Launcher:
-    """The launcher that can watch and stop a process recorded in state.json."""
-    if handle.launcher != LauncherKind.LOCAL:
-        raise NotImplementedError(f"no {handle.launcher.value} launcher in this pdserve")
-    return _local_launcher()
+    """The launcher that can watch and stop a process started earlier, from its handle in state.json."""
+    return _launcher(plan, handle.launcher)
+
+
+def unreachable_hosts(plan: ClusterPlan) -> dict[str, str]:
+    """Host -> why, for the hosts of `plan` its launchers in this process last found unreachable (for
+    status and the supervisor's messages; empty for local clusters)."""
+    out: dict[str, str] = {}
+    for (cluster, _), launcher in _shared.items():
+        health = getattr(launcher, "host_health", None)
+        if cluster == plan.name and health is not None:
+            out.update({h.name: health(h.name).reason for h in plan.hosts if not health(h.name).reachable})
+    return out
+
+
+__all__ = ["Handle", "Launcher", "LauncherKind", "launcher_for", "launcher_for_handle", "unreachable_hosts"]

@@ -77,7 +77,8 @@ def _stored_plan(cdir: ClusterDir) -> ClusterPlan | None:
 def busy_ports(plan: ClusterPlan, skip: set[str] = frozenset()) -> list[str]:
     """Ports of the plan that something else already listens on (checked by binding)."""
     busy = []
-    for proc in (p for p in plan.processes if p.name not in skip):
+    # Only this machine's processes: another host's address cannot be bound here (checks/hosts.py binds it there).
+    for proc in (p for p in plan.processes if p.name not in skip and not plan.is_remote(p)):
         for port in [proc.port, *proc.side_channel_ports]:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

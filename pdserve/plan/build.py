@@ -11,8 +11,9 @@ from typing import Any
 
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
-from pdserve.plan.records import MARKER_ENV, ClusterPlan, ProcessPlan, connect_host
+from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
+from pdserve.spec.topology import platform_env, replica_host
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -47,19 +48,25 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     http_port, side_ports = replica_ports(role, i)
     delay = spec.nixl_progress_delay_us
     cpus = replica_devices(role.cpus, role.replicas, i)
+    host_name = replica_host(spec, role, i)
+    host = spec.host(host_name) if host_name else None
+    # On a host of `hosts:` the server binds to the host's address: the router and NIXL peers use it.
+    bind = host.address if host else role.host
+    python = (host.python if host else None) or python
     reuse = spec.kv_transfer.bidirectional_kv_xfer   # streamed handles + pulled counts need the entry's patches
     server = [python, "-m", ENTRY_MODULE if delay or cpus or reuse else VLLM_SERVER_MODULE]
     argv = [*(spec.server_command or server),
             "--model", model,
             "--served-model-name", spec.model_name,
-            "--host", role.host,
+            "--host", bind,
             "--port", str(http_port),
             "--tensor-parallel-size", str(role.tensor_parallel_size),
             "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":")),
             *role.vllm_args]
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[0]),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(role.host),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(bind),
+        **platform_env(spec),
     }
     gpus = replica_devices(role.gpus, role.replicas, i)
     if gpus:
@@ -72,16 +79,16 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         env[REUSE_PATCHES_ENV] = "1"
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
-    env.update(role.env)
+    env.update(host.env if host else {})
+    env.update(role.env)      # the most specific setting wins: preset < host < role
     env[MARKER_ENV] = marker(cluster_dir, name)
-    host = connect_host(role.host)
     env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}
     util, after = gpu_share(spec, role_name, i)
     if util is not None and not any(a.startswith("--gpu-memory-utilization") for a in role.vllm_args):
         argv += ["--gpu-memory-utilization", f"{util:.3g}"]
-    return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=role.host, port=http_port,
-                       health_url=f"http://{host}:{http_port}/health", side_channel_ports=side_ports,
-                       env_from=env_from, start_after=after)
+    return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=bind, port=http_port,
+                       health_url=f"http://{connect_host(bind)}:{http_port}/health", side_channel_ports=side_ports,
+                       env_from=env_from, host_name=host_name or LOCAL_HOST, start_after=after)
 
 
 def gpu_share(spec: ClusterSpec, role_name: str, i: int) -> tuple[float | None, list[str]]:
@@ -131,6 +138,10 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         env={MARKER_ENV: marker(cluster_dir, "router")},
         host=spec.router.host, port=spec.router.port,
         health_url=f"http://{rhost}:{spec.router.port}/health")
+    hosts = [HostPlan(name=h.name, address=h.address, ssh_host=h.ssh_host, user=h.user, port=h.port,
+                      identity_file=h.identity_file, ssh_options=list(h.ssh_options), python=h.python or python)
+             for h in spec.hosts or []]
     return ClusterPlan(name=spec.name, processes=[*servers, router], router_config=router_config,
                        router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
-                       supervisor=spec.supervisor.model_dump())
+                       supervisor=spec.supervisor.model_dump(), launcher=spec.launcher, hosts=hosts,
+                       slurm_job_id=spec.slurm.job_id, slurm_args=list(spec.slurm.srun_args))

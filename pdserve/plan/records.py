@@ -9,6 +9,9 @@ from typing import Any
 # Start order of the roles (prefill, then decode, then the router); stop and restart orders derive from it.
 ROLE_ORDER = {"prefill": 0, "decode": 1, "router": 2}
 
+# Host name of the machine `pdserve up` runs on: the router, and every server of a cluster without `hosts:`.
+LOCAL_HOST = "local"
+
 # Environment variable every process of a cluster carries (children inherit it), so stop/down can find
 # strays by identity rather than by pid alone.
 MARKER_ENV = "PDSERVE_PROCESS"
@@ -30,6 +33,7 @@ class ProcessPlan:
     # Processes that must be ready before this one starts (servers sharing a GPU: vLLM's memory profiling
     # needs the GPU quiet while a server starts). The supervisor honours it.
     start_after: list[str] = field(default_factory=list)
+    host_name: str = LOCAL_HOST   # the spec's host this process runs on (`host` is its bind address there)
 
     @property
     def url(self) -> str:
@@ -41,6 +45,23 @@ class ProcessPlan:
 
 
 @dataclass(frozen=True)
+class HostPlan:
+    """How to reach one host: what the ssh and Slurm launchers and the per-host checks need."""
+    name: str
+    address: str                        # where the router and the other hosts reach it
+    ssh_host: str | None = None         # ssh destination when not the address
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    ssh_options: list[str] = field(default_factory=list)
+    python: str | None = None           # Python for control commands (and the servers) on that host
+
+    @property
+    def destination(self) -> str:
+        return self.ssh_host or self.address
+
+
+@dataclass(frozen=True)
 class ClusterPlan:
     name: str
     processes: list[ProcessPlan]        # in start order: prefill, decode, router
@@ -49,6 +70,17 @@ class ClusterPlan:
     builtin_model: str | None           # kind to build before start, when model is `pdserve:<kind>`
     model_path: str
     supervisor: dict[str, Any]          # restart policy (SupervisorSpec fields)
+    launcher: str = "local"             # local | ssh | slurm: how processes on hosts other than LOCAL_HOST start
+    hosts: list[HostPlan] = field(default_factory=list)    # empty: everything on this machine
+    slurm_job_id: str | None = None     # the allocation srun steps join (launcher slurm)
+    slurm_args: list[str] = field(default_factory=list)
+
+    def host(self, name: str) -> HostPlan | None:
+        return next((h for h in self.hosts if h.name == name), None)
+
+    def is_remote(self, process: ProcessPlan) -> bool:
+        """Whether the process runs elsewhere than this machine (ssh host or Slurm node)."""
+        return process.host_name != LOCAL_HOST and self.launcher != "local"
 
     @property
     def router(self) -> ProcessPlan:
@@ -67,7 +99,8 @@ class ClusterPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ClusterPlan":
         procs = [ProcessPlan(**p) for p in data["processes"]]
-        return cls(**{**data, "processes": procs})
+        hosts = [HostPlan(**h) for h in data.get("hosts") or []]
+        return cls(**{**data, "processes": procs, "hosts": hosts})
 
 
 def connect_host(host: str) -> str:

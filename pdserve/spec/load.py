@@ -11,8 +11,7 @@ from pydantic import ValidationError
 
 from pdserve.errors import ConfigError
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
-
-ROLES = ("prefill", "decode")
+from pdserve.spec.topology import ROLES, ROUTER_MACHINE, apply_platform, port_key, topology_problems
 # Shipped configs travel inside the package (the top-level configs/ links here), so a wheel has them.
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "local-cpu.yaml"
@@ -81,7 +80,11 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
         else:
             ports[(host, port)] = owner
 
-    claim_port(spec.router.host, spec.router.port, "router", "router.port")
+    # With hosts:, the router runs on the machine of `pdserve up`, apart from every host's ports.
+    claim_port(ROUTER_MACHINE if spec.hosts else spec.router.host, spec.router.port, "router", "router.port")
+    problems += topology_problems(spec)
+    if problems:
+        return problems     # host references must resolve before ports can be placed on hosts
     for role_name in ROLES:
         role: RoleSpec = getattr(spec, role_name)
         for flag in role.vllm_args:
@@ -100,12 +103,13 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
         for i in range(role.replicas):
             owner = f"{role_name}[{i}]"
             http, side = replica_ports(role, i)
-            claim_port(role.host, http, owner, f"{role_name}.port")
+            where = port_key(spec, role, i)
+            claim_port(where, http, owner, f"{role_name}.port")
             for p in side:
-                claim_port(role.host, p, f"{owner} (nixl side channel)", f"{role_name}.nixl_side_channel_port")
+                claim_port(where, p, f"{owner} (nixl side channel)", f"{role_name}.nixl_side_channel_port")
             for kind in ("gpus", "cpus"):
                 for dev in replica_devices(getattr(role, kind), role.replicas, i):
-                    key = (role.host, kind, dev)
+                    key = (where, kind, dev)
                     if key in devices and not (kind == "gpus" and spec.share_gpus):
                         problems.append(f"{role_name}.{kind}: {kind[:-1].upper()} {dev} is already used by {devices[key]}")
                     else:
@@ -157,7 +161,7 @@ def parse_spec(data: Any, source: str = "cluster.yaml") -> ClusterSpec:
     if not isinstance(data, dict):
         raise SpecErrors(source, ["(top level): expected a mapping of fields (name, model, prefill, decode, ...)"])
     try:
-        spec = ClusterSpec.model_validate(data)
+        spec = ClusterSpec.model_validate(apply_platform(data))
     except ValidationError as err:
         raise SpecErrors(source, _pydantic_problems(err)) from None
     problems = semantic_problems(spec)
@@ -195,7 +199,7 @@ def gpu_sharers(spec: ClusterSpec) -> dict[tuple[str, int], list[tuple[str, int]
         role = getattr(spec, role_name)
         for i in range(role.replicas):
             for g in replica_devices(role.gpus, role.replicas, i):
-                out.setdefault((role.host, g), []).append((role_name, i))
+                out.setdefault((port_key(spec, role, i), g), []).append((role_name, i))
     return out
 
 

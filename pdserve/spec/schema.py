@@ -25,7 +25,10 @@ class RoleSpec(Strict):
     """One role (prefill or decode): `replicas` identical vLLM servers."""
 
     replicas: int = Field(1, ge=1, le=64, description="Number of vLLM servers in this role.")
-    host: str = Field("127.0.0.1", description="Address the servers bind to and are reached at (local launcher).")
+    host: str | list[str] = Field(
+        "127.0.0.1",
+        description="Without `hosts:`: the address the servers bind to on this machine. With `hosts:`: the name "
+                    "of the host they run on, or a list naming one host per replica.")
     port: int = Field(..., ge=1, le=65535, description="HTTP port of the first replica; next replicas count up.")
     nixl_side_channel_port: int = Field(
         ..., ge=1, le=65535,
@@ -121,6 +124,34 @@ class SupervisorSpec(Strict):
     log_keep: int = Field(3, ge=0, description="Rotated logs kept per process (NAME.log.1 ... NAME.log.N).")
 
 
+class HostSpec(Strict):
+    """One machine of a multi-host cluster, reached over ssh or as a Slurm node of the allocation."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                      description="Name roles refer to; with launcher slurm, the node name (--nodelist).")
+    address: str = Field(..., min_length=1,
+                         description="Address the other hosts and the router reach this host at; its servers bind "
+                                     "to it and it becomes VLLM_NIXL_SIDE_CHANNEL_HOST. Also the ssh destination "
+                                     "unless ssh_host is set.")
+    ssh_host: str | None = Field(None, description="ssh destination when it differs from address (e.g. an alias "
+                                                   "from ~/.ssh/config).")
+    user: str | None = Field(None, description="ssh user (default: ~/.ssh/config's, else yours).")
+    port: int | None = Field(None, ge=1, le=65535, description="ssh port (default: ~/.ssh/config's, else 22).")
+    identity_file: str | None = Field(None, description="ssh private key (default: agent / ~/.ssh/config).")
+    ssh_options: list[str] = Field(
+        default_factory=list,
+        description="Extra `ssh -o` options, e.g. ['UserKnownHostsFile=/path/known_hosts'].")
+    python: str | None = Field(None, description="Python on this host that runs vLLM and pdserve's small "
+                                                 "control commands (default: the same path as here).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for servers on this host.")
+
+
+class SlurmSpec(Strict):
+    job_id: str | None = Field(None, pattern=r"^[0-9]+$",
+                               description="Allocation to run the steps in (default: $SLURM_JOB_ID).")
+    srun_args: list[str] = Field(default_factory=list, description="Extra srun arguments for every step.")
+
+
 class ClusterSpec(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     model: str = Field(..., min_length=1, description="Model path or id given to vLLM; `pdserve:tiny` builds one.")
@@ -132,6 +163,14 @@ class ClusterSpec(Strict):
     share_gpus: bool = Field(False, description="Allow prefill and decode servers on the same GPU: each gets a "
                                                 "fitting --gpu-memory-utilization and starts after the "
                                                 "server before it on that GPU is ready.")
+    launcher: Literal["local", "ssh", "slurm"] = Field(
+        "local", description="How servers start: on this machine, over the system ssh, or as srun steps.")
+    hosts: list[HostSpec] | None = Field(
+        None, description="The machines servers run on (default: this machine only).")
+    platform: Literal["p5en-efa"] | None = Field(
+        None, description="Preset: p5en-efa = AWS P5en (8 H200 per host) over EFA: NIXL LIBFABRIC backend and "
+                          "EFA environment; explicit settings override it.")
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     prefill: RoleSpec
     decode: RoleSpec
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
@@ -145,6 +184,9 @@ class ClusterSpec(Strict):
         if kv.nixl_progress_delay_us is not None:
             return kv.nixl_progress_delay_us
         return 1000 if kv.kv_buffer_device == "cpu" else 0
+
+    def host(self, name: str) -> HostSpec | None:
+        return next((h for h in self.hosts or [] if h.name == name), None)
 
     @property
     def model_name(self) -> str:

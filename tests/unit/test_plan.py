@@ -127,13 +127,14 @@ def test_changed_processes_compares_each_process_plan():
 def test_every_shipped_config_loads_and_plans():
     from pdserve.spec.load import load_spec
     configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
-    assert {c.name for c in configs} >= {"local-cpu.yaml", "bench-cpu.yaml", "bench-cpu-2p1d.yaml"}
+    assert {c.name for c in configs} >= {"local-cpu.yaml", "bench-cpu.yaml", "bench-cpu-2p1d.yaml",
+                                         "p5en-1p1d-2hosts.yaml", "gpu8-1p1d.yaml", "p5en-2p2d-4hosts.yaml"}
     for path in configs:
         plan = build_plan(load_spec(path), python="/py", cluster_dir=Path("/h/clusters/t"),
                           models_dir=Path("/h/models"))
         servers = [p for p in plan.processes if p.role != "router"]
-        if path.name.startswith("gpu-"):
-            continue   # test_shipped_gpu_configs_plan
+        if any("CUDA_VISIBLE_DEVICES" in p.env for p in servers):
+            continue     # GPU configs: tests/unit/test_topology.py checks them one by one
         # every CPU server runs through vllm_entry and is pinned to cores of its own role
         assert all(p.argv[2] == ENTRY_MODULE and p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers), path
         prefill = {p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in servers if p.role == "prefill"}
