@@ -98,6 +98,7 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "request_timeout": spec.router.request_timeout,
         "api_key_env": spec.router.api_key_env,
         "cost_aware": spec.router.cost_aware,
+        "prefill_policy": spec.router.prefill_policy,
         "breaker_failures": spec.router.breaker_failures,
         "breaker_cooldown": spec.router.breaker_cooldown,
         "max_body_bytes": int(spec.router.max_body_mb * 1024 * 1024),
