@@ -4,6 +4,10 @@
 - off:          bidirectional_kv_xfer off, P's prefix cache off (P recomputes the whole history)
 - prefix-cache: bidirectional_kv_xfer off, P's prefix cache on (what users run today: P caches prompts
                 but never sees D's answers)
+- affinity:     as prefix-cache, with pdserve's router pinning each conversation to one prefill server
+                (`router.prefill_policy: affinity`): the sticky-session baseline
+- vllm-router:  the same servers as prefix-cache, measured through vllm-router (PD mode, NIXL, prefill
+                policy cache_aware) instead of pdserve's router; `bench` runs it (see vrouter.py)
 
 The router's cost model is turned off in every arm: the arms measure the feature itself, and the cost
 model could only ever switch `on` to the `off` behaviour.
@@ -20,7 +24,8 @@ from typing import Any
 from pdserve.errors import PdserveError
 from pdserve.orchestrate import cluster
 
-ARMS = ("on", "off", "prefix-cache")
+ARMS = ("on", "off", "prefix-cache", "affinity", "vllm-router")
+PREFIX_CACHE_ARMS = ("prefix-cache", "affinity", "vllm-router")
 PREFIX_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
 
 
@@ -33,8 +38,11 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
     kv["bidirectional_kv_xfer"] = arm == "on"
     prefill = cfg.setdefault("prefill", {})
     args = [a for a in prefill.get("vllm_args", []) if a not in PREFIX_FLAGS]
-    prefill["vllm_args"] = [*args, "--enable-prefix-caching" if arm == "prefix-cache" else "--no-enable-prefix-caching"]
-    cfg.setdefault("router", {})["cost_aware"] = False
+    prefill["vllm_args"] = [*args, "--enable-prefix-caching" if arm in PREFIX_CACHE_ARMS
+                            else "--no-enable-prefix-caching"]
+    router = cfg.setdefault("router", {})
+    router["cost_aware"] = False
+    router["prefill_policy"] = "affinity" if arm == "affinity" else "least_loaded"
     return cfg
 
 

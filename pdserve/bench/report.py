@@ -18,7 +18,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per prompt-length bucket: TTFT p50/p90 per arm, off/on and prefix-cache/on ratios, and (arm on)
+    """Per prompt-length bucket: TTFT p50/p90 per arm, each other arm's p50 over on's, and (arm on)
     the share of the reusable tokens that P really pulled from D, on turns after the first."""
     arms = sorted({r["arm"] for r in rows})
     buckets = sorted({r["prompt_tokens"] // BUCKET for r in rows})
@@ -32,8 +32,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 entry[f"{arm}_ttft_p50_ms"] = percentile(ttft, 50)
                 entry[f"{arm}_ttft_p90_ms"] = percentile(ttft, 90)
                 entry[f"{arm}_requests"] = len(ttft)
-        for other in ("off", "prefix-cache"):
-            if f"on_ttft_p50_ms" in entry and f"{other}_ttft_p50_ms" in entry:
+        for other in arms:
+            if other != "on" and "on_ttft_p50_ms" in entry and f"{other}_ttft_p50_ms" in entry:
                 entry[f"{other}_over_on"] = entry[f"{other}_ttft_p50_ms"] / entry["on_ttft_p50_ms"]
         share = pulled_share(in_bucket)
         if share is not None:

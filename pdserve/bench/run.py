@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.bench.metrics import prefill_deltas
@@ -34,6 +34,9 @@ class Endpoints:
     prefill: list[str]
     model: str
     api_key: str | None = None
+    decode: list[str] = field(default_factory=list)
+    # A router that reports no Server-Timing (vllm-router): stream, and time the first content chunk.
+    stream: bool = False
 
 
 def _get(url: str, timeout: float = 30.0) -> str:
@@ -50,11 +53,30 @@ def scrape(urls: list[str]) -> Samples:
     return out
 
 
-def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
+def verbatim_token_ids(ep: Endpoints, words: tuple[str, ...] | list[str]) -> list[int]:
+    """Token ids that are one whole word each (" the"), by P's own tokenizer. A reply sampled only from
+    these re-tokenizes to itself when sent back (the pre-tokenizer splits at each leading space), so D's
+    KV of the reply stays valid for the next prompt, as a real model's replies do."""
     headers = {"Content-Type": "application/json", **auth_headers(ep.api_key)}
-    body = json.dumps({"model": ep.model, "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(ep.router + "/v1/chat/completions", data=body, headers=headers)
+    ids: list[int] = []
+    for word in words:
+        body = json.dumps({"model": ep.model, "prompt": " " + word, "add_special_tokens": False}).encode()
+        req = urllib.request.Request(ep.prefill[0] + "/tokenize", data=body, headers=headers)
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            tokens = json.loads(resp.read()).get("tokens") or []
+        if len(tokens) == 1 and tokens[0] not in ids:
+            ids.append(tokens[0])
+    return ids
+
+
+def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json", **auth_headers(ep.api_key)}
+    payload = {"model": ep.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **(extra or {})}
+    if ep.stream:
+        return _chat_streamed(ep, payload, headers, timeout)
+    req = urllib.request.Request(ep.router + "/v1/chat/completions", data=json.dumps(payload).encode(),
+                                 headers=headers)
     started = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         data = json.loads(resp.read())
@@ -71,8 +93,33 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
             "prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": completion}
 
 
+def _chat_streamed(ep: Endpoints, payload: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
+    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(ep.router + "/v1/chat/completions", data=json.dumps(payload).encode(),
+                                 headers=headers)
+    started = time.perf_counter()
+    ttft, parts, usage = None, [], {}
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    parts.append(text)
+            usage = event.get("usage") or usage
+    latency = time.perf_counter() - started
+    return {"reply": "".join(parts), "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
+            "prefill_s": None, "decode_s": None, "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0)}
+
+
 def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_tokens: int, concurrency: int = 1,
-            on_request: Callable[[dict[str, Any]], None] = lambda row: None) -> tuple[list[dict], dict]:
+            on_request: Callable[[dict[str, Any]], None] = lambda row: None,
+            extra: dict[str, Any] | None = None) -> tuple[list[dict], dict]:
     """Every conversation's turns in order (conversations in parallel up to `concurrency`); returns the
     per-request rows and the arm's P-side totals."""
     exact = concurrency == 1
@@ -85,7 +132,8 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
         for turn in range(len(conv.user_turns)):
             messages = conv.messages_for(history, turn)
             before = scrape(ep.prefill) if exact else None
-            result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens)
+            result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens,
+                          extra=extra)
             deltas = prefill_deltas(before, scrape(ep.prefill)) if exact else {}
             reusable = 0
             if previous is not None:

@@ -7,6 +7,7 @@ With no FILE it runs configs/bench-cpu.yaml (the CPU default with the larger `pd
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,10 +18,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from pdserve.orchestrate import cluster
-from pdserve.bench import report
+from pdserve.bench import report, vrouter
 from pdserve.bench.arms import ARMS, arm_config, deployed
-from pdserve.bench.run import Endpoints, run_arm
-from pdserve.bench.workload import generate, load
+from pdserve.bench.run import Endpoints, run_arm, verbatim_token_ids
+from pdserve.bench.workload import WORDS, generate, load
 from pdserve.errors import PdserveError, UsageError
 from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
 from pdserve.state.folder import ClusterDir
@@ -46,6 +47,9 @@ def command(
                                                             "or a generate_conversations config (JSON)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
     attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),
+    verbatim: bool = typer.Option(False, "--verbatim-replies", help="Sample replies only from whole-word tokens "
+                                                                  "(allowed_token_ids), so that they re-tokenize "
+                                                                  "to themselves, as a real model's do."),
 ) -> None:
     convs = load(workload, seed) if workload else generate(seed, conversations, turns)
     warm = generate(seed + 1000, warmup, max(len(c.user_turns) for c in convs)) if warmup else []
@@ -69,37 +73,53 @@ def command(
     out = out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     requests = sum(len(c.user_turns) for c in convs)
-    rows, totals = [], {}
+    rows, totals, info = [], {}, {"verbatim_replies": verbatim}
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=requests * len(runs))
         for arm, cfg, name in runs:
             progress.update(task, description=f"arm {arm}")
             rows_arm, totals[arm] = _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency,
-                                             lambda row: progress.advance(task))
+                                             lambda row: progress.advance(task), info)
             rows += rows_arm
     summary = report.summarize(rows)
     meta = {"config": str(config or BENCH_CONFIG) if not attach else attach, "arms": [r[0] for r in runs],
             "conversations": len(convs), "requests_per_arm": requests, "concurrency": concurrency,
             "max_tokens": max_tokens, "seed": seed, "warmup_conversations": warmup,
-            "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows)}
+            "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
+            **info}
     files = report.write_files(out, meta, rows, summary, totals)
-    _print_summary(summary, meta)
+    _print_summary(summary, meta, totals)
     console.info("wrote " + ", ".join(str(f) for f in files))
 
 
-def _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency, on_request):
+def _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency, on_request, info):
     if cfg is None:
-        return _measure(arm, _endpoints(name), convs, warm, max_tokens, concurrency, on_request)
+        return _measure(arm, _endpoints(name), convs, warm, max_tokens, concurrency, on_request, info)
     arm_file = out / f"{arm}.yaml"
     arm_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
     with deployed(arm, arm_file):
-        return _measure(arm, _endpoints(cfg["name"]), convs, warm, max_tokens, concurrency, on_request)
+        ep = _endpoints(cfg["name"])
+        if arm != "vllm-router":
+            return _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request, info)
+        if ep.api_key:
+            raise UsageError("arm vllm-router: the cluster has an API key (router.api_key_env); "
+                             "run that arm without one")
+        # The same servers, reached through vllm-router instead of pdserve's router (which stays idle).
+        with vrouter.running(ep.prefill, ep.decode, out / "vllm-router.log") as vr:
+            info["vllm_router"] = {"version": vr.version, "argv": vr.argv}
+            return _measure(arm, dataclasses.replace(ep, router=vr.url, stream=True), convs, warm, max_tokens,
+                            concurrency, on_request, info)
 
 
-def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request):
+def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request, info):
+    extra = None
+    if info["verbatim_replies"]:
+        ids = verbatim_token_ids(ep, WORDS)       # same model in every arm: the same ids
+        info["verbatim_token_ids"] = ids
+        extra = {"allowed_token_ids": ids}
     if warm:
-        run_arm(f"{arm}-warmup", ep, warm, max_tokens, 1)
-    return run_arm(arm, ep, convs, max_tokens, concurrency, on_request)
+        run_arm(f"{arm}-warmup", ep, warm, max_tokens, 1, extra=extra)
+    return run_arm(arm, ep, convs, max_tokens, concurrency, on_request, extra=extra)
 
 
 def _endpoints(name: str) -> Endpoints:
@@ -107,19 +127,20 @@ def _endpoints(name: str) -> Endpoints:
     plan = ClusterPlan.from_dict(ClusterDir(name).read_plan())
     key_env = plan.router_config.get("api_key_env")
     return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],
-                     plan.router_config.get("model", ""), os.environ.get(key_env) if key_env else None)
+                     plan.router_config.get("model", ""), os.environ.get(key_env) if key_env else None,
+                     [p.url for p in plan.processes if p.role == "decode"])
 
 
-def _print_summary(summary: list[dict], meta: dict) -> None:
+def _print_summary(summary: list[dict], meta: dict, totals: dict) -> None:
     arms = meta["arms"]
+    others = [a for a in arms if a != "on"] if "on" in arms else []
     table = Table(title="TTFT by prompt length (ms)", title_justify="left")
     table.add_column("prompt tokens")
     for arm in arms:
         table.add_column(f"{arm} p50")
         table.add_column(f"{arm} p90")
-    for ratio in ("off", "prefix-cache"):
-        if ratio in arms and "on" in arms:
-            table.add_column(f"{ratio}/on")
+    for ratio in others:
+        table.add_column(f"{ratio}/on")
     if "on" in arms:
         table.add_column("pulled/reusable (on)")
     for row in summary:
@@ -127,13 +148,17 @@ def _print_summary(summary: list[dict], meta: dict) -> None:
         for arm in arms:
             cells += [f"{row.get(f'{arm}_ttft_p50_ms', float('nan')):.0f}",
                       f"{row.get(f'{arm}_ttft_p90_ms', float('nan')):.0f}"]
-        for ratio in ("off", "prefix-cache"):
-            if ratio in arms and "on" in arms:
-                cells.append(f"{row[f'{ratio}_over_on']:.2f}x" if f"{ratio}_over_on" in row else "-")
+        for ratio in others:
+            cells.append(f"{row[f'{ratio}_over_on']:.2f}x" if f"{ratio}_over_on" in row else "-")
         if "on" in arms:
             cells.append(f"{100 * row['on_pulled_share']:.0f}%" if "on_pulled_share" in row else "-")
         table.add_row(*cells)
     console.out.print(table)
+    for arm in arms:
+        t = totals.get(arm) or {}
+        console.out.print(f"arm {arm}: P computed {t.get('tokens_computed', 0):,.0f} prompt tokens, its prefix cache "
+                          f"served {t.get('tokens_prefix_cache', 0):,.0f}, pulled from D {t.get('tokens_pulled', 0):,.0f}",
+                          highlight=False)
     if meta.get("pulled_share_on") is not None:
         console.out.print(f"arm on: {100 * meta['pulled_share_on']:.1f}% of the reusable tokens (previous prompt "
                           "+ reply, block-aligned) were pulled from D on turns after the first", highlight=False)

@@ -36,6 +36,7 @@ class RouterConfig:
     max_connections: int = 4096        # open client connections (lowered to fit the open-file limit)
     api_key_env: str | None = None     # name of the environment variable holding the API key
     cost_aware: bool = True
+    prefill_policy: str = "least_loaded"  # or "affinity": one prefill server per conversation (affinity.py)
     cost_probe_every: int = 8          # while a pull is predicted slower, pull anyway every Nth turn ...
     cost_probe_interval: float = 60.0  # ... or when the last pull is this old
     upstream_max_connections: int = 1024   # connections to all backends together (pooled, kept alive)

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdserve.router import identity
+from pdserve.router import affinity, identity
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
@@ -101,7 +101,9 @@ class Flow:
         decision = await self.prefill.decide(keys, route, body) if keys else None
         p_started = time.perf_counter()
         try:
-            p_params = await self.prefill.run(route, body, turn.headers, decision)
+            anchor = (affinity.anchor(turn.explicit, turn.tenant, turn.messages)
+                      if self.cfg.prefill_policy == affinity.AFFINITY else None)
+            p_params = await self.prefill.run(route, body, turn.headers, decision, anchor)
         except UpstreamError as err:
             if err.serve_elsewhere and self.decode.any_usable():
                 # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it

@@ -9,6 +9,7 @@ import re
 import time
 from typing import Any
 
+from pdserve.router import affinity
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
@@ -76,16 +77,17 @@ class PrefillLeg:
 
     # -- prefill -----------------------------------------------------------------------------------
     async def run(self, route: str, body: dict[str, Any], headers: dict[str, str],
-                  decision: Decision | None) -> dict[str, Any]:
+                  decision: Decision | None, anchor: str | None = None) -> dict[str, Any]:
         """P's kv_transfer_params for D. Records the reuse outcome: a hit only when P really read D's
-        blocks; otherwise the reason (the decision's, pull_slower, or read_failed)."""
+        blocks; otherwise the reason (the decision's, pull_slower, or read_failed). `anchor` (set only under
+        the `affinity` policy) pins the conversation to one prefill server."""
         offer = decision if decision is not None and decision.result == HIT else None
         outcome = decision
         tried: list[str] = []
         served = False
         try:
             while True:
-                backend = self.pool.pick(exclude=set(tried))
+                backend = affinity.pick(self.pool, anchor, set(tried))   # least-loaded when anchor is None
                 if backend is None:
                     raise UpstreamError(503, error_body("no prefill server available", "server_error", 503))
                 tried.append(backend.name)

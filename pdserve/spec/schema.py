@@ -102,6 +102,11 @@ class RouterSpec(Strict):
                     "(VLLM_API_KEY), so they refuse clients that bypass the router.")
     cost_aware: bool = Field(ROUTER_DEFAULTS["cost_aware"], description="Offer D's blocks to P only while pulling them is measured to be "
                                                "faster than recomputing (see docs/router.md).")
+    prefill_policy: Literal["least_loaded", "affinity"] = Field(
+        ROUTER_DEFAULTS["prefill_policy"],
+        description="How the router picks a prefill server: the least loaded one, or 'affinity': "
+                    "each conversation stays on one (rendezvous hashing; least loaded while that "
+                    "one is down), so P's own prefix cache holds its history.")
     breaker_failures: int = Field(ROUTER_DEFAULTS["breaker_failures"], ge=1, description="Consecutive failed requests that open a backend's "
                                                        "circuit breaker.")
     breaker_cooldown: float = Field(ROUTER_DEFAULTS["breaker_cooldown"], gt=0, description="Seconds an open breaker waits before one trial request.")

@@ -117,7 +117,9 @@ class FakeVLLM:
         chat = "messages" in body
         ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
-            return await self.stream(request, chat, text.split(), generated, prompt, params, ids)
+            usage = ({"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+                     if (body.get("stream_options") or {}).get("include_usage") else None)
+            return await self.stream(request, chat, text.split(), generated, prompt, params, ids, usage)
         choice = {"index": 0, "finish_reason": "length"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         resp = {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "model": body.get("model"),
@@ -133,20 +135,20 @@ class FakeVLLM:
             resp["kv_transfer_params"] = params
         return web.json_response(resp)
 
-    async def stream(self, request, chat, words, generated, prompt, params, ids) -> web.StreamResponse:
+    async def stream(self, request, chat, words, generated, prompt, params, ids, usage=None) -> web.StreamResponse:
         if self.args.plain_stream:     # a broken server: plain text where SSE was asked for
             return web.Response(text=" ".join(words), content_type="text/plain")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         try:
-            await self._stream_words(request, out, chat, words, generated, prompt, params, ids)
+            await self._stream_words(request, out, chat, words, generated, prompt, params, ids, usage)
         except (asyncio.CancelledError, ConnectionResetError):
             if not self.args.die_mid_stream:
                 self.cancelled += 1
             raise
         return out
 
-    async def _stream_words(self, request, out, chat, words, generated, prompt, params, ids) -> None:
+    async def _stream_words(self, request, out, chat, words, generated, prompt, params, ids, usage) -> None:
         for i, word in enumerate(words):
             if self.args.die_mid_stream and i == 2:
                 request.transport.close()   # like a decode server killed mid-generation
@@ -165,6 +167,8 @@ class FakeVLLM:
                 await out.write_eof()
                 return
             await asyncio.sleep(self.args.token_delay)
+        if usage:       # like vLLM with stream_options.include_usage: a last chunk with no choices
+            await out.write(b"data: " + json.dumps({"id": "cmpl-fake", "choices": [], "usage": usage}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
 

@@ -1,0 +1,51 @@
+"""Prefill policy `affinity`: keep each conversation on one prefill server, so that P's own prefix cache
+holds its history (the sticky-session baseline that `pdserve bench` compares D->P reuse with).
+
+The conversation's anchor is stable across its turns: the explicit id when the client sends one, else a
+hash of the tenant and the history up to the first user message (automatic detection's keys change every
+turn, so they cannot anchor). Rendezvous hashing ranks the servers per anchor: adding or removing one
+server moves only the conversations that ranked it first. When that server is unusable (down, breaker
+open, or already tried for this request), the request goes to the least-loaded usable one instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pdserve.router.backends import Backend, Pool
+from pdserve.router.identity import Key
+
+LEAST_LOADED = "least_loaded"
+AFFINITY = "affinity"
+POLICIES = (LEAST_LOADED, AFFINITY)
+
+
+def anchor(explicit: Key | None, tenant: str, messages: list[Any] | None) -> str | None:
+    """What identifies the conversation on every turn, or None (nothing to pin: least-loaded)."""
+    if explicit is not None:
+        return "\0".join(explicit)
+    if not messages:
+        return None
+    first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+    if first_user is None:
+        return None
+    opening = json.dumps(messages[: first_user + 1], sort_keys=True, default=str)
+    return tenant + "\0" + hashlib.sha256(opening.encode()).hexdigest()
+
+
+def ranked(key: str, names: list[str]) -> list[str]:
+    """Rendezvous (highest random weight) order of `names` for `key`."""
+    def weight(name: str) -> bytes:
+        return hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest()
+    return sorted(names, key=weight, reverse=True)
+
+
+def pick(pool: Pool, key: str | None, exclude: set[str]) -> Backend | None:
+    """The conversation's own server while it is usable; otherwise least-loaded among the rest."""
+    if key is not None and pool.backends:
+        home = pool.by_name(ranked(key, [b.name for b in pool.backends])[0])
+        if home and home.name not in exclude and home.healthy and home.breaker.allows():
+            return home
+    return pool.pick(exclude=exclude)

@@ -1,0 +1,40 @@
+"""`pdserve bench --arms affinity,vllm-router` against fake vLLM servers: vllm-router is started on the
+arm's servers, carries the workload, is recorded in results.json and is gone afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from pdserve.bench import vrouter
+from tests.integration.test_cli_lifecycle import all_markers, home, pdserve, write_config  # noqa: F401
+
+pytestmark = pytest.mark.skipif(vrouter.executable() is None, reason="vllm-router not installed (bench extra)")
+
+
+def test_bench_runs_vllm_router_and_affinity_arms_and_stops_vllm_router(tmp_path, home, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("COLUMNS", "250")
+    path, _ = write_config(tmp_path, "vr")
+    out = tmp_path / "out"
+    res = pdserve("bench", str(path), "--arms", "affinity,vllm-router", "--conversations", "2", "--turns", "3",
+                  "--max-tokens", "4", "--verbatim-replies", "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads((out / "results.json").read_text())
+    info = data["vllm_router"]
+    assert info["version"] == vrouter.version()
+    assert {"--vllm-pd-disaggregation", "cache_aware", "nixl"} <= set(info["argv"])
+    port = info["argv"][info["argv"].index("--port") + 1]
+    rows = [r for r in data["requests"] if r["arm"] == "vllm-router"]
+    assert len(rows) == 6
+    for r in rows:        # streamed through vllm-router: usage came back, first token before the end
+        assert r["prompt_tokens"] > 0 and r["completion_tokens"] == 4 and 0 < r["ttft_s"] <= r["latency_s"]
+        assert r["tokens_computed"] == r["prompt_tokens"]   # each request's P leg ran on the arm's P
+    assert data["verbatim_replies"] and data["verbatim_token_ids"]
+    assert "prefill_policy: affinity" in (out / "affinity.yaml").read_text()
+    assert "--enable-prefix-caching" in (out / "vllm-router.yaml").read_text()
+    assert "vllm-router/on" not in res.stdout and "P computed" in res.stdout
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if "vllm-router" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]
+    assert all_markers(home, "vr-affinity") == [] and all_markers(home, "vr-vllm-router") == []
