@@ -18,7 +18,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from pdserve.errors import PdserveError
 from pdserve.plan.records import ProcessPlan
+
+
+class HostUnreachable(PdserveError):
+    """A host could not be reached (or did not answer in time); `host` and `reason` say which and why."""
+
+    def __init__(self, host: str, reason: str, destination: str | None = None):
+        self.host, self.reason = host, reason
+        super().__init__(f"host {host} is unreachable: {reason}",
+                         hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
 
 
 class LauncherKind(str, enum.Enum):

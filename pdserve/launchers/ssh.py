@@ -20,22 +20,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pdserve.errors import PdserveError
-from pdserve.launchers.base import Handle, LauncherKind
+from pdserve.launchers.base import Handle, HostUnreachable, LauncherKind
 from pdserve.plan.records import MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan
 
 REMOTE_OPS = (Path(__file__).with_name("remote_ops.py")).read_text()
 # The remote side reads the program from stdin, so no quoting of the request through the remote shell.
 BOOTSTRAP = "import sys; exec(compile(sys.stdin.read(), 'pdserve-remote-ops', 'exec'))"
 SSH_ERROR = 255       # ssh's own exit status: could not connect / authenticate / lost the connection
-
-
-class HostUnreachable(PdserveError):
-    """A host could not be reached (or did not answer in time); `host` and `reason` say which and why."""
-
-    def __init__(self, host: str, reason: str, destination: str | None = None):
-        self.host, self.reason = host, reason
-        super().__init__(f"host {host} is unreachable: {reason}",
-                         hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
 
 
 @dataclass

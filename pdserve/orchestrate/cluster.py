@@ -18,6 +18,7 @@ import psutil
 
 from pdserve.errors import ConfigError, NotRunningError, PdserveError, UsageError
 from pdserve.launchers import launcher_for_handle
+from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.local import same_process
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
@@ -59,8 +60,17 @@ def live_processes(cdir: ClusterDir, state: ClusterState | None = None) -> dict[
     if state is None:
         return {}
     plan = _stored_plan(cdir)
-    return {name: bool(p.handle and launcher_for_handle(plan, p.handle).tree_alive(p.handle))
-            for name, p in state.processes.items()}
+    return {name: _tree_alive(plan, p.handle) for name, p in state.processes.items()}
+
+
+def _tree_alive(plan: ClusterPlan | None, handle) -> bool:
+    """Anything of the tree alive; on a host that cannot be reached, assume so (it may well run there)."""
+    if handle is None:
+        return False
+    try:
+        return bool(launcher_for_handle(plan, handle).tree_alive(handle))
+    except HostUnreachable:
+        return True
 
 
 def has_live_processes(cdir: ClusterDir) -> bool:
@@ -302,8 +312,11 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     killed = []
     for name in sorted(state.processes, key=lambda n: order.index(n) if n in order else len(order)):
         rec = state.processes[name]
-        if rec.handle is not None and _stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
-            killed.append(name)
+        try:
+            if rec.handle is not None and _stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
+                killed.append(name)
+        except HostUnreachable as err:      # reported below as left: `down` again once the host is back
+            rec.message = f"{err.message}: may still run there"
     left = [name for name, alive in live_processes(cdir, state).items() if alive]
     busy = busy_ports(plan) if plan else []
     for name, rec in state.processes.items():

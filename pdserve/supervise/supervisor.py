@@ -14,6 +14,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
+from pdserve.launchers.base import HostUnreachable
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
@@ -101,13 +102,18 @@ class Supervisor:
             proc = self.by_name(plan.name)
             if proc.state in (ProcState.STOPPED, ProcState.FATAL, ProcState.BACKOFF) and proc.handle is None:
                 continue
-            if proc.state != ProcState.STOPPING:
-                self._begin_stop(proc, ProcState.STOPPED, "stopped by request")
-            while proc.state == ProcState.STOPPING:
-                self._step_stopping(proc, self.clock.monotonic())
-                self.write_state()
-                if proc.state == ProcState.STOPPING:
-                    self.clock.sleep(TICK / 5)
+            try:
+                if proc.state != ProcState.STOPPING:
+                    self._begin_stop(proc, ProcState.STOPPED, "stopped by request")
+                while proc.state == ProcState.STOPPING:
+                    self._step_stopping(proc, self.clock.monotonic())
+                    self.write_state()
+                    if proc.state == ProcState.STOPPING:
+                        self.clock.sleep(TICK / 5)
+            except HostUnreachable as err:      # `down` reports what is left there; do not hang on it
+                proc.handle, proc.teardown, proc.state = None, None, ProcState.STOPPED
+                proc.message = f"{err.message}: its processes may still run there"
+                log.error("%s: %s", proc.name, proc.message)
         if self.phase != Phase.FAILED:
             self.phase = Phase.STOPPED
         self.write_state()
@@ -155,6 +161,17 @@ class Supervisor:
         return [r for r in roles if not any(p.role == r and p.state == ProcState.READY for p in self.procs)]
 
     def _step(self, proc: ManagedProcess, now: float) -> None:
+        """One process's turn. A host that cannot be reached is news, not a crash: its processes may still
+        run there, so nothing is restarted; the router has marked them down by its own probes, and the
+        next tick asks again (the launcher backs off between tries)."""
+        try:
+            self._step_process(proc, now)
+        except HostUnreachable as err:
+            if proc.message != err.message:
+                log.warning("%s: %s", proc.name, err.message)
+            proc.message = err.message
+
+    def _step_process(self, proc: ManagedProcess, now: float) -> None:
         st = proc.state
         if st == ProcState.STOPPING:
             self._step_stopping(proc, now)
@@ -310,7 +327,7 @@ class Supervisor:
     def _start(self, proc: ManagedProcess, now: float) -> None:
         try:
             proc.handle = proc.launcher.start(proc.plan, self.cdir.log_path(proc.name))
-        except OSError as err:
+        except (OSError, HostUnreachable) as err:
             proc.handle = None
             if proc.state != ProcState.BACKOFF:
                 proc.to(ProcState.BACKOFF, now)

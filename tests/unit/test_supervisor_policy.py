@@ -331,3 +331,28 @@ def test_orphans_of_a_dead_leader_get_a_short_grace_not_the_full_stop_timeout(tm
     start = rig.clock.now
     rig.until(lambda: signal.SIGKILL in rig.launcher.live("decode-0").signals)
     assert rig.clock.now - start <= ORPHAN_GRACE + 0.5 < 20.0
+
+
+def test_an_unreachable_host_is_reported_not_restarted_and_shutdown_does_not_hang(tmp_path):
+    from pdserve.launchers.base import HostUnreachable
+    rig = Rig(tmp_path).running()
+    real_alive, real_signal = rig.launcher.is_alive, rig.launcher.signal
+    down = {"yes": True}
+
+    def alive(h):
+        if down["yes"] and rig.launcher.procs[h.pid].name == "decode-0":
+            raise HostUnreachable("gpu-b", "ssh: connect timed out")
+        return real_alive(h)
+    rig.launcher.is_alive = alive
+    rig.ticks(8)
+    d = rig.sup.by_name("decode-0")
+    assert "host gpu-b is unreachable" in d.message and rig.launcher.started.count("decode-0") == 1
+    assert rig.state("prefill-0") == S.READY                       # the others are still watched
+    down["yes"] = False
+    rig.ticks(2)
+    assert rig.launcher.started.count("decode-0") == 1
+    rig.launcher.signal = lambda h, sig: (_ for _ in ()).throw(HostUnreachable("gpu-b", "gone")) \
+        if rig.launcher.procs[h.pid].name == "decode-0" else real_signal(h, sig)
+    rig.sup.shutdown()
+    assert rig.state("decode-0") == S.STOPPED and "may still run there" in rig.sup.by_name("decode-0").message
+    assert rig.sup.phase == Phase.STOPPED
