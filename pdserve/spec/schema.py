@@ -70,47 +70,49 @@ MIB = 1024 * 1024
 ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 
 
+def router_field(name: str, description: str, **constraints: Any) -> Any:
+    """A RouterSpec field whose default is the router's own (RouterConfig is the one source)."""
+    return Field(ROUTER_DEFAULTS[name], description=description, **constraints)
+
+
 class RouterSpec(Strict):
-    host: str = Field(ROUTER_DEFAULTS["host"],
-                      description="Router bind address; 127.0.0.1 unless you mean to expose it.")
-    port: int = Field(ROUTER_DEFAULTS["port"], ge=1, le=65535)
+    host: str = router_field("host", "Router bind address; 127.0.0.1 unless you mean to expose it.")
+    port: int = router_field("port", "Router port.", ge=1, le=65535)
     reuse_ttl: float | None = Field(
         None, gt=0, description="Seconds the router keeps D's block handles; default 90% of decoder_kv_blocks_ttl.")
-    reuse_max_entries: int = Field(ROUTER_DEFAULTS["reuse_max_entries"], ge=1,
-                                   description="Conversations whose D handles the router holds at most "
-                                               "(least recently stored out first).")
+    reuse_max_entries: int = router_field("reuse_max_entries", "Conversations whose D handles the router holds "
+                                          "at most (least recently stored out first).", ge=1)
     reuse_max_mb: float = Field(ROUTER_DEFAULTS["reuse_max_bytes"] / MIB, gt=0,
                                 description="Estimated memory of those handles at most, in MiB.")
-    request_timeout: float = Field(ROUTER_DEFAULTS["request_timeout"], gt=0,
-                                   description="Seconds before a backend leg is abandoned.")
-    header_timeout: float = Field(ROUTER_DEFAULTS["header_timeout"], gt=0,
-                                  description="Seconds a client may take to send a request's headers.")
-    body_timeout: float = Field(ROUTER_DEFAULTS["body_timeout"], gt=0,
-                                description="Seconds a client may take to send a request's body (then 408).")
-    idle_timeout: float = Field(ROUTER_DEFAULTS["idle_timeout"], gt=0,
-                                description="Seconds an idle keep-alive client connection stays open.")
-    max_connections: int = Field(ROUTER_DEFAULTS["max_connections"], ge=1,
-                                 description="Open client connections at most (lowered to fit the open-file limit).")
-    upstream_max_connections: int = Field(ROUTER_DEFAULTS["upstream_max_connections"], ge=1,
-                                          description="Pooled connections to all backends together.")
-    upstream_max_per_backend: int = Field(ROUTER_DEFAULTS["upstream_max_per_backend"], ge=1,
-                                          description="Pooled connections to any one backend.")
-    api_key_env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="Name of an environment variable holding an API key. When set, every router endpoint but "
-                    "/health requires 'Authorization: Bearer <key>', and the vLLM servers get the same key "
-                    "(VLLM_API_KEY), so they refuse clients that bypass the router.")
-    cost_aware: bool = Field(ROUTER_DEFAULTS["cost_aware"], description="Offer D's blocks to P only while pulling them is measured to be "
-                                               "faster than recomputing (see docs/router.md).")
-    prefill_policy: Literal["least_loaded", "affinity"] = Field(
-        ROUTER_DEFAULTS["prefill_policy"],
-        description="How the router picks a prefill server: the least loaded one, or 'affinity': "
-                    "each conversation stays on one (rendezvous hashing; least loaded while that "
-                    "one is down), so P's own prefix cache holds its history.")
-    breaker_failures: int = Field(ROUTER_DEFAULTS["breaker_failures"], ge=1, description="Consecutive failed requests that open a backend's "
-                                                       "circuit breaker.")
-    breaker_cooldown: float = Field(ROUTER_DEFAULTS["breaker_cooldown"], gt=0, description="Seconds an open breaker waits before one trial request.")
-    max_body_mb: float = Field(ROUTER_DEFAULTS["max_body_bytes"] / MIB, gt=0, description="Largest request body accepted, in MiB.")
+    request_timeout: float = router_field("request_timeout", "Seconds before a backend leg is abandoned.", gt=0)
+    header_timeout: float = router_field("header_timeout", "Seconds a client may take to send a request's "
+                                         "headers.", gt=0)
+    body_timeout: float = router_field("body_timeout", "Seconds a client may take to send a request's body "
+                                       "(then 408).", gt=0)
+    idle_timeout: float = router_field("idle_timeout", "Seconds an idle keep-alive client connection stays "
+                                       "open.", gt=0)
+    max_connections: int = router_field("max_connections", "Open client connections at most (lowered to fit "
+                                        "the open-file limit).", ge=1)
+    upstream_max_connections: int = router_field("upstream_max_connections", "Pooled connections to all "
+                                                 "backends together.", ge=1)
+    upstream_max_per_backend: int = router_field("upstream_max_per_backend", "Pooled connections to any one "
+                                                 "backend.", ge=1)
+    api_key_env: str | None = router_field(
+        "api_key_env", "Name of an environment variable holding an API key. When set, every router endpoint but "
+        "/health requires 'Authorization: Bearer <key>', and the vLLM servers get the same key (VLLM_API_KEY), "
+        "so they refuse clients that bypass the router.", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    cost_aware: bool = router_field("cost_aware", "Offer D's blocks to P only while pulling them is measured to "
+                                    "be faster than recomputing (see docs/router.md).")
+    prefill_policy: Literal["least_loaded", "affinity"] = router_field(
+        "prefill_policy", "How the router picks a prefill server: the least loaded one, or 'affinity': each "
+        "conversation stays on one (rendezvous hashing; least loaded while that one is down), so P's own "
+        "prefix cache holds its history.")
+    breaker_failures: int = router_field("breaker_failures", "Consecutive failed requests that open a "
+                                         "backend's circuit breaker.", ge=1)
+    breaker_cooldown: float = router_field("breaker_cooldown", "Seconds an open breaker waits before one trial "
+                                           "request.", gt=0)
+    max_body_mb: float = Field(ROUTER_DEFAULTS["max_body_bytes"] / MIB, gt=0,
+                               description="Largest request body accepted, in MiB.")
 
 
 class SupervisorSpec(Strict):
