@@ -36,7 +36,8 @@ from pdserve.state.records import ClusterState, Phase, ProcState
 def plan_from_file(path: str | Path | None) -> tuple[ClusterSpec, ClusterPlan, ClusterDir]:
     spec = load_spec(path or DEFAULT_CONFIG)
     cdir = ClusterDir(spec.name)
-    plan = build_plan(spec, python=sys.executable, cluster_dir=cdir.root, models_dir=models_dir())
+    plan = build_plan(spec, python=sys.executable, cluster_dir=cdir.root, models_dir=models_dir(),
+                      memory_gib=psutil.virtual_memory().total / 2**30)
     return spec, plan, cdir
 
 

