@@ -18,9 +18,7 @@ import psutil
 
 from pdserve.launchers.base import Handle, LauncherKind
 from pdserve.observe.logfiles import last_lines
-from pdserve.plan.records import MARKER_ENV, ProcessPlan
-
-LOCAL_HOST = "local"
+from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ProcessPlan
 
 
 def same_process(pid: int | None, start_time: float | None) -> psutil.Process | None:
