@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -95,28 +94,18 @@ def tree_members(wanted: dict[int, str]) -> dict[int, list[psutil.Process]]:
     return found
 
 
-def processes_by_marker(markers: Iterable[str]) -> dict[str, list[psutil.Process]]:
-    """Live processes whose environment carries each marker (children inherit it), in one /proc scan.
-    Reads /proc/PID/environ directly: psutil returns nothing for processes that rewrote their title."""
-    needles = {f"{MARKER_ENV}={m}\0".encode(): m for m in markers if m}
-    found: dict[str, list[psutil.Process]] = {m: [] for m in needles.values()}
-    if not needles:
-        return found
-    for pid in psutil.pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read() + b"\0"
-            hits = [m for needle, m in needles.items() if needle in env]
-            if hits and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                for m in hits:
-                    found[m].append(psutil.Process(pid))
-        except (OSError, psutil.Error):
-            continue
-    return found
-
-
 def marked_processes(marker: str) -> list[psutil.Process]:
-    return processes_by_marker([marker]).get(marker, [])
+    """Live processes whose environment carries this marker (children inherit it)."""
+    found = []
+    for pid in psutil.pids():
+        if _has_marker(pid, marker):
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except psutil.Error:
+                continue
+    return found
 
 
 class LocalLauncher:

@@ -97,7 +97,7 @@ class Supervisor:
         once the previous is gone. Ticks the clock, never blocks on a process."""
         if self.phase != Phase.FAILED:
             self.phase = Phase.STOPPING
-        self._take_stop_timeout()
+        self._take_requests()          # `down --timeout` writes its timeout just before it signals us
         for plan in self.plan.stop_order():
             proc = self.by_name(plan.name)
             if proc.state in (ProcState.STOPPED, ProcState.FATAL, ProcState.BACKOFF) and proc.handle is None:
@@ -434,11 +434,6 @@ class Supervisor:
             if names:
                 log.info("restart requested for %s", ", ".join(names))
             self.restart_queue.extend(n for n in names if n not in self.restart_queue)
-
-    def _take_stop_timeout(self) -> None:
-        """`down --timeout` writes its timeout just before it signals us: honour it for this stop."""
-        if self.cdir.requests_dir.is_dir():
-            self._take_requests()
 
     def _reload_plan(self) -> None:
         """`up` with a changed config wrote a new plan: the next start of each process uses it."""
