@@ -42,6 +42,27 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def after_pause(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm, the first turn of each conversation after the pause (a prefill restart): TTFT p50/p90 and
+    what P computed, read from its cache and pulled from D (None when requests overlapped on P)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in sorted({r["arm"] for r in rows}):
+        firsts: dict[str, dict[str, Any]] = {}
+        for r in sorted((r for r in rows if r["arm"] == arm and r.get("after_pause")), key=lambda r: r["turn"]):
+            firsts.setdefault(r["conversation"], r)
+        if not firsts:
+            continue
+        sel = list(firsts.values())
+        ttft = [1000 * r["ttft_s"] for r in sel]
+        entry: dict[str, Any] = {"requests": len(sel), "ttft_p50_ms": percentile(ttft, 50),
+                                 "ttft_p90_ms": percentile(ttft, 90)}
+        for key in ("tokens_computed", "tokens_prefix_cache", "tokens_pulled"):
+            values = [r.get(key) for r in sel]
+            entry[key] = None if any(v is None for v in values) else sum(values)
+        out[arm] = entry
+    return out
+
+
 def pulled_share(rows: list[dict[str, Any]], arm: str = "on") -> float | None:
     """Tokens P pulled over the tokens D held of the previous turn, on the arm's turns after the first."""
     later = [r for r in rows if r["arm"] == arm and r["reusable_tokens"] and r.get("tokens_pulled") is not None]

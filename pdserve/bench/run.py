@@ -119,39 +119,53 @@ def _chat_streamed(ep: Endpoints, payload: dict[str, Any], headers: dict[str, st
 
 def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_tokens: int, concurrency: int = 1,
             on_request: Callable[[dict[str, Any]], None] = lambda row: None,
-            extra: dict[str, Any] | None = None) -> tuple[list[dict], dict]:
+            extra: dict[str, Any] | None = None,
+            pause: tuple[int, Callable[[], None]] | None = None) -> tuple[list[dict], dict]:
     """Every conversation's turns in order (conversations in parallel up to `concurrency`); returns the
-    per-request rows and the arm's P-side totals."""
+    per-request rows and the arm's P-side totals.
+
+    `pause` (turn, action): once every conversation has run that many turns, run the action (a prefill
+    restart) before the rest. Rows after it are marked `after_pause`; P's counters are read on both sides
+    of it, because a restarted server's counters start again from zero."""
     exact = concurrency == 1
     lock = threading.Lock()
     rows: list[dict[str, Any]] = []
+    state: dict[str, dict[str, Any]] = {c.id: {"history": [], "previous": None} for c in conversations}
 
-    def one(conv: Conversation) -> None:
-        history: list[dict[str, Any]] = []
-        previous: dict[str, Any] | None = None
-        for turn in range(len(conv.user_turns)):
-            messages = conv.messages_for(history, turn)
+    def one(conv: Conversation, first: int, end: int, after_pause: bool) -> None:
+        st = state[conv.id]
+        for turn in range(first, min(end, len(conv.user_turns))):
+            messages = conv.messages_for(st["history"], turn)
             before = scrape(ep.prefill) if exact else None
             result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens,
                           extra=extra)
             deltas = prefill_deltas(before, scrape(ep.prefill)) if exact else {}
             reusable = 0
-            if previous is not None:
+            if st["previous"] is not None:
                 # What D holds of the previous turn: its prompt and reply, all but the last sampled token.
                 # P may read all of it when the new prompt continues it exactly, whole blocks otherwise.
-                reusable = previous["prompt_tokens"] + previous["completion_tokens"] - 1
+                reusable = st["previous"]["prompt_tokens"] + st["previous"]["completion_tokens"] - 1
             row = {"arm": arm, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
                                                                               if k != "reply"},
                    **deltas, "reusable_tokens": reusable}
-            history = [*messages, {"role": "assistant", "content": result["reply"]}]
-            previous = result
+            if pause:
+                row["after_pause"] = after_pause
+            st["history"] = [*messages, {"role": "assistant", "content": result["reply"]}]
+            st["previous"] = result
             with lock:
                 rows.append(row)
                 on_request(row)
 
-    totals_before = scrape(ep.prefill)
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        for future in [pool.submit(one, c) for c in conversations]:
-            future.result()
-    totals = prefill_deltas(totals_before, scrape(ep.prefill))
+    longest = max(len(c.user_turns) for c in conversations)
+    phases = [(0, pause[0], False), (pause[0], longest, True)] if pause else [(0, longest, False)]
+    totals: dict[str, float] = {}
+    for first, end, after_pause in phases:
+        if after_pause:
+            pause[1]()
+        phase_before = scrape(ep.prefill)
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            for future in [pool.submit(one, c, first, end, after_pause) for c in conversations]:
+                future.result()
+        for key, value in prefill_deltas(phase_before, scrape(ep.prefill)).items():
+            totals[key] = totals.get(key, 0.0) + value
     return sorted(rows, key=lambda r: (r["conversation"], r["turn"])), totals

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.vllmkit import converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import (converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
+                               reuse_diagnosis, up)
 from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import wait_for
 
@@ -125,7 +126,7 @@ def test_decode_sigkill_is_restarted_and_serves_again(cluster):
     assert seen_new is not None, "decode was not restarted"
     wait_for(lambda: all(p["state"] == "ready" for p in status()["processes"]), timeout=300, what="ready again")
     rows = converse(cluster, "e2e-after-restart", 2, [])
-    assert rows[1]["tokens_from_d"] > 0, rows          # the new decode server's blocks reach P again
+    assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(cluster))         # the new decode server's blocks reach P again
 
 
 def test_supervisor_sigkill_then_up_adopts_and_restart_works(cluster):
@@ -149,7 +150,7 @@ def test_supervisor_sigkill_then_up_adopts_and_restart_works(cluster):
     after = {p["name"]: p for p in status()["processes"]}
     assert after["decode-0"]["pid"] != before["decode-0"] and after["prefill-0"]["pid"] == before["prefill-0"]
     rows = converse(cluster, "e2e-after-restart-command", 2, [])
-    assert rows[1]["tokens_from_d"] > 0, rows          # the restarted D's blocks reach P
+    assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(cluster))     # the restarted D's blocks reach P
 
 
 def test_down_leaves_nothing(cluster):

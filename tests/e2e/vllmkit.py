@@ -31,6 +31,18 @@ def metric(url: str, name: str, **labels) -> float:
     return total(samples, name, **labels)
 
 
+def reuse_diagnosis(cluster: dict) -> str:
+    """Why a turn was not read from D: the router's reuse outcomes, P's failed transfers, and the NIXL
+    lines of the servers' logs (what a failed reuse assertion needs to be understood after the fact)."""
+    router = [line for line in urllib.request.urlopen(cluster["router"] + "/metrics", timeout=10).read()
+              .decode().splitlines() if line.startswith("pdserve_router_reuse")]
+    failed = [metric(p, "vllm:nixl_num_failed_transfers_total") for p in cluster["prefill"]]
+    logs = sorted((cluster["home"] / "clusters" / cluster["name"] / "logs").glob("*.log"))
+    nixl = [f"{log.name}: {line.strip()[:300]}" for log in logs for line in log.read_text(errors="replace")
+            .splitlines() if any(w in line.lower() for w in ("nixl", "handshake", "kv load", "failed"))]
+    return "\n".join([*router, f"P failed transfers: {failed}", *nixl[-25:]])
+
+
 def status(name: str) -> dict:
     return json.loads(pdserve("status", name, "--json").stdout)
 

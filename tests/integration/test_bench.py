@@ -34,3 +34,28 @@ def test_bench_two_arms_writes_every_output(tmp_path, home, monkeypatch):  # noq
     assert all_markers(home, "fb-on") == [] and all_markers(home, "fb-off") == []
     bad = pdserve("bench", str(path), "--arms", "sideways")
     assert bad.returncode == 2 and "unknown arm sideways" in bad.stderr
+
+
+def test_bench_restarts_prefill_mid_run_and_counts_across_the_reset(tmp_path, home, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("COLUMNS", "200")
+    path, _ = write_config(tmp_path, "fr")
+    out = tmp_path / "out"
+    res = pdserve("bench", str(path), "--arms", "on,prefix-cache", "--conversations", "2", "--turns", "3",
+                  "--max-tokens", "4", "--restart-prefill-after-turn", "2", "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert data["restart_prefill_after_turn"] == 2 and set(data["prefill_restart_s"]) == {"on", "prefix-cache"}
+    assert "prefill-0 restarted in" in res.stderr and "right after the prefill restart" in res.stdout
+    rows = data["requests"]
+    assert {r["turn"] for r in rows if r["after_pause"]} == {3} and len(rows) == 12
+    for arm in ("on", "prefix-cache"):
+        mine = [r for r in rows if r["arm"] == arm]
+        totals = data["arm_totals"][arm]
+        # The restarted P counts from zero: the arm's totals add both sides of the restart.
+        assert totals["tokens_computed"] + totals["tokens_prefix_cache"] + totals["tokens_pulled"] == \
+            sum(r["prompt_tokens"] for r in mine)
+    after = data["after_prefill_restart"]
+    assert after["on"]["requests"] == 2 and after["on"]["tokens_pulled"] > 0    # D still held the turns
+    assert after["prefix-cache"]["tokens_pulled"] == 0
+    bad = pdserve("bench", str(path), "--turns", "3", "--restart-prefill-after-turn", "3")
+    assert bad.returncode == 2 and "leaves no turn after the restart" in bad.stderr
