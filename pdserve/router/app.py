@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.router.backends import Backend, Pool, probe_forever
+from pdserve.router.backends import Backend, HealthProber, Pool
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
@@ -166,8 +166,6 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout)
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
             if cfg.cost_aware else None
-        app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),
-                         decode, store, metrics)
 
         def on_down(backend: Backend) -> None:
             if backend.role == "decode":
@@ -184,7 +182,10 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
                 metrics.entries_live.set(len(store))
                 metrics.entries_bytes.set(store.bytes)
 
-        tasks = [asyncio.create_task(probe_forever([prefill, decode], session, cfg.health_interval, on_down)),
+        prober = HealthProber([prefill, decode], session, cfg.health_interval, on_down)
+        app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),
+                         decode, store, metrics, recheck=prober.recheck)
+        tasks = [asyncio.create_task(prober.forever()),
                  asyncio.create_task(purge_forever())]
         yield
         for task in tasks:

@@ -1,9 +1,11 @@
-"""Backend pools: live load, background health probes, least-loaded choice among the healthy."""
+"""Backend pools: live load, health probes (background and on demand), least-loaded choice among the healthy."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -132,15 +134,29 @@ class Pool:
             0 if backend.breaker.state == "closed" else 1)
 
 
-async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, interval: float,
-                        on_down: Callable[[Backend], None]) -> None:
-    """Probe every backend's /health; a backend whose process is gone invalidates what it handed out."""
-    timeout = aiohttp.ClientTimeout(total=max(5.0, interval))
+class HealthProber:
+    """/health probes: of every backend every `interval` in the background, and at once for a pool that
+    has no usable backend when a request needs it. A restarted server answers before the next scheduled
+    probe; serving that request degraded on the other role would waste the restart (and leave D without
+    the turn's blocks). A backend whose process is gone invalidates what it handed out (`on_down`)."""
 
-    async def one(b: Backend) -> None:
+    RECHECK_GAP = 0.5       # at most one on-demand probe of a pool per this many seconds
+    RECHECK_WAIT = 0.2      # the most a request waits for it (the probe itself finishes in the background)
+
+    def __init__(self, pools: list[Pool], session: aiohttp.ClientSession, interval: float,
+                 on_down: Callable[[Backend], None], clock: Callable[[], float] = time.monotonic):
+        self.pools = pools
+        self.session = session
+        self.interval = interval
+        self.on_down = on_down
+        self.clock = clock
+        self.timeout = aiohttp.ClientTimeout(total=max(5.0, interval))
+        self._rechecks: dict[str, tuple[float, asyncio.Task]] = {}     # pool role -> (started, probe)
+
+    async def probe(self, b: Backend) -> None:
         ok = refused = False
         try:
-            async with session.get(f"{b.url}/health", timeout=timeout) as resp:
+            async with self.session.get(f"{b.url}/health", timeout=self.timeout) as resp:
                 ok = resp.status == 200
         except aiohttp.ClientConnectorError:
             refused = True
@@ -148,13 +164,26 @@ async def probe_forever(pools: list[Pool], session: aiohttp.ClientSession, inter
             pass
         was_healthy = b.healthy
         if b.record_probe(ok, refused):
-            on_down(b)
+            self.on_down(b)
         if was_healthy and not b.healthy:
             log.warning("%s %s is down (%s)", b.role, b.name, "refused" if refused else "failed probes")
         elif b.healthy and not was_healthy:
             log.info("%s %s is healthy", b.role, b.name)
-        pools[0].metrics.healthy.labels(b.name, b.role).set(1 if b.healthy else 0)
+        self.pools[0].metrics.healthy.labels(b.name, b.role).set(1 if b.healthy else 0)
 
-    while True:
-        await asyncio.gather(*(one(b) for pool in pools for b in pool.backends))
-        await asyncio.sleep(interval)
+    async def forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(b) for pool in self.pools for b in pool.backends))
+            await asyncio.sleep(self.interval)
+
+    async def recheck(self, pool: Pool) -> None:
+        """Probe the pool's down backends now; concurrent callers share one probe."""
+        now = self.clock()
+        started, task = self._rechecks.get(pool.role, (float("-inf"), None))
+        if task is None or (task.done() and now - started >= self.RECHECK_GAP):
+            down = [b for b in pool.backends if b.down]
+            task = asyncio.ensure_future(asyncio.gather(*(self.probe(b) for b in down)))
+            self._rechecks[pool.role] = (now, task)
+        if not task.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), self.RECHECK_WAIT)

@@ -163,3 +163,29 @@ async def test_a_client_fault_5xx_from_d_is_passed_through_not_retried_elsewhere
         status, data = await dep.post(CHAT, HI)
         assert status == 500 and data["error"]["type"] == "BadRequestError"
         assert sample(await dep.metrics(), 'pdserve_router_degraded_requests_total{served_by="prefill"}') == 0
+
+
+async def test_a_server_back_before_the_next_probe_gets_the_request_not_degraded_mode():
+    """The supervisor saw a restarted D healthy and said so; the router's last probe (up to an interval
+    ago) still says down. The request must reach D, or the turn leaves no blocks on D to reuse."""
+    async with deployment(health_interval=60) as dep:            # no scheduled probe during the test
+        p, d = dep.prefill[0][FAKE], dep.decode[0][FAKE]
+        backend = dep.router[FLOW].decode.backends[0]
+        backend.record_probe(False, refused=True)                  # what the probe saw while D restarted
+        assert backend.down
+        received = len(d.received)
+        status, _ = await dep.post(CHAT, {**HI, "conversation_id": "back"})
+        assert status == 200 and len(d.received) == received + 1      # served through D, P->D as usual
+        assert d.received[-1]["body"]["kv_transfer_params"]["do_remote_prefill"] is True
+        assert not backend.down and len(dep.router[FLOW].store) == 1     # D's blocks are remembered
+        m = await dep.metrics()
+        assert sample(m, 'pdserve_router_degraded_requests_total{served_by="prefill"}') == 0
+
+        d.healthy = False                                          # really down: degraded, and quickly
+        backend.record_probe(False, refused=True)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, _ = await dep.post(CHAT, HI)
+        assert status == 200 and loop.time() - started < 2
+        assert sample(await dep.metrics(), 'pdserve_router_degraded_requests_total{served_by="prefill"}') == 1
+        assert len(p.received) >= 2
