@@ -1,6 +1,6 @@
-"""What the supervisor is given instead of calling the OS: launchers, a health probe, the canary, a clock,
-and an executor for the calls that wait on a socket (probes, canaries), so its loop never blocks on one.
-Tests hand it fakes and drive it tick by tick in milliseconds."""
+"""What the supervisor is given instead of calling the OS: launchers, a health probe, the canary, a GPU
+memory check, a clock, and an executor for the calls that wait (probes, canaries, nvidia-smi), so its
+loop never blocks on one. Tests hand it fakes and drive it tick by tick in milliseconds."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pdserve.launchers.base import Handle, Launcher
 from pdserve.plan.records import ClusterPlan, ProcessPlan
 from pdserve.supervise.canary import plan_canary
 from pdserve.supervise.health import probe
+from pdserve.supervise.peers import memory_held_by_nobody
 
 
 class Clock(Protocol):
@@ -40,5 +41,7 @@ class Services:
     launcher_for_handle: Callable[[ClusterPlan, Handle], Launcher] | None = None
     probe: Callable[[str], bool] = probe
     canary: Callable[[ClusterPlan], tuple[bool, str]] = plan_canary
+    # Whether a dead server's GPUs still hold memory no process owns (its peers then hold it)
+    memory_held: Callable[[ProcessPlan, list[ProcessPlan]], bool | None] = memory_held_by_nobody
     clock: Clock = field(default_factory=SystemClock)
     executor: Executor = field(default_factory=lambda: ThreadPoolExecutor(8, thread_name_prefix="pdserve-io"))

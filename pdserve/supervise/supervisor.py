@@ -20,6 +20,7 @@ from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.folder import ClusterDir, read_json
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
+from pdserve.supervise.peers import PeerReset
 from pdserve.supervise.process import ManagedProcess, Teardown
 from pdserve.supervise.services import Services
 
@@ -33,8 +34,6 @@ STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
 KILL_GRACE = 10.0
 ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died                # after SIGKILL, how long to wait for the tree before reporting leftovers
-FAILED_STARTS_BEFORE_PEER_RESET = 2
-SERVER_ROLES = ("prefill", "decode")
 
 
 class Supervisor:
@@ -59,6 +58,7 @@ class Supervisor:
         self._canary_future: Future | None = None
         self.restart_queue: deque[str] = deque()
         self._restarting: ManagedProcess | None = None
+        self.peers = PeerReset(self.services.executor, self.services.memory_held)
         self._record = SupervisorRecord(os.getpid(), _own_start_time())
 
     def by_name(self, name: str) -> ManagedProcess:
@@ -188,6 +188,8 @@ class Supervisor:
             if healthy is not None:
                 self._after_probe(proc, now, healthy)
         elif st == ProcState.BACKOFF and now >= proc.next_start:
+            if not self.peers.may_start(proc, self.procs, self.restart_queue):
+                return
             if proc.crash_looping:
                 proc.to(ProcState.FATAL, now, f"crash loop: {len(proc.failures)} failures within "
                                               f"{self.policy.restart_window:g}s; last: {proc.message}")
@@ -255,20 +257,7 @@ class Supervisor:
         proc.failed_starts += 0 if proc.state in (ProcState.READY, ProcState.UNHEALTHY) else 1
         self._begin_stop(proc, ProcState.BACKOFF, why, grace=grace)
         log.warning("%s %s", proc.name, why)
-        self._reset_peers_if_stuck(proc)
-
-    def _reset_peers_if_stuck(self, proc: ManagedProcess) -> None:
-        """A server that keeps dying before it is ready after a crash may be starved by its peers: a P that
-        imported a dead D's GPU memory over CUDA IPC keeps it until P restarts. Restart the other role's
-        servers once, one at a time."""
-        if proc.role not in SERVER_ROLES or proc.failed_starts != FAILED_STARTS_BEFORE_PEER_RESET:
-            return
-        peers = [p.name for p in self.procs if p.role in SERVER_ROLES and p.role != proc.role
-                 and p.name not in self.restart_queue]
-        if peers:
-            log.warning("%s failed to start %d times in a row: restarting %s, which may hold its memory",
-                        proc.name, proc.failed_starts, ", ".join(peers))
-            self.restart_queue.extend(peers)
+        self.peers.after_failed_start(proc, self.procs, self.restart_queue)
 
     def _fail(self, error: str) -> None:
         self.phase, self.error, self.stop_requested = Phase.FAILED, error, True
@@ -310,6 +299,7 @@ class Supervisor:
         if td.then == ProcState.BACKOFF:
             proc.next_start = now + proc.backoff_delay()
             log.info("%s stopped; restart in %.1fs", proc.name, proc.backoff_delay())
+            self.peers.after_crash_stop(proc, self.procs)
         if td.restart and not self.stop_requested:
             proc.restarts += 1
             self._start(proc, now)

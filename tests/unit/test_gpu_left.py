@@ -64,3 +64,29 @@ def test_gpu_memory_left_waits_for_the_driver_then_reports(monkeypatch):
 def test_a_gpu_left_makes_the_stop_unclean():
     assert StopReport([], [], []).clean
     assert not StopReport([], [], [], [GpuLeft(1, 71574, [])]).clean
+
+
+def _server(name: str, gpus: str, host_name: str = "local") -> ProcessPlan:
+    return ProcessPlan(name, name.split("-")[0], ["vllm"], {"CUDA_VISIBLE_DEVICES": gpus}, "127.0.0.1", 1,
+                       "http://127.0.0.1:1/health", host_name=host_name)
+
+
+def test_a_dead_server_s_gpu_held_by_no_process_after_the_settle_time_is_reported_held(monkeypatch):
+    from pdserve.supervise.peers import memory_held_by_nobody
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    slept = []
+    d, p = _server("decode-0", "1"), _server("prefill-0", "0")
+    assert memory_held_by_nobody(d, [p], settle_s=3, run=smi(GPUS), sleep=slept.append) is True
+    assert len(slept) == 3                                   # it waited for the driver before saying so
+    assert memory_held_by_nobody(d, [p], settle_s=3, run=smi("1, GPU-bbb, 300\n"), sleep=slept.append) is False
+    # someone's process is listed on it: not a leak this check can name
+    assert memory_held_by_nobody(d, [p], settle_s=0, run=smi(GPUS, "GPU-bbb, 99\n")) is None
+
+
+def test_a_gpu_check_that_cannot_tell_says_none():
+    from pdserve.supervise.peers import memory_held_by_nobody
+    d = _server("decode-0", "0")
+    assert memory_held_by_nobody(d, [_server("prefill-0", "0")], settle_s=0, run=smi(GPUS)) is None   # shared
+    assert memory_held_by_nobody(_server("decode-0", "1", "gpu-b"), [], settle_s=0, run=smi(GPUS)) is None
+    assert memory_held_by_nobody(_server("decode-0", ""), [], settle_s=0, run=smi(GPUS)) is None
+    assert memory_held_by_nobody(d, [], settle_s=0, run=lambda args: None) is None             # no nvidia-smi

@@ -21,7 +21,8 @@ S = ProcState
 
 
 class Rig:
-    def __init__(self, tmp: Path, canary: list[bool] | None = None, spec_text: str = GOOD, **policy):
+    def __init__(self, tmp: Path, canary: list[bool] | None = None, spec_text: str = GOOD,
+                 memory_held=lambda dead, others: None, **policy):
         spec = parse_spec(spec_text)
         spec.supervisor = spec.supervisor.model_copy(update=policy)
         self.plan = build_plan(spec, python="/py", cluster_dir=tmp, models_dir=tmp)
@@ -29,7 +30,7 @@ class Rig:
         self.executor, self.canary = InlineExecutor(), Canary(canary)
         self.sup = Supervisor(self.plan, ClusterDir("t", home=tmp), Services(
             launcher_for=lambda plan, proc: self.launcher, probe=self.health, canary=self.canary,
-            clock=self.clock, executor=self.executor))
+            clock=self.clock, executor=self.executor, memory_held=memory_held))
         self.sup.cdir.logs_dir.mkdir(parents=True, exist_ok=True)
 
     def url(self, name: str) -> str:
@@ -275,6 +276,40 @@ def test_a_server_that_keeps_failing_to_start_after_a_crash_gets_its_peers_resta
         rig.ticks(1)
     rig.until(lambda: rig.launcher.started.count("prefill-0") == 2)
     assert rig.sup.by_name("prefill-0").restarts == 1
+    # D's next start comes only after P's reset (P's stop frees what it held), not on its own backoff
+    rig.until(lambda: rig.launcher.started.count("decode-0") == 4)
+    assert rig.launcher.started[-2:] == ["prefill-0", "decode-0"]
+
+
+def test_a_crashed_server_whose_gpu_stays_held_gets_its_peers_reset_before_it_starts_again(tmp_path):
+    """Seen on two H200: a SIGKILLed D's GPU kept 117 GB with no process (P's CUDA-IPC import), and two
+    restarts of D died for want of memory before the peer reset freed it (~100 s)."""
+    asked = []
+
+    def held(dead, others):
+        asked.append((dead.name, sorted(o.name for o in others)))
+        return dead.name == "decode-0"
+    rig = Rig(tmp_path, memory_held=held, backoff_initial=0.5).running()
+    rig.launcher.crash("decode-0")
+    rig.until(lambda: rig.launcher.started.count("decode-0") == 2)
+    assert asked == [("decode-0", ["prefill-0"])]
+    assert rig.launcher.started[-2:] == ["prefill-0", "decode-0"]       # P reset first, then D: no doomed start
+    assert rig.sup.by_name("prefill-0").restarts == 1 and rig.sup.by_name("decode-0").failed_starts == 0
+    rig.healthy("decode-0")
+    rig.until(lambda: rig.sup.phase == Phase.RUNNING)
+
+
+def test_a_gpu_check_in_flight_holds_the_restart_and_a_freed_gpu_resets_nobody(tmp_path):
+    def memory_held(dead, others):
+        return False
+    rig = Rig(tmp_path, memory_held=memory_held, backoff_initial=0.5).running()
+    rig.executor.hold.add("memory_held")
+    rig.launcher.crash("decode-0")
+    rig.ticks(40)                                             # far past the backoff: still waiting for the check
+    assert rig.state("decode-0") == S.BACKOFF and rig.launcher.started.count("decode-0") == 1
+    rig.executor.release()
+    rig.until(lambda: rig.launcher.started.count("decode-0") == 2)
+    assert rig.launcher.started.count("prefill-0") == 1 and rig.sup.by_name("prefill-0").restarts == 0
 
 
 def test_degraded_while_a_role_has_no_ready_server_then_running_again(tmp_path):

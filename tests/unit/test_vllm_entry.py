@@ -55,7 +55,8 @@ print(round(100 * (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (tim
 def test_nixl_progress_thread_sleeps_instead_of_spinning():
     spinning = int(run_python(IDLE_CPU))                       # NIXL's own delay of 0: one core busy
     patched = int(run_python(IDLE_CPU, **{DELAY_ENV: "1000"}))
-    assert spinning > 60 and patched < 30, (spinning, patched)
+    # The control only has to show spinning is visible: on a loaded 2-core machine it gets well under a core.
+    assert patched < 30 and spinning > max(25, 3 * patched), (spinning, patched)
 
 
 def test_importing_it_for_its_constants_changes_nothing():

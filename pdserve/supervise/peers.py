@@ -1,0 +1,102 @@
+"""Peers that may hold a dead server's GPU memory, and when to restart them.
+
+On an H200, P kept a crashed D's KV cache (its CUDA-IPC import) with no process listed on D's GPU, and
+every restart of D died for want of memory until P restarted. Two signs lead to that reset: the dead
+server's GPUs still hold memory once its whole tree is gone (asked of nvidia-smi on the executor, before
+the restart, so the doomed starts are never made), or it failed to start twice in a row (a GPU that
+cannot be checked: shared with a peer, on another host, no nvidia-smi). The dead server then starts only
+once the peers reset for it have been stopped and started again: their stop is what frees its memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+
+from pdserve.observe.resources import gpus_holding_memory, physical_gpus
+from pdserve.plan.records import LOCAL_HOST, ProcessPlan
+from pdserve.supervise.process import ManagedProcess
+
+log = logging.getLogger("pdserve.supervisor")
+
+SERVER_ROLES = ("prefill", "decode")
+FAILED_STARTS_BEFORE_PEER_RESET = 2
+GPU_SETTLE_S = 8.0     # the driver frees a dead process's memory shortly after it exits, not at once
+
+
+def _gpus(plan: ProcessPlan) -> set[str]:
+    visible = plan.env.get("CUDA_VISIBLE_DEVICES")
+    return set(physical_gpus(visible.split(","), os.environ.get("CUDA_VISIBLE_DEVICES"))) if visible else set()
+
+
+def memory_held_by_nobody(dead: ProcessPlan, others: list[ProcessPlan], settle_s: float = GPU_SETTLE_S,
+                          run: Callable[[list[str]], str | None] | None = None,
+                          sleep: Callable[[float], None] = time.sleep) -> bool | None:
+    """True when the GPUs of a server whose tree is gone still hold memory after settle_s with no process
+    listed on them; False when they emptied; None when it cannot be told here (another host, no pinned
+    GPUs, a GPU shared with another server, someone's process on it, no nvidia-smi)."""
+    mine = _gpus(dead)
+    if dead.host_name != LOCAL_HOST or not mine:
+        return None
+    if any(o.host_name == dead.host_name and mine & _gpus(o) for o in others):
+        return None                  # the peer's own memory is there too: nothing to tell apart
+    kwargs = {"run": run} if run else {}
+    waited = 0.0
+    while True:
+        left = gpus_holding_memory(sorted(mine), **kwargs)
+        if left is None:
+            return None
+        if not left:
+            return False
+        if waited >= settle_s:
+            return None if any(g.pids for g in left) else True
+        sleep(1.0)
+        waited += 1.0
+
+
+@dataclass
+class PeerReset:
+    executor: Executor
+    memory_held: Callable[[ProcessPlan, list[ProcessPlan]], bool | None]
+    checks: dict[str, Future] = field(default_factory=dict)           # dead server -> GPU check in flight
+    waits: dict[str, dict[str, int]] = field(default_factory=dict)    # dead server -> peer -> its restarts then
+
+    def after_crash_stop(self, proc: ManagedProcess, procs: list[ManagedProcess]) -> None:
+        """The crashed server's tree is gone: look at its GPUs before it starts again."""
+        if proc.role in SERVER_ROLES:
+            others = [p.plan for p in procs if p is not proc and p.role in SERVER_ROLES]
+            self.checks[proc.name] = self.executor.submit(self.memory_held, proc.plan, others)
+
+    def after_failed_start(self, proc: ManagedProcess, procs: list[ManagedProcess], queue: deque[str]) -> None:
+        if proc.role in SERVER_ROLES and proc.failed_starts == FAILED_STARTS_BEFORE_PEER_RESET:
+            self._reset(proc, procs, queue, f"failed to start {proc.failed_starts} times in a row")
+
+    def may_start(self, proc: ManagedProcess, procs: list[ManagedProcess], queue: deque[str]) -> bool:
+        """False while its GPU check runs, or until the peers reset for it have been restarted."""
+        check = self.checks.get(proc.name)
+        if check is not None:
+            if not check.done():
+                return False
+            del self.checks[proc.name]
+            if check.exception() is None and check.result() is True:
+                self._reset(proc, procs, queue, "left GPU memory held with no process on it")
+        waits = self.waits.get(proc.name)
+        if waits:
+            by_name = {p.name: p for p in procs}
+            if any(by_name[n].restarts <= count for n, count in waits.items()):
+                return False
+            del self.waits[proc.name]
+        return True
+
+    def _reset(self, proc: ManagedProcess, procs: list[ManagedProcess], queue: deque[str], why: str) -> None:
+        peers = [p for p in procs if p.role in SERVER_ROLES and p.role != proc.role and p.name not in queue]
+        if peers:
+            log.warning("%s %s: restarting %s, which may hold its memory", proc.name, why,
+                        ", ".join(p.name for p in peers))
+            queue.extend(p.name for p in peers)
+            self.waits[proc.name] = {p.name: p.restarts for p in peers}
