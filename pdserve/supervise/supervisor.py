@@ -443,7 +443,9 @@ class Supervisor:
         """One process at a time, the next only once the previous is ready again (or gave up), so a role
         with several replicas keeps serving through a full restart."""
         if self._restarting is not None:
-            if self._restarting.state not in (ProcState.READY, ProcState.FATAL):
+            # BACKOFF: it died again after the restart; its own backoff takes it from here, and the queue
+            # must move (it may hold that server's peer reset, which the server waits for)
+            if self._restarting.state not in (ProcState.READY, ProcState.FATAL, ProcState.BACKOFF):
                 return
             self._restarting = None
         if not self.restart_queue:

@@ -299,6 +299,21 @@ def test_a_crashed_server_whose_gpu_stays_held_gets_its_peers_reset_before_it_st
     rig.until(lambda: rig.sup.phase == Phase.RUNNING)
 
 
+def test_a_requested_restart_that_keeps_failing_does_not_block_its_own_peer_reset(tmp_path):
+    """`pdserve restart decode-0`, and the new D dies before ready twice: the queue must move on to P's
+    reset (D waits for it), not wait for D to be ready first."""
+    rig = Rig(tmp_path, backoff_initial=0.5, max_restarts=10).running()
+    rig.sick("decode-0")                                       # the new D never answers before it dies
+    rig.sup.restart_queue.append("decode-0")
+    for _ in range(2):
+        rig.until(lambda: rig.state("decode-0") == S.STARTING)
+        rig.launcher.crash("decode-0", code=1)
+        rig.ticks(1)
+    rig.until(lambda: rig.launcher.started.count("decode-0") == 4, limit=400)
+    assert rig.sup.by_name("prefill-0").restarts == 1
+    assert rig.launcher.started[-2:] == ["prefill-0", "decode-0"]
+
+
 def test_a_gpu_check_in_flight_holds_the_restart_and_a_freed_gpu_resets_nobody(tmp_path):
     def memory_held(dead, others):
         return False
