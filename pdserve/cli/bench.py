@@ -95,6 +95,7 @@ def command(
             "conversations": len(convs), "requests_per_arm": requests, "concurrency": concurrency,
             "max_tokens": max_tokens, "seed": seed, "warmup_conversations": warmup,
             "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
+            "host": report.host_facts(),
             **info, **({"after_prefill_restart": after_restart} if after_restart else {})}
     files = report.write_files(out, meta, rows, summary, totals)
     _print_summary(summary, meta, totals)

@@ -28,7 +28,7 @@ def test_bench_two_arms_writes_every_output(tmp_path, home, monkeypatch):  # noq
         assert r["tokens_computed"] + r["tokens_pulled"] == r["prompt_tokens"], r
         assert 0 < r["ttft_s"] <= r["latency_s"] and r["prefill_s"] is not None
         assert r["prefill_s"] + r["decode_s"] <= r["latency_s"]       # the router's legs fit in the client's
-    assert 0 < data["pulled_share_on"] <= 1 and data["summary"]
+    assert 0 < data["pulled_share_on"] <= 1 and data["summary"] and data["host"]["cores"] >= 1
     assert 0 <= data["outside_legs_p50_ms"] < 1000 and "outside the P and D legs" in res.stdout
     assert "TTFT by prompt length" in res.stdout and "pulled/reusable (on)" in res.stdout
     assert all_markers(home, "fb-on") == [] and all_markers(home, "fb-off") == []

