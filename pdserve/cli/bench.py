@@ -132,8 +132,10 @@ def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request, info, cl
     if warm:
         run_arm(f"{arm}-warmup", ep, warm, max_tokens, 1, extra=extra)
     turn = info["restart_prefill_after_turn"]
-    pause = (turn, lambda: info.setdefault("prefill_restart_s", {}).update(
-        {arm: _restart_prefill(cluster_name, ep)})) if turn else None
+
+    def restart() -> None:
+        info.setdefault("prefill_restart_s", {})[arm] = _restart_prefill(cluster_name, ep)
+    pause = (turn, restart) if turn else None
     return run_arm(arm, ep, convs, max_tokens, concurrency, on_request, extra=extra, pause=pause)
 
 

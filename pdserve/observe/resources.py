@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -113,6 +115,24 @@ def physical_gpus(visible: list[str], inherited: str | None) -> list[str]:
         if dev:
             out.append(dev)
     return out
+
+
+def process_gpus(visible: str | None) -> list[str]:
+    """The devices a process's CUDA_VISIBLE_DEVICES value names, as nvidia-smi knows them; [] when unset."""
+    return physical_gpus(visible.split(","), os.environ.get("CUDA_VISIBLE_DEVICES")) if visible else []
+
+
+def gpus_still_holding(devices: list[str], settle_s: float, run: Callable[[list[str]], str | None] | None = None,
+                       sleep: Callable[[float], None] = time.sleep, step: float = 0.5) -> list[GpuLeft] | None:
+    """gpus_holding_memory, asked again every `step` s until nothing is held or settle_s has passed: the
+    driver frees a dead process's memory shortly after it exits, not at once. None without nvidia-smi."""
+    waited = 0.0
+    while True:
+        left = gpus_holding_memory(devices, run=run or _nvidia_smi)
+        if not left or waited >= settle_s:
+            return left
+        sleep(step)
+        waited += step
 
 
 def gpus_holding_memory(devices: list[str], threshold_mib: int = GPU_LEFT_THRESHOLD_MIB,

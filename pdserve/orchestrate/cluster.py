@@ -27,7 +27,7 @@ from pdserve.observe.routerstats import api_key_for, read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.observe.logfiles import last_lines, root_cause
-from pdserve.observe.resources import GpuLeft, gpus_holding_memory, physical_gpus
+from pdserve.observe.resources import GpuLeft, gpus_still_holding, process_gpus
 from pdserve.state.folder import ClusterDir, models_dir, write_json_atomic
 from pdserve.state.records import ClusterState, Phase, ProcState
 
@@ -329,26 +329,17 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     return StopReport(killed, left, busy, gpu_memory_left(plan) if plan else [])
 
 
-GPU_SETTLE_S = 15.0   # the driver frees a dead process's memory shortly after it exits, not at once
+GPU_SETTLE_S = 15.0   # before `down` reports a GPU still holding memory (gpus_still_holding says why)
 
 
 def gpu_memory_left(plan: ClusterPlan, settle_s: float = GPU_SETTLE_S, run=None,
                     sleep: Callable[[float], None] = time.sleep) -> list[GpuLeft]:
     """GPUs of the plan's servers (their CUDA_VISIBLE_DEVICES; every launcher is local today) that still
     hold memory once settle_s has passed; [] when nothing is over the threshold or nvidia-smi is absent."""
-    devices = sorted({d for p in plan.processes if p.env.get("CUDA_VISIBLE_DEVICES")
-                      for d in physical_gpus(p.env["CUDA_VISIBLE_DEVICES"].split(","),
-                                             os.environ.get("CUDA_VISIBLE_DEVICES"))})
+    devices = sorted({d for p in plan.processes for d in process_gpus(p.env.get("CUDA_VISIBLE_DEVICES"))})
     if not devices:
         return []
-    kwargs = {"run": run} if run else {}
-    waited = 0.0
-    while True:
-        left = gpus_holding_memory(devices, **kwargs) or []
-        if not left or waited >= settle_s:
-            return left
-        sleep(0.5)
-        waited += 0.5
+    return gpus_still_holding(devices, settle_s, run=run, sleep=sleep) or []
 
 
 @dataclass

@@ -11,14 +11,13 @@ once the peers reset for it have been stopped and started again: their stop is w
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from pdserve.observe.resources import gpus_holding_memory, physical_gpus
+from pdserve.observe.resources import gpus_still_holding, process_gpus
 from pdserve.plan.records import LOCAL_HOST, ProcessPlan
 from pdserve.supervise.process import ManagedProcess
 
@@ -26,12 +25,11 @@ log = logging.getLogger("pdserve.supervisor")
 
 SERVER_ROLES = ("prefill", "decode")
 FAILED_STARTS_BEFORE_PEER_RESET = 2
-GPU_SETTLE_S = 8.0     # the driver frees a dead process's memory shortly after it exits, not at once
+GPU_SETTLE_S = 8.0     # before a dead server's memory counts as held (gpus_still_holding says why)
 
 
 def _gpus(plan: ProcessPlan) -> set[str]:
-    visible = plan.env.get("CUDA_VISIBLE_DEVICES")
-    return set(physical_gpus(visible.split(","), os.environ.get("CUDA_VISIBLE_DEVICES"))) if visible else set()
+    return set(process_gpus(plan.env.get("CUDA_VISIBLE_DEVICES")))
 
 
 def memory_held_by_nobody(dead: ProcessPlan, others: list[ProcessPlan], settle_s: float = GPU_SETTLE_S,
@@ -45,18 +43,12 @@ def memory_held_by_nobody(dead: ProcessPlan, others: list[ProcessPlan], settle_s
         return None
     if any(o.host_name == dead.host_name and mine & _gpus(o) for o in others):
         return None                  # the peer's own memory is there too: nothing to tell apart
-    kwargs = {"run": run} if run else {}
-    waited = 0.0
-    while True:
-        left = gpus_holding_memory(sorted(mine), **kwargs)
-        if left is None:
-            return None
-        if not left:
-            return False
-        if waited >= settle_s:
-            return None if any(g.pids for g in left) else True
-        sleep(1.0)
-        waited += 1.0
+    left = gpus_still_holding(sorted(mine), settle_s, run=run, sleep=sleep, step=1.0)
+    if left is None:
+        return None
+    if not left:
+        return False
+    return None if any(g.pids for g in left) else True    # someone's process: not a leak to name
 
 
 @dataclass

@@ -32,8 +32,8 @@ CANARY_TRIES = 3
 CANARY_PAUSE = 2.0
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
-KILL_GRACE = 10.0
-ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died                # after SIGKILL, how long to wait for the tree before reporting leftovers
+KILL_GRACE = 10.0                # after SIGKILL, how long to wait for the tree before reporting leftovers
+ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died
 
 
 class Supervisor:
