@@ -56,8 +56,7 @@ class Turn:
 
 class Flow:
     def __init__(self, cfg: RouterConfig, upstream: Upstream, prefill: PrefillLeg, decode: Pool,
-                 store: ReuseStore, metrics: RouterMetrics,
-                 recheck: Callable[[Pool], Awaitable[None]] | None = None):
+                 store: ReuseStore, metrics: RouterMetrics, recheck: Callable[[Pool], Awaitable[None]]):
         self.cfg = cfg
         self.recheck = recheck
         self.upstream = upstream
@@ -90,7 +89,7 @@ class Flow:
         turn = self._turn(request, route, body)
         # Check D before the P leg: a prefill whose blocks no decode server can read is wasted work.
         missing = [pool for pool in (self.decode, self.prefill.pool) if not pool.any_usable()]
-        if missing and self.recheck:
+        if missing:
             # The router's view may be a probe interval old (a server restarted since): ask again first.
             await asyncio.gather(*(self.recheck(pool) for pool in missing))
             missing = [pool for pool in missing if not pool.any_usable()]
