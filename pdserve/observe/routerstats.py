@@ -36,8 +36,9 @@ def parse_metrics(text: str) -> dict[str, Any]:
 def summarize(samples: Samples) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
                            "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0,
-                           "entries_unavailable": 0.0}
+}
     misses: Counter[str] = Counter()
+    outcomes: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
@@ -45,6 +46,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
         labels = dict(label_set)
         if name == "pdserve_router_turns_total":
             out["turns"] += value
+            outcomes[labels.get("outcome", "")] += int(value)
         elif name == "pdserve_router_reuse_decisions_total":
             if labels.get("result") == "hit":
                 out["reuse_hits"] += value
@@ -57,8 +59,6 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["reuse_tokens_pulled"] += value
         elif name == "pdserve_router_prefill_tokens_local_cached_total":
             out["prefill_tokens_local_cached"] += value
-        elif name == "pdserve_router_reuse_entries_total" and labels.get("outcome") == "unavailable":
-            out["entries_unavailable"] += value
         elif name == "pdserve_router_degraded_requests_total":
             degraded_served[labels.get("served_by", "")] += int(value)
         elif name == "pdserve_router_degraded" and value:
@@ -68,6 +68,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
     decided = out["reuse_hits"] + out["reuse_misses"]
     out["reuse_hit_rate"] = out["reuse_hits"] / decided if decided else None
     out["misses_by_reason"] = dict(misses)
+    out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (flow.TURN_OUTCOMES)
+    out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
     out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now

@@ -20,7 +20,7 @@ from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
-from pdserve.router.flow import Flow
+from pdserve.router.flow import TURN, Flow
 from pdserve.router.inputs import BadInput, read_json, validate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
@@ -82,7 +82,11 @@ async def count_requests(request: web.Request, handler):
     try:
         resp = await handler(request)
     except asyncio.CancelledError:
-        metrics.client_cancelled.labels(route).inc()
+        turn = request.get(TURN)
+        if turn is not None and turn.answered:     # it hung up once it had its answer: no cancellation
+            metrics.requests.labels(route, "200").inc()
+        else:
+            metrics.client_cancelled.labels(route).inc()
         raise
     metrics.requests.labels(route, str(resp.status)).inc()
     return resp

