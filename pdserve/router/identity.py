@@ -1,11 +1,12 @@
 """Who is asking, and which earlier turn a request continues.
 
 A reuse key is (tenant, conversation). The tenant is a hash of the caller's credentials, so one caller
-can never replay another's conversation id to make P read their blocks. The conversation comes, in
-order, from the body's `conversation_id`, the `X-Session-ID` header, or automatic detection: the router
-remembers a hash of each chat history it answered *including the reply it returned*, so an unmodified
-OpenAI client that sends that history back (plus new messages) is recognised. A false match is harmless:
-the token-level continuation check still decides what P may read.
+can never replay another's conversation id to make P read their blocks. The conversation is named by the
+first of SESSION_SOURCES the request carries (pdserve's own field, then vLLM's session identity in vLLM's
+order, then what gateways and coding agents send), or found by automatic detection: the router remembers
+a hash of each chat history it answered *including the reply it returned*, so an unmodified OpenAI client
+that sends that history back (plus new messages) is recognised. A false match is harmless: the
+token-level continuation check still decides what P may read.
 """
 
 from __future__ import annotations
@@ -26,9 +27,42 @@ def tenant(request: web.Request) -> str:
     return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:16] if auth else ""
 
 
+# (where, name) in precedence order; "body" fields are top-level keys, "xargs" is vLLM's `vllm_xargs`.
+SESSION_SOURCES = (
+    ("body", "conversation_id"),            # pdserve's own (stripped before the backends)
+    ("body", "session_id"),                 # vLLM's session identity (PR #48048), in vLLM's own order:
+    ("header", "X-Session-ID"),             #   body, header, vllm_xargs; OpenCode sends this header too
+    ("xargs", "session_id"),
+    ("header", "X-Dynamo-Session-ID"),      # NVIDIA Dynamo's canonical header
+    ("header", "X-Claude-Code-Session-Id"),  # Claude Code (a subagent adds X-Claude-Code-Agent-Id)
+    ("header", "thread-id"),                # Codex (newer releases)
+    ("header", "session-id"),               # Codex (earlier releases)
+    ("header", "session_id"),               # Codex (earliest releases)
+)
+# A subagent shares its parent's session id; its own chain is told apart by this header.
+CHILD_HEADERS = {"X-Claude-Code-Session-Id": "X-Claude-Code-Agent-Id"}
+
+
+def session_id(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The conversation id the request names, from the first source present (None if none is)."""
+    for where, name in SESSION_SOURCES:
+        value = _source(request, body, where, name)
+        if isinstance(value, str) and value:
+            child = request.headers.get(CHILD_HEADERS[name], "") if name in CHILD_HEADERS else ""
+            return f"{value}/{child}" if child else value
+    return None
+
+
+def _source(request: web.Request, body: dict[str, Any], where: str, name: str) -> Any:
+    if where == "header":
+        return request.headers.get(name)
+    holder = body.get("vllm_xargs") if where == "xargs" else body
+    return holder.get(name) if isinstance(holder, dict) else None
+
+
 def explicit_key(request: web.Request, body: dict[str, Any]) -> Key | None:
-    conv = body.get("conversation_id") or request.headers.get("X-Session-ID")
-    if not isinstance(conv, str) or not conv or len(conv) > MAX_CONVERSATION_ID:
+    conv = session_id(request, body)
+    if conv is None or len(conv) > MAX_CONVERSATION_ID:
         return None
     return tenant(request), "id:" + conv
 

@@ -1,0 +1,64 @@
+"""Which conversation a request names: every source the router understands, in its documented order."""
+
+from __future__ import annotations
+
+from aiohttp.test_utils import make_mocked_request
+
+from pdserve.router.identity import MAX_CONVERSATION_ID, SESSION_SOURCES, explicit_key, session_id
+
+# One request carrying every source, each with its own value.
+ALL_HEADERS = {"X-Session-ID": "hdr", "X-Dynamo-Session-ID": "dyn", "X-Claude-Code-Session-Id": "claude",
+               "thread-id": "codex-thread", "session-id": "codex-dash", "session_id": "codex-underscore"}
+ALL_BODY = {"conversation_id": "conv", "session_id": "vllm", "vllm_xargs": {"session_id": "xargs"}}
+EXPECTED_ORDER = ["conv", "vllm", "hdr", "xargs", "dyn", "claude", "codex-thread", "codex-dash", "codex-underscore"]
+
+
+def req(headers: dict[str, str] | None = None):
+    return make_mocked_request("POST", "/v1/chat/completions", headers=headers or {})
+
+
+def without(source: tuple[str, str], headers: dict, body: dict) -> tuple[dict, dict]:
+    where, name = source
+    headers, body = dict(headers), {**body, "vllm_xargs": dict(body.get("vllm_xargs", {}))}
+    if where == "header":
+        headers.pop(name, None)
+    elif where == "xargs":
+        body["vllm_xargs"].pop(name, None)
+    else:
+        body.pop(name, None)
+    return headers, body
+
+
+def test_sources_win_in_the_documented_order():
+    headers, body, seen = ALL_HEADERS, ALL_BODY, []
+    for source in SESSION_SOURCES:
+        seen.append(session_id(req(headers), body))
+        headers, body = without(source, headers, body)
+    assert seen == EXPECTED_ORDER
+    assert session_id(req(headers), body) is None
+
+
+def test_each_source_alone_names_the_conversation():
+    for (where, name), value in zip(SESSION_SOURCES, EXPECTED_ORDER):
+        if where == "header":
+            got = session_id(req({name: value}), {})
+        elif where == "xargs":
+            got = session_id(req(), {"vllm_xargs": {name: value}})
+        else:
+            got = session_id(req(), {name: value})
+        assert got == value, (where, name)
+
+
+def test_a_claude_code_subagent_is_its_own_conversation():
+    parent = explicit_key(req({"X-Claude-Code-Session-Id": "s1"}), {})
+    child = explicit_key(req({"X-Claude-Code-Session-Id": "s1", "X-Claude-Code-Agent-Id": "a7"}), {})
+    assert parent is not None and child is not None and parent != child
+
+
+def test_ids_stay_per_tenant_and_unusable_values_are_skipped():
+    a = explicit_key(req({"Authorization": "Bearer a", "X-Session-ID": "same"}), {})
+    b = explicit_key(req({"Authorization": "Bearer b", "X-Session-ID": "same"}), {})
+    assert a is not None and b is not None and a[1] == b[1] and a[0] != b[0]
+    assert session_id(req({"X-Session-ID": "h"}), {"session_id": 5, "vllm_xargs": "x"}) == "h"
+    assert session_id(req(), {"conversation_id": "", "session_id": "v"}) == "v"
+    assert explicit_key(req(), {"session_id": "x" * (MAX_CONVERSATION_ID + 1)}) is None
