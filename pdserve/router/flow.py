@@ -35,6 +35,8 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params", "conversation_id")
 # A client X-Request-Id is echoed back only if it is this tame; backends always get the router's own id
 # (vLLM and NIXL key transfers by request id, so a client must not be able to choose or collide it).
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# The tokens of this turn's prompt that P read from D's KV instead of computing (a count, no handles).
+PULLED_HEADER = "X-PDServe-Pulled-Tokens"
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Turn:
     messages: list[Any] | None         # chat history, for automatic detection
     started: float = field(default_factory=time.perf_counter)
     prefill_ms: float | None = None    # reported to the client in Server-Timing
+    pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
     degraded: bool = False             # served whole by one role
     outcome: str | None = None         # set once, by Flow.end
 
@@ -152,7 +155,7 @@ class Flow:
         try:
             anchor = (affinity.anchor(turn.explicit, turn.tenant, turn.messages)
                       if self.cfg.prefill_policy == affinity.AFFINITY else None)
-            p_params = await self.prefill.run(route, body, turn.headers, decision, anchor)
+            p_params, turn.pulled = await self.prefill.run(route, body, turn.headers, decision, anchor)
         except UpstreamError as err:
             if err.serve_elsewhere and self.decode.any_usable():
                 # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
@@ -196,12 +199,15 @@ class Flow:
 
     @staticmethod
     def _headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
-        """X-Request-Id, and Server-Timing with the P leg (and D leg) durations, for benchmarks and tracing."""
+        """X-Request-Id, Server-Timing with the P leg (and D leg) durations, and the tokens P pulled from D:
+        for benchmarks, tracing and scripts/reuse_check.py."""
         headers = {"X-Request-Id": turn.reply_id}
         timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("prefill", turn.prefill_ms), ("decode", decode_ms))
                   if ms is not None]
         if timing:
             headers["Server-Timing"] = ", ".join(timing)
+        if turn.pulled is not None:
+            headers[PULLED_HEADER] = str(turn.pulled)
         return headers
 
     def _remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None:

@@ -77,8 +77,8 @@ class PrefillLeg:
 
     # -- prefill -----------------------------------------------------------------------------------
     async def run(self, route: str, body: dict[str, Any], headers: dict[str, str],
-                  decision: Decision | None, anchor: str | None = None) -> dict[str, Any]:
-        """P's kv_transfer_params for D. Records the reuse outcome: a hit only when P really read D's
+                  decision: Decision | None, anchor: str | None = None) -> tuple[dict[str, Any], int | None]:
+        """P's kv_transfer_params for D, and the tokens P pulled from D (None when P does not say). Records the reuse outcome: a hit only when P really read D's
         blocks; otherwise the reason (the decision's, pull_slower, or read_failed). `anchor` (set only under
         the `affinity` policy) pins the conversation to one prefill server."""
         offer = decision if decision is not None and decision.result == HIT else None
@@ -96,9 +96,9 @@ class PrefillLeg:
                                                                                              use.holder):
                     use, outcome = None, Decision(MISS, "pull_slower", holder=use.holder)
                 try:
-                    params = await self._once(backend, route, body, headers, use)
+                    answer = await self._once(backend, route, body, headers, use)
                     served = True
-                    return params
+                    return answer
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
                         # Reading D's blocks failed (stale handle, D restarted, transfer error): recompute
@@ -108,9 +108,9 @@ class PrefillLeg:
                         self.metrics.read_retries.inc()
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            params = await self._once(backend, route, body, headers, None)
+                            answer = await self._once(backend, route, body, headers, None)
                             served = True
-                            return params
+                            return answer
                         except UpstreamError as again:
                             err = again
                     # Nothing has reached the client yet: another prefill server may answer.
@@ -129,7 +129,7 @@ class PrefillLeg:
                          ",".join(tried), outcome.result, outcome.reason, outcome.tokens)
 
     async def _once(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str],
-                    use: Decision | None) -> dict[str, Any]:
+                    use: Decision | None) -> tuple[dict[str, Any], int | None]:
         p_body = {**body, "max_tokens": 1, "stream": False,
                   "kv_transfer_params": use.params if use else {"do_remote_decode": True,
                                                                 "do_remote_prefill": False}}
@@ -150,7 +150,7 @@ class PrefillLeg:
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
         self._learn(backend, use, time.perf_counter() - started, data, counts)
-        return params
+        return params, counts[0] if counts is not None else None
 
     def _learn(self, backend: Backend, use: Decision | None, seconds: float, data: dict[str, Any],
                counts: tuple[int, int] | None) -> None:

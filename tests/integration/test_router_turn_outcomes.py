@@ -38,12 +38,14 @@ async def settled(dep, expected_turns: int) -> dict[str, float]:
 
 
 async def stream_then_close(dep, body: dict, stop_after: bytes | None = b"data: [DONE]",
-                            max_events: int | None = None) -> str:
+                            max_events: int | None = None, seen: dict | None = None) -> str:
     """Read the stream like the openai client and close the connection at once when `stop_after` is
-    seen (or after `max_events` data lines); returns the assistant text received."""
+    seen (or after `max_events` data lines); returns the assistant text received (headers into `seen`)."""
     text, events = [], 0
     resp = await dep.session.post(dep.url + CHAT, json=body)
     assert resp.status == 200
+    if seen is not None:
+        seen.update(resp.headers)
     async for line in resp.content:
         if stop_after is not None and line.startswith(stop_after):
             break
@@ -68,7 +70,9 @@ async def test_a_client_that_closes_right_after_done_keeps_the_turns_entry():
         assert total(m, "pdserve_router_client_cancelled_total") == 0      # it had everything it asked for
         assert total(m, "pdserve_router_requests_total", route=CHAT, status="200") == 1
         history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "beta " * 5}]
-        await stream_then_close(dep, chat(history))
+        headers: dict = {}
+        await stream_then_close(dep, chat(history), seen=headers)
+        assert int(headers["X-PDServe-Pulled-Tokens"]) == dep.prefill[0][FAKE].external_tokens
         got = await settled(dep, 2)
         assert got == {"stored": 2.0}, got
         m = parse(await dep.metrics())
