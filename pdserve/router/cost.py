@@ -10,7 +10,8 @@ learns, from the P legs it times itself:
 
 The P leg is timed as P experiences it, transfer included; P's own `vllm:nixl_xfer_time_seconds` sums all
 decode servers and overlapping requests, so it cannot be attributed to a pair or a turn. Both rates are
-exponential moving averages; a pair's first pull (NIXL handshake included) is not a sample. D's blocks
+exponential moving averages; a pair's first pull (NIXL handshake included) is not a sample, nor is any
+pull that started before it ended (concurrent first turns all wait for the same handshake). D's blocks
 are offered unless the pull is predicted clearly (1.5x) slower than recompute; while it is, every `probe_every`-th candidate turn (or one after
 `probe_interval` seconds) pulls anyway, and that measurement replaces the estimate, so the router
 follows the hardware both ways.
@@ -37,7 +38,7 @@ class CostModel:
         self._skipped: dict[tuple[str, str], int] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
         self._probing: set[tuple[str, str]] = set()
-        self._warm: set[tuple[str, str]] = set()   # pairs past their first pull
+        self._warm_at: dict[tuple[str, str], float] = {}   # pair -> when its first pull ended
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -52,11 +53,13 @@ class CostModel:
                 self.recompute[prefill] = self._ewma(self.recompute.get(prefill), seconds / computed)
             return
         pair = (prefill, decode)
-        self._last_pull[pair] = self.clock()
-        if pair not in self._warm:
+        now = self._last_pull[pair] = self.clock()
+        if pair not in self._warm_at:
             # A pair's first pull includes NIXL's handshake and metadata exchange: not a transfer rate.
-            self._warm.add(pair)
+            self._warm_at[pair] = now
             return
+        if now - seconds < self._warm_at[pair]:
+            return   # it overlapped the first pull, so it waited for the same handshake
         moved = cached_tokens if pulled_tokens is None else pulled_tokens
         if moved < MIN_SAMPLE_TOKENS:
             return

@@ -161,8 +161,10 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
     """Whether (and how much of) D's blocks P may read for the new prompt.
 
     P reads D's blocks by position and never checks the tokens, so only the common token prefix of D's
-    sequence (its prompt + generated tokens) and the new prompt is valid KV. A partial match is trimmed
-    to whole blocks; anything that cannot be verified is not offered.
+    sequence (its prompt + generated tokens) and the new prompt is valid KV. A partial match is cut at the
+    first differing token: P reads the blocks that hold the common prefix (vLLM's pull reads
+    cdiv(remote_num_tokens, block_size) blocks) and computes from there, overwriting the rest of the last
+    block, as it does with D's own unaligned counts. Anything that cannot be verified is not offered.
     """
     if not holder_healthy or holder_generation != entry.generation:
         return Decision(MISS, "holder_unhealthy")
@@ -174,11 +176,10 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
     common = min(common_prefix_len(entry.sequence[:offered], new_prompt), len(new_prompt) - 1)
     reason = "continuation"
     if common < offered:
-        usable = (common // block_size) * block_size if block_size else 0
-        if usable == 0:
+        if common == 0 or not block_size:
             return Decision(MISS, "not_a_continuation")
-        params["remote_block_ids"] = _trim_blocks(params.get("remote_block_ids") or [], usable // block_size)
-        params["remote_num_tokens"] = offered = usable
+        params["remote_block_ids"] = _trim_blocks(params.get("remote_block_ids") or [], -(-common // block_size))
+        params["remote_num_tokens"] = offered = common
         reason = "trimmed"
     if offered < max(1, threshold):
         return Decision(MISS, "below_threshold")

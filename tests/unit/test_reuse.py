@@ -56,13 +56,14 @@ def test_exact_continuation_offers_everything():
     assert d.params["remote_block_ids"] == [[10, 11, 12, 13]] and d.params["remote_num_tokens"] == 60
 
 
-def test_reply_that_retokenizes_differently_is_trimmed_to_blocks():
+def test_reply_that_retokenizes_differently_is_cut_at_the_first_difference():
     seq = list(range(61))
     new = list(range(40)) + [777] * 30   # diverges at token 40 (the reply re-tokenized)
     d = decide(entry(seq), holder_healthy=True, holder_generation=0, threshold=16, new_prompt=new, block_size=16)
     assert d.result == HIT and d.reason == "trimmed"
-    assert d.tokens == 32 and d.params["remote_num_tokens"] == 32
-    assert d.params["remote_block_ids"] == [[10, 11]]          # every group cut with the count
+    assert d.tokens == 40 and d.params["remote_num_tokens"] == 40
+    # The blocks holding tokens 0-39 (the third one partly); every group cut with the count.
+    assert d.params["remote_block_ids"] == [[10, 11, 12]]
 
 
 def test_edited_history_is_not_a_continuation():
@@ -97,7 +98,7 @@ def test_last_prompt_token_is_left_for_p():
     params = {**PARAMS, "remote_num_tokens": 64}
     d = decide(entry(seq, params), holder_healthy=True, holder_generation=0, threshold=1,
                new_prompt=list(range(64)), block_size=16)
-    assert d.tokens == 48                 # 63 common usable, aligned down to 3 blocks
+    assert d.tokens == 63 and len(d.params["remote_block_ids"][0]) == 4   # all but the last token
 
 
 def test_common_prefix_len():

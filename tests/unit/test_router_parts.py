@@ -52,6 +52,7 @@ def test_cost_model_pulls_until_it_knows_better():
     assert m.recompute["p"] == 0.001
     m.observe("p", "d", seconds=9.0, prompt_tokens=1000, cached_tokens=900, pulled=True)
     assert ("p", "d") not in m.pull                  # the first pull of a pair includes the handshake
+    clock.t += 10
     # 900 pulled + 100 computed in 2.0 s: 0.1 s of compute, 1.9 s of transfer for 900 tokens.
     m.observe("p", "d", seconds=2.0, prompt_tokens=1000, cached_tokens=900, pulled=True)
     assert abs(m.pull[("p", "d")] - 1.9 / 900) < 1e-9
@@ -64,6 +65,7 @@ def test_cost_model_reprobe_replaces_a_stale_estimate_and_time_triggers_it():
     m = CostModel(alpha=0.1, probe_every=100, probe_interval=30, clock=clock)
     m.observe("p", None, 1.0, 1000, 0, False)
     m.observe("p", "d", 3.0, 1000, 900, True)
+    clock.t += 10
     m.observe("p", "d", 3.0, 1000, 900, True)
     assert not m.should_pull("p", "d")
     clock.t += 31
@@ -81,17 +83,35 @@ def test_cost_model_ignores_tiny_samples():
 
 
 def test_cost_model_keeps_pulling_when_only_slightly_slower():
-    m = CostModel()
+    clock = Clock()
+    m = CostModel(clock=clock)
     m.observe("p", None, 1.0, 1000, 0, False)       # 1 ms per token
     for _ in range(2):
+        clock.t += 10
         m.observe("p", "d", 1.3, 1000, 900, True)   # (1.3 - 0.1) / 900 = 1.33 ms per token: within the margin
-    assert m.should_pull("p", "d")
+    assert ("p", "d") in m.pull and m.should_pull("p", "d")
+
+
+def test_cost_model_pulls_that_overlapped_the_handshake_are_no_samples():
+    clock = Clock()
+    m = CostModel(alpha=1.0, clock=clock)
+    m.observe("p", None, 1.0, 1000, 0, False)
+    clock.t = 100.0
+    m.observe("p", "d", 5.0, 1000, 900, True)        # the first pull: started at 95, ended at 100
+    clock.t = 100.5
+    m.observe("p", "d", 5.0, 1000, 900, True)        # started at 95.5: it waited for the same handshake
+    assert ("p", "d") not in m.pull and m.should_pull("p", "d")
+    clock.t = 110.0
+    m.observe("p", "d", 0.2, 1000, 900, True)        # started after the first one ended: a sample
+    assert abs(m.pull[("p", "d")] - 0.1 / 900) < 1e-9
 
 
 def test_cost_model_prices_a_pull_by_pulled_tokens_only():
-    m = CostModel(alpha=1.0)
+    clock = Clock()
+    m = CostModel(alpha=1.0, clock=clock)
     m.observe("p", None, 1.0, 1000, 0, False)       # 1 ms per computed token
     m.observe("p", "d", 0.5, 1000, 0, True, pulled_tokens=0)     # the pair's first pull (handshake)
+    clock.t += 10
     # 900 tokens not computed, but only 100 came from D (800 from P's own prefix cache): 0.2 s / 100.
     m.observe("p", "d", 0.3, 1000, 900, True, pulled_tokens=100)
     assert abs(m.pull[("p", "d")] - 0.002) < 1e-9

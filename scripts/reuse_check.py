@@ -1,0 +1,148 @@
+"""Does every follow-up turn of a real client reuse D's KV? Run against any running pdserve cluster.
+
+N conversations of T turns from the official `openai` client (streamed by default), C conversations at a
+time, no conversation id: the router has to recognise each history, as it must for an unmodified client.
+Per turn it prints the prompt tokens, the tokens P pulled from D (the router's X-PDServe-Pulled-Tokens),
+the reusable tokens (the previous turn's prompt, which D holds), and at the end the share of follow-up
+turns that pulled at least 90% of them. With --prefill-url, the pulled tokens are checked against P's
+own `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`.
+
+    python scripts/reuse_check.py --url http://127.0.0.1:8000/v1 --conversations 20 --turns 5 --concurrency 2 \
+        --prefill-url http://127.0.0.1:8100
+
+Exit status 0 when every follow-up turn reused (>= --min-share of its reusable tokens), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import time
+import urllib.request
+
+PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+EXTERNAL = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
+                      re.M)
+WORDS = ("build", "test", "file", "error", "line", "patch", "config", "deploy", "cache", "token", "router",
+         "decode", "prefill", "trace", "retry", "value", "status", "table", "merge", "review")
+
+
+def user_turn(rng: random.Random, conversation: int, turn: int, words: int) -> dict:
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    return {"role": "user", "content": f"[conversation {conversation}, turn {turn}] {text}"}
+
+
+def external_tokens(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10).read().decode()
+        total += sum(float(v) for v in EXTERNAL.findall(text))
+    return total
+
+
+async def one_turn(client, model: str, messages: list, args) -> tuple[str, int | None, int | None]:
+    """(reply text, prompt tokens, tokens pulled from D) of one chat turn."""
+    if args.stream:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=args.max_tokens, stream=True,
+            stream_options={"include_usage": True})
+        pulled = raw.headers.get(PULLED_HEADER)
+        parts, prompt = [], None
+        async for chunk in raw.parse():   # the client closes the connection right after [DONE]
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+            if chunk.usage is not None:
+                prompt = chunk.usage.prompt_tokens
+        return "".join(parts), prompt, int(pulled) if pulled is not None else None
+    raw = await client.chat.completions.with_raw_response.create(model=model, messages=messages,
+                                                                 max_tokens=args.max_tokens)
+    resp = raw.parse()
+    pulled = raw.headers.get(PULLED_HEADER)
+    return (resp.choices[0].message.content or "", resp.usage.prompt_tokens if resp.usage else None,
+            int(pulled) if pulled is not None else None)
+
+
+async def conversation(client, model: str, index: int, args, rows: list[dict], gate: asyncio.Semaphore) -> None:
+    rng = random.Random(args.seed * 1000 + index)
+    async with gate:
+        history: list = [{"role": "system", "content": "You are a coding agent. " * 8}]
+        previous_prompt = None
+        for turn in range(1, args.turns + 1):
+            history.append(user_turn(rng, index, turn, args.words))
+            started = time.perf_counter()
+            reply, prompt, pulled = await one_turn(client, model, history, args)
+            row = {"conversation": index, "turn": turn, "prompt_tokens": prompt, "pulled": pulled,
+                   "reusable": previous_prompt, "ms": round(1000 * (time.perf_counter() - started), 1)}
+            rows.append(row)
+            print(f"conversation {index:3d} turn {turn}: prompt {prompt} pulled {pulled} reusable "
+                  f"{previous_prompt} ({row['ms']:.0f} ms)", file=sys.stderr, flush=True)
+            history.append({"role": "assistant", "content": reply})
+            previous_prompt = prompt
+
+
+def reused(row: dict, min_share: float) -> bool:
+    return bool(row["reusable"]) and row["pulled"] is not None and row["pulled"] >= min_share * row["reusable"]
+
+
+async def main_async(args) -> int:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=args.url, api_key=os.environ.get(args.api_key_env, "unused") if args.api_key_env
+                         else "unused", max_retries=0, timeout=600)
+    model = args.model or (await client.models.list()).data[0].id
+    before = external_tokens(args.prefill_url) if args.prefill_url else None
+    rows: list[dict] = []
+    gate = asyncio.Semaphore(args.concurrency)
+    started = time.perf_counter()
+    await asyncio.gather(*(conversation(client, model, i, args, rows, gate) for i in range(args.conversations)))
+    follow = [r for r in rows if r["turn"] > 1]
+    good = [r for r in follow if reused(r, args.min_share)]
+    summary = {"url": args.url, "model": model, "stream": args.stream, "conversations": args.conversations,
+               "turns": args.turns, "concurrency": args.concurrency, "follow_up_turns": len(follow),
+               "reused_turns": len(good), "reused_share": len(good) / len(follow) if follow else None,
+               "pulled_tokens": sum(r["pulled"] or 0 for r in rows),
+               "reusable_tokens": sum(r["reusable"] or 0 for r in follow),
+               "seconds": round(time.perf_counter() - started, 1)}
+    if before is not None:
+        summary["prefill_external_kv_tokens"] = external_tokens(args.prefill_url) - before
+    if args.json:
+        print(json.dumps({"summary": summary, "turns": sorted(rows, key=lambda r: (r["conversation"], r["turn"]))}))
+    else:
+        share = summary["reused_share"]
+        print(f"{'streamed' if args.stream else 'non-streamed'}: {len(good)} of {len(follow)} follow-up turns "
+              f"pulled >= {100 * args.min_share:.0f}% of their reusable tokens "
+              f"({100 * share if share is not None else 0:.1f}%); pulled {summary['pulled_tokens']} of "
+              f"{summary['reusable_tokens']} reusable tokens in {summary['seconds']} s")
+        if before is not None:
+            print(f"P's own counter (external_kv_transfer) rose by {summary['prefill_external_kv_tokens']:.0f}")
+    missed = [r for r in follow if not reused(r, args.min_share)]
+    for r in missed:
+        print(f"missed: conversation {r['conversation']} turn {r['turn']}: pulled {r['pulled']} of "
+              f"{r['reusable']}", file=sys.stderr)
+    return 0 if follow and not missed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the router's OpenAI base URL")
+    p.add_argument("--model", help="model name (default: the router's first)")
+    p.add_argument("--conversations", type=int, default=20)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--no-stream", dest="stream", action="store_false", help="non-streamed turns")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--words", type=int, default=120, help="words in each new user message")
+    p.add_argument("--min-share", type=float, default=0.9, help="share of the reusable tokens a turn must pull")
+    p.add_argument("--prefill-url", action="append", default=[], help="a prefill server, to read its /metrics")
+    p.add_argument("--api-key-env", help="env var holding the router's API key")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="per-turn rows and the summary as JSON on stdout")
+    return asyncio.run(main_async(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
