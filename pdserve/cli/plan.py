@@ -38,6 +38,8 @@ def command(
         console.out.print("  env:  " + " ".join(shlex.quote(f"{k}={v}") for k, v in proc.env.items()),
                           markup=False, highlight=False)
         console.out.print("  argv: " + shlex.join(proc.argv), markup=False, highlight=False)
+        for name, why in proc.defaults.items():
+            console.out.print(f"  set by pdserve: {name}={proc.env[name]}: {why}", markup=False, highlight=False)
     console.out.print(f"router URL: {plan.router.url}   state: {cdir.root}", highlight=False)
     for f in failed:
         console.error(f"preflight {f.check}: {f.message}", f.hint or None)

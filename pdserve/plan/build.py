@@ -15,6 +15,7 @@ from pdserve.spec.load import ROLES, SHARED_GPU_BUDGET, gpu_sharers, replica_dev
 from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 from pdserve.spec.topology import platform_env, replica_host
+from pdserve.plan.transport import transport_settings
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
@@ -80,8 +81,13 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         env[REUSE_PATCHES_ENV] = "1"
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
+    transport = transport_settings(spec)
+    env.update({t.name: t.value for t in transport})
     env.update(host.env if host else {})
-    env.update(role.env)      # the most specific setting wins: preset < host < role
+    env.update(role.env)      # the most specific setting wins: preset < transport defaults < host < role
+    # What pdserve chose (not the user), with why: `pdserve plan` prints it.
+    defaults = {t.name: t.why for t in transport if env.get(t.name) == t.value
+                and t.name not in role.env and t.name not in (host.env if host else {})}
     env[MARKER_ENV] = marker(cluster_dir, name)
     env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}
     util, after = gpu_share(spec, role_name, i)
@@ -89,7 +95,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         argv += ["--gpu-memory-utilization", f"{util:.3g}"]
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=bind, port=http_port,
                        health_url=f"http://{connect_host(bind)}:{http_port}/health", side_channel_ports=side_ports,
-                       env_from=env_from, host_name=host_name or LOCAL_HOST, start_after=after)
+                       env_from=env_from, host_name=host_name or LOCAL_HOST, start_after=after,
+                       defaults=defaults)
 
 
 def gpu_share(spec: ClusterSpec, role_name: str, i: int) -> tuple[float | None, list[str]]:

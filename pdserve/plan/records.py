@@ -34,6 +34,8 @@ class ProcessPlan:
     # needs the GPU quiet while a server starts). The supervisor honours it.
     start_after: list[str] = field(default_factory=list)
     host_name: str = LOCAL_HOST   # the spec's host this process runs on (`host` is its bind address there)
+    # Variables of `env` that pdserve set by default rather than the user, name -> why (plan/transport.py).
+    defaults: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:

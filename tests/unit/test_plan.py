@@ -211,3 +211,43 @@ def test_cpu_servers_sharing_a_host_get_a_kv_cache_share_unless_set_explicitly()
     plan = build_plan(bare, python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/m"), memory_gib=24)
     p, d = plan.processes[0], plan.processes[1]
     assert p.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "VLLM_CPU_KVCACHE_SPACE" not in d.env
+
+
+def gpu_spec(**kv):
+    data = with_("kv_transfer", {"kv_buffer_device": "cuda", **kv})
+    data["prefill"] = {"port": 8100, "nixl_side_channel_port": 5600, "gpus": [0]}
+    data["decode"] = {"port": 8200, "nixl_side_channel_port": 5700, "gpus": [0]}
+    return {**data, "share_gpus": True}
+
+
+def test_gpu_servers_get_cuda_ipc_get_zero_copy_and_plan_says_why():
+    plan = plan_of(gpu_spec())
+    for name in ("prefill-0", "decode-0"):
+        proc = plan.by_name(name)
+        assert proc.env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+        assert "NVLink" in proc.defaults["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"]
+    assert plan.router.defaults == {}
+
+
+def test_the_users_transport_setting_wins_and_is_not_called_a_default():
+    data = gpu_spec()
+    data["decode"]["env"] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    plan = plan_of(data)
+    assert plan.by_name("decode-0").env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
+    assert plan.by_name("decode-0").defaults == {}
+    assert plan.by_name("prefill-0").env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+
+
+def test_no_cuda_ipc_setting_without_gpu_buffers_or_without_ucx():
+    for proc in plan_of(GOOD).processes:                               # kv_buffer_device cpu
+        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env
+    for proc in plan_of(gpu_spec(backends=["LIBFABRIC"])).processes:
+        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env
+
+
+def test_stored_plans_without_defaults_still_load():
+    plan = plan_of(gpu_spec())
+    data = plan.to_dict()
+    for proc in data["processes"]:
+        del proc["defaults"]
+    assert ClusterPlan.from_dict(data).by_name("prefill-0").defaults == {}

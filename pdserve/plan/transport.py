@@ -1,0 +1,35 @@
+"""What NIXL's transport needs that its defaults do not give: environment pdserve sets for every server,
+each with the reason `pdserve plan` prints. The user's own env (host or role) always wins.
+
+UCX turns CUDA-IPC GET zero-copy off on GPUs it sees no active NVLink on (UCX PR #7566: concurrent reads
+were slow on some PCIe systems), and NIXL's READ is a GET. P and D on one GPU, or on PCIe-only GPUs (L4,
+L40S, A10), then move KV through UCX's TCP software emulation. NIXL itself sets it from a later release on
+(NIXL PR #2208, vLLM issue #52607); NIXL, like pdserve, leaves a variable the environment already has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.spec.schema import ClusterSpec
+
+
+@dataclass(frozen=True)
+class TransportSetting:
+    name: str
+    value: str
+    why: str
+
+
+GET_ZCOPY = TransportSetting(
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y",
+    "UCX disables CUDA-IPC GET zero-copy where it sees no NVLink (one shared GPU, PCIe-only GPUs) and NIXL's "
+    "READ is a GET: without it KV moves through UCX's TCP emulation, slower than recomputing (docs/gpu.md)")
+
+
+def transport_settings(spec: ClusterSpec) -> list[TransportSetting]:
+    """The settings every server of this cluster gets unless its env says otherwise."""
+    kv = spec.kv_transfer
+    if kv.kv_buffer_device == "cuda" and "UCX" in kv.backends:
+        return [GET_ZCOPY]
+    return []
