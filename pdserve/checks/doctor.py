@@ -1,5 +1,6 @@
 """`pdserve doctor`: the machine checks of preflight.py, plus, for a running cluster, live checks: the
-router answers, a canary really moves KV from P to D, and the NIXL transfer rate each server measured."""
+router answers, a canary really moves KV from P to D and back at a rate above the floor, and the NIXL
+transfer rate each server measured over its life."""
 
 from __future__ import annotations
 
@@ -23,15 +24,20 @@ def transfer_rate(url: str) -> tuple[float, float, float] | None:
 
 
 def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
+    """`min_gbps`: the floor for the canary's transfers and the servers' rates (None: the plan's own)."""
     if not probe(plan.router.url + "/health"):
         return [Finding("fail", "router", f"{plan.router.url} does not answer /health",
                         f"`pdserve status {plan.name}`; `pdserve logs {plan.name} router`")]
     out = [Finding("ok", "router", f"{plan.router.url} answers")]
     cfg = plan.router_config
-    ok, detail = run_canary(plan.router.url, [p.url for p in plan.processes if p.role == "decode"],
-                            cfg.get("model", ""), cfg.get("api_key_env"))
-    out.append(Finding("ok" if ok else "fail", "canary", detail,
-                       "" if ok else f"`pdserve logs {plan.name} decode-0` for NIXL errors"))
+    floor = plan.transfer_floor_gbps if min_gbps is None else min_gbps
+    urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
+    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), cfg.get("api_key_env"),
+                        prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
+                        floor_gbps=floor)
+    hint = "" if result.ok else ("" if result.slow else f"`pdserve logs {plan.name} decode-0` for NIXL errors")
+    out.append(Finding("ok" if result.ok else "fail", "canary", result.detail, hint))
+    min_gbps = floor or None
     for proc in plan.processes:
         if proc.role == "router":
             continue
@@ -46,7 +52,7 @@ def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
         if min_gbps is not None and gbps < min_gbps:
             out.append(Finding("warn", f"{proc.name} transfers", message + f", below the expected {min_gbps:g} GB/s",
                                "a rate far below the link usually means UCX fell back to TCP: check "
-                               "UCX_TLS / the NIXL backend (LIBFABRIC on EFA)"))
+                               "UCX_CUDA_IPC_ENABLE_GET_ZCOPY, UCX_TLS and the NIXL backend (LIBFABRIC on EFA)"))
         else:
             out.append(Finding("ok", f"{proc.name} transfers", message))
     return out

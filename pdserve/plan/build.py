@@ -179,4 +179,5 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
     return ClusterPlan(name=spec.name, processes=[*servers, router], router_config=router_config,
                        router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
                        supervisor=spec.supervisor.model_dump(), launcher=spec.launcher, hosts=hosts,
-                       slurm_job_id=spec.slurm.job_id, slurm_args=list(spec.slurm.srun_args))
+                       slurm_job_id=spec.slurm.job_id, slurm_args=list(spec.slurm.srun_args),
+                       transfer_floor_gbps=spec.kv_transfer.transfer_floor_gbps)

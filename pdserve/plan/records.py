@@ -76,6 +76,7 @@ class ClusterPlan:
     hosts: list[HostPlan] = field(default_factory=list)    # empty: everything on this machine
     slurm_job_id: str | None = None     # the allocation srun steps join (launcher slurm)
     slurm_args: list[str] = field(default_factory=list)
+    transfer_floor_gbps: float = 0.0    # the canary's KV transfers must be at least this fast (0: no floor)
 
     def host(self, name: str) -> HostPlan | None:
         return next((h for h in self.hosts if h.name == name), None)

@@ -176,7 +176,7 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
     common = min(common_prefix_len(entry.sequence[:offered], new_prompt), len(new_prompt) - 1)
     reason = "continuation"
     if common < offered:
-        if common == 0 or not block_size:
+        if not block_size or common < block_size:   # at most a template header in common: an edited history
             return Decision(MISS, "not_a_continuation")
         params["remote_block_ids"] = _trim_blocks(params.get("remote_block_ids") or [], -(-common // block_size))
         params["remote_num_tokens"] = offered = common

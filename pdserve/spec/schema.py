@@ -43,6 +43,11 @@ class RoleSpec(Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for these servers.")
 
 
+# GB/s below which GPU KV transfers mean an emulated transport: on one H200, UCX's TCP emulation ran at
+# 0.6 GB/s against 86-314 GB/s over CUDA IPC; PCIe Gen4 x16 alone carries ~25 (docs/gpu.md).
+GPU_TRANSFER_FLOOR_GBPS = 5.0
+
+
 class KVTransferSpec(Strict):
     """Goes into vLLM's --kv-transfer-config (kv_role is set by pdserve per role), but for
     nixl_progress_delay_us, which NIXL's agent gets through pdserve.engine.entry."""
@@ -63,6 +68,17 @@ class KVTransferSpec(Strict):
                     "through pdserve.engine.entry, which sets it.")
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="More kv_connector_extra_config keys, passed verbatim.")
+    min_transfer_gbps: float | None = Field(
+        None, ge=0,
+        description="`up` and `doctor` fail when the canary's KV transfers (either direction) run slower than "
+                    "this many GB/s: a transport emulated over TCP makes P-D slower than one server. Default: "
+                    f"{GPU_TRANSFER_FLOOR_GBPS:g} with kv_buffer_device cuda, 0 (no floor) with cpu; 0 turns it off.")
+
+    @property
+    def transfer_floor_gbps(self) -> float:
+        if self.min_transfer_gbps is not None:
+            return self.min_transfer_gbps
+        return GPU_TRANSFER_FLOOR_GBPS if self.kv_buffer_device == "cuda" else 0.0
 
 
 MIB = 1024 * 1024

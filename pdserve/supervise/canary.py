@@ -1,8 +1,13 @@
-"""The canary: one small request through the router that must move KV from P to D.
+"""The canary: a small conversation through the router that must move KV from P to D, and back.
 
 Ports answering is not enough: a NIXL path that cannot transfer (wrong side-channel host, UCX fallen back
 or broken, a stale agent after a restart) still answers /health. The canary compares the decode servers'
 own `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` before and after one request.
+It also times the transfers: each direction's rate is the bytes NIXL moved over the time those transfers
+took (the deltas of vLLM's `nixl_bytes_transferred` and `nixl_xfer_time_seconds` across the canary's own
+transfers; vLLM's logged throughput sums per-transfer rates, vLLM #48224). With reuse on, a second turn
+makes P pull the first one back from D. A path that works but at a rate below the plan's floor (on GPUs:
+UCX's TCP emulation, slower than recomputing) fails: a deployment slower than one without P-D is no success.
 """
 
 from __future__ import annotations
@@ -12,14 +17,21 @@ import os
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass
 
-from pdserve.observe.promtext import auth_headers, has, scrape, total
+from pdserve.observe.promtext import Samples, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+XFER_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 
 # Long enough to fill at least one KV block on every backend (CPU blocks are 128 tokens).
 CANARY_TEXT = "pdserve canary: " + " ".join(f"check {i}" for i in range(160))
+FLOOR_HINT = ("the transport is emulated or misrouted: for GPU buffers over UCX keep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "
+              "(pdserve sets it unless a server's env says otherwise), check UCX_TLS and the NIXL backend "
+              "(LIBFABRIC on EFA); `kv_transfer.min_transfer_gbps: 0` accepts a slow transport")
 
 
 def canary_text() -> str:
@@ -28,41 +40,114 @@ def canary_text() -> str:
     return f"{uuid.uuid4().hex} {CANARY_TEXT}"
 
 
-def external_tokens(url: str) -> float | None:
-    """Tokens this server loaded from another server's KV (None when it exports no such metric)."""
-    samples = scrape(url)
-    if samples is None or not has(samples, BY_SOURCE):
+@dataclass(frozen=True)
+class Reading:
+    """One server's NIXL counters: tokens loaded from another server, bytes read, seconds reading, reads."""
+    tokens: float | None
+    moved: float
+    seconds: float
+    reads: float
+
+
+def reading(url: str) -> Reading | None:
+    samples: Samples | None = scrape(url)
+    if samples is None:
         return None
-    return total(samples, BY_SOURCE, source="external_kv_transfer")
+    tokens = total(samples, BY_SOURCE, source="external_kv_transfer") if has(samples, BY_SOURCE) else None
+    return Reading(tokens, total(samples, XFER_BYTES), total(samples, XFER_SECONDS), total(samples, XFER_COUNT))
+
+
+@dataclass(frozen=True)
+class Leg:
+    """What the servers of one role read during one canary turn."""
+    tokens: float
+    moved: float
+    seconds: float
+    reads: float
+
+    @property
+    def gbps(self) -> float | None:
+        return self.moved / self.seconds / 1e9 if self.reads and self.seconds > 0 else None
+
+    def describe(self, direction: str) -> str:
+        rate = f" at {self.gbps:.2f} GB/s ({self.moved / 1e6:.1f} MB in {1000 * self.seconds:.1f} ms)" \
+            if self.gbps is not None else ""
+        return f"{direction} {self.tokens:.0f} tokens{rate}"
+
+
+def leg(before: list[Reading | None], after: list[Reading | None]) -> Leg:
+    pairs = [(b, a) for b, a in zip(before, after) if a is not None and b is not None]
+    return Leg(sum((a.tokens or 0) - (b.tokens or 0) for b, a in pairs), sum(a.moved - b.moved for b, a in pairs),
+               sum(a.seconds - b.seconds for b, a in pairs), sum(a.reads - b.reads for b, a in pairs))
+
+
+@dataclass(frozen=True)
+class CanaryResult:
+    ok: bool
+    detail: str
+    to_decode: Leg | None = None       # P->D, read by D
+    to_prefill: Leg | None = None      # D->P, pulled by P on the second turn
+    slow: bool = False                 # it worked, below the floor
+
+
+def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(router_url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
 
 
 def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env: str | None = None,
-               timeout: float = 120.0) -> tuple[bool, str]:
-    """(passed, what happened)."""
-    before = [external_tokens(u) for u in decode_urls]
+               timeout: float = 120.0, prefill_urls: list[str] | None = None,
+               floor_gbps: float = 0.0) -> CanaryResult:
+    """The P->D turn; with `prefill_urls` (reuse on) a second turn that P should pull from D. A measured
+    rate below `floor_gbps` (0: no floor) fails as slow."""
     headers = {"Content-Type": "application/json",
                **auth_headers(os.environ.get(api_key_env) if api_key_env else None)}
-    body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": canary_text()}]})
-    req = urllib.request.Request(router_url + "/v1/chat/completions", data=body.encode(), headers=headers)
+    conversation = f"pdserve-canary-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": canary_text()}]
+    body = {"model": model, "max_tokens": 2, "messages": messages, "conversation_id": conversation}
+    readings = lambda urls: [reading(u) for u in urls]  # noqa: E731
+    before = readings(decode_urls)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            resp.read()
+        reply = _chat(router_url, headers, body, timeout)
+        to_decode = leg(before, readings(decode_urls))
+        to_prefill = None
+        if prefill_urls and to_decode.tokens > 0:
+            p_before = readings(prefill_urls)
+            message = (reply.get("choices") or [{}])[0].get("message") or {"role": "assistant", "content": ""}
+            _chat(router_url, headers, {**body, "messages": [*messages, message,
+                                                             {"role": "user", "content": "pdserve canary again"}]},
+                  timeout)
+            to_prefill = leg(p_before, readings(prefill_urls))
     except urllib.error.HTTPError as err:
-        return False, f"canary request failed: HTTP {err.code} {err.read()[:300].decode(errors='replace')}"
-    except (urllib.error.URLError, OSError) as err:
-        return False, f"canary request failed: {err}"
-    after = [external_tokens(u) for u in decode_urls]
-    moved = sum((a or 0) - (b or 0) for a, b in zip(after, before))
-    if moved > 0:
-        return True, f"canary moved {moved:.0f} tokens of KV from prefill to decode"
-    if all(a is None for a in after):
-        return False, "decode servers export no vllm:prompt_tokens_by_source_total metric; cannot verify KV transfer"
-    return False, "canary answered but no KV reached a decode server (check NIXL: side-channel host/ports, UCX)"
+        return CanaryResult(False, f"canary request failed: HTTP {err.code} "
+                                   f"{err.read()[:300].decode(errors='replace')}")
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return CanaryResult(False, f"canary request failed: {err}")
+    if to_decode.tokens <= 0:
+        if all(r is None or r.tokens is None for r in readings(decode_urls)):
+            return CanaryResult(False, "decode servers export no vllm:prompt_tokens_by_source_total metric; "
+                                       "cannot verify KV transfer")
+        return CanaryResult(False, "canary answered but no KV reached a decode server (check NIXL: side-channel "
+                                   "host/ports, UCX)", to_decode)
+    said = [to_decode.describe("P->D")]
+    if to_prefill is not None and to_prefill.tokens > 0:
+        said.append(to_prefill.describe("D->P"))
+    detail = "canary moved " + ", ".join(said)
+    slow = [d for d, lg in (("P->D", to_decode), ("D->P", to_prefill))
+            if floor_gbps and lg is not None and lg.gbps is not None and lg.gbps < floor_gbps]
+    if slow:
+        return CanaryResult(False, f"{detail}: {' and '.join(slow)} below the floor of {floor_gbps:g} GB/s "
+                                   f"(kv_transfer.min_transfer_gbps); {FLOOR_HINT}", to_decode, to_prefill, True)
+    return CanaryResult(True, detail, to_decode, to_prefill)
 
 
 def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
-    """The canary through a planned cluster's router, checked on its decode servers."""
+    """The canary through a planned cluster's router, checked on its servers."""
     cfg = plan.router_config
-    decode = [p.url for p in plan.processes if p.role == "decode"]
-    return run_canary(plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
-                      timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))
+    urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
+    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), cfg.get("api_key_env"),
+                        timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0),
+                        prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
+                        floor_gbps=plan.transfer_floor_gbps)
+    return result.ok, result.detail

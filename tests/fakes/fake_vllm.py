@@ -27,6 +27,7 @@ from aiohttp import web
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
 
 BLOCK = 16
+KV_BYTES_PER_TOKEN = 147456    # an 8B-class model in bf16 (36 layers x 8 KV heads x 128 x 2 x 2 bytes ~ 144 KiB)
 FAKE = web.AppKey("fake", object)
 
 
@@ -50,6 +51,15 @@ class FakeVLLM:
         self.cancelled = 0                  # streams cut off by the other side (client went away)
         self.computed_tokens = 0            # like ...{source="local_compute"}
         self.in_flight = self.max_in_flight = 0
+        self.xfer_bytes = self.xfer_seconds = 0.0   # like vllm:nixl_bytes_transferred / nixl_xfer_time_seconds
+        self.xfer_count = 0
+
+    def read_kv(self, tokens: int) -> None:
+        """Account one NIXL read of `tokens` tokens' KV at --xfer-gbps."""
+        moved = tokens * KV_BYTES_PER_TOKEN
+        self.xfer_bytes += moved
+        self.xfer_seconds += moved / (self.args.xfer_gbps * 1e9)
+        self.xfer_count += 1
 
     def prompt_ids(self, route: str, body: dict) -> list[int]:
         if "messages" in body:
@@ -90,10 +100,12 @@ class FakeVLLM:
                                                     "param": None, "code": 500}}, status=500)
             pulled = min(int(kv.get("remote_num_tokens", 0)), len(prompt) - 1)
             self.external_tokens += pulled
+            self.read_kv(pulled)
         if any(k in kv for k in (PULLED_KEY, LOCAL_KEY)):
             self.leaked_counts += 1   # the router must strip P's counts before D
         if kv.get("do_remote_prefill") and kv.get("remote_block_ids") and not self.args.no_kv_in:
             self.external_tokens += len(prompt)   # D reads P's blocks for the whole prompt
+            self.read_kv(len(prompt))
         if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
             self.computed_tokens += len(prompt) - pulled
             await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
@@ -187,7 +199,10 @@ class FakeVLLM:
             f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="external_kv_transfer"}} '
             f"{float(self.external_tokens)}\n"
             f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="local_compute"}} '
-            f"{float(self.computed_tokens)}\n"))
+            f"{float(self.computed_tokens)}\n"
+            f'vllm:nixl_bytes_transferred_sum{{engine="0"}} {self.xfer_bytes}\n'
+            f'vllm:nixl_xfer_time_seconds_sum{{engine="0"}} {self.xfer_seconds}\n'
+            f'vllm:nixl_xfer_time_seconds_count{{engine="0"}} {float(self.xfer_count)}\n'))
 
     async def received_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response(self.received)
@@ -239,6 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--xfer-gbps", type=float, default=100.0, help="GB/s its NIXL reads report")
     p.add_argument("--done-delay", type=float, default=0.0, help="seconds between the last chunk and [DONE]")
     p.add_argument("--tail-delay", type=float, default=0.0, help="seconds between [DONE] and the body's end")
     p.add_argument("--compute-delay", type=float, default=0.0, help="prefill seconds per computed token")

@@ -234,7 +234,7 @@ def test_api_key_from_the_environment_guards_router_and_servers(tmp_path, home, 
             headers={"Authorization": "Bearer k-123", "Content-Type": "application/json"}))
         assert ok.status == 200
         st = status_json("keyed")                 # status reads the router's metrics with the key
-        assert st["router"]["turns"] == 2          # the start-up canary's and ours
+        assert st["router"]["turns"] == 3          # the start-up canary's two (P->D, then D->P) and ours
         assert st["router"]["backends"]["decode-0"]["healthy"] == 1
         assert "k-123" not in "".join(p.read_text() for p in (home / "clusters" / "keyed").glob("*.json"))
     finally:
@@ -360,6 +360,24 @@ def test_up_fails_when_the_canary_moves_no_kv(tmp_path, home):
     assert all_markers(home, "nokv") == []
 
 
+def test_up_fails_when_gpu_kv_moves_slower_than_the_floor_and_the_opt_out_lets_it_run(tmp_path, home):
+    """An emulated transport (UCX over TCP, 0.6 GB/s on one H200) works, so only its rate shows it."""
+    path, cfg = write_config(tmp_path, "slow", server_args=["--xfer-gbps", "0.5"])   # GPU buffers by default
+    up = pdserve("up", str(path))
+    assert up.returncode == 1
+    assert "below the floor of 5 GB/s" in up.stderr and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in up.stderr, up.stderr
+    assert all_markers(home, "slow") == []
+    cfg["kv_transfer"] = {"min_transfer_gbps": 0}
+    path.write_text(yaml.safe_dump(cfg))
+    assert pdserve("up", str(path)).returncode == 0
+    try:
+        doctor = pdserve("doctor", str(path), "--min-gbps", "2")
+        assert doctor.returncode == 1 and "fail canary" in doctor.stdout and "0.50 GB/s" in doctor.stdout, doctor.stdout
+        assert pdserve("doctor", str(path)).returncode == 0     # the cluster's own floor: none
+    finally:
+        assert pdserve("down", "slow").returncode == 0
+
+
 def test_hung_server_is_restarted(tmp_path, home):
     path, cfg = write_config(tmp_path, "hung", server_args=["--spawn-child"])
     cfg["supervisor"].update(unhealthy_grace=1, stop_timeout=2)
@@ -404,7 +422,8 @@ def test_doctor_checks_the_machine_and_the_running_cluster(tmp_path, home):
     try:
         live = pdserve("doctor", str(path))
         assert live.returncode == 0, live.stdout
-        assert "ok   canary: canary moved" in live.stdout and "decode-0 transfers: no P->D reads recorded" in live.stdout
+        assert "ok   canary: canary moved P->D" in live.stdout and ", D->P " in live.stdout, live.stdout
+        assert "decode-0 transfers: P->D reads:" in live.stdout and "prefill-0 transfers: D->P reads:" in live.stdout
     finally:
         assert pdserve("down", "doc").returncode == 0
     cfg = yaml.safe_load(path.read_text())
