@@ -49,6 +49,7 @@ class Turn:
     explicit: Key | None               # conversation_id / X-Session-ID
     messages: list[Any] | None         # chat history, for automatic detection
     started: float = field(default_factory=time.perf_counter)
+    decide_ms: float | None = None     # the reuse decision (Server-Timing, like the legs)
     prefill_ms: float | None = None    # reported to the client in Server-Timing
     pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
     degraded: bool = False             # served whole by one role
@@ -150,7 +151,10 @@ class Flow:
             return await self._degraded(request, turn, other)
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
         keys = self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
+        decide_started = time.perf_counter()
         decision = await self.prefill.decide(keys, route, body) if keys else None
+        if decision is not None:   # the entry lookup and, with an entry, P's /tokenize of the new prompt
+            turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
         p_started = time.perf_counter()
         try:
             anchor = (affinity.anchor(turn.explicit, turn.tenant, turn.messages)
@@ -202,8 +206,8 @@ class Flow:
         """X-Request-Id, Server-Timing with the P leg (and D leg) durations, and the tokens P pulled from D:
         for benchmarks, tracing and scripts/reuse_check.py."""
         headers = {"X-Request-Id": turn.reply_id}
-        timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("prefill", turn.prefill_ms), ("decode", decode_ms))
-                  if ms is not None]
+        timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("decide", turn.decide_ms), ("prefill", turn.prefill_ms),
+                                                         ("decode", decode_ms)) if ms is not None]
         if timing:
             headers["Server-Timing"] = ", ".join(timing)
         if turn.pulled is not None:

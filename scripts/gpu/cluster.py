@@ -1,6 +1,7 @@
 """Write a variant of configs/gpu-1p1d.yaml for the GPU runs: the random-weight model, extra vLLM args and env.
-  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--arg ARG ...] [--env K=V ...] [--cost-aware]
---shared starts from configs/gpu-1p1d-shared.yaml (P and D on GPU 0); --arg adds a vLLM argument to both."""
+  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--arg ARG ...] [--env K=V ...] [--no-cost-aware]
+--shared starts from configs/gpu-1p1d-shared.yaml (P and D on GPU 0); --arg adds a vLLM argument to both.
+Only the model changes unless asked (the random-weight model: no hub there): the rest runs as shipped."""
 import argparse
 from pathlib import Path
 
@@ -14,7 +15,8 @@ a.add_argument("--block", type=int)
 a.add_argument("--shared", action="store_true")
 a.add_argument("--arg", action="append", default=[])
 a.add_argument("--env", action="append", default=[])
-a.add_argument("--cost-aware", action="store_true")
+a.add_argument("--cost-aware", action="store_true", help="force the cost guard on (it is on as shipped)")
+a.add_argument("--no-cost-aware", action="store_true", help="turn the shipped cost guard off")
 a.add_argument("--model", default="/tmp/pdserve-model")
 args = a.parse_args()
 base = "gpu-1p1d-shared.yaml" if args.shared else "gpu-1p1d.yaml"
@@ -27,6 +29,7 @@ for role in ("prefill", "decode"):
         i = r["vllm_args"].index("--block-size")
         r["vllm_args"][i + 1] = str(args.block)
     r["env"].update(dict(kv.split("=", 1) for kv in args.env))
-cfg["router"]["cost_aware"] = args.cost_aware
+if args.cost_aware or args.no_cost_aware:
+    cfg["router"]["cost_aware"] = args.cost_aware
 Path(args.out).write_text(yaml.safe_dump(cfg))
 print(yaml.safe_dump(cfg))

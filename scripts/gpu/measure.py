@@ -20,11 +20,15 @@ import urllib.request
 NEW_TOKENS = 1000     # the new user message of turn 2
 
 
+TIMINGS: dict[str, str] = {}   # the last answer's Server-Timing (router legs), by conversation
+
+
 def post(url: str, body: dict, stream: bool) -> tuple[float, str]:
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": stream}).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as resp:
+        TIMINGS[body.get("conversation_id", "")] = resp.headers.get("Server-Timing", "")
         if not stream:
             return time.perf_counter() - t0, resp.read().decode()
         first, text = None, []
@@ -33,6 +37,11 @@ def post(url: str, body: dict, stream: bool) -> tuple[float, str]:
                 first = time.perf_counter() - t0
             text.append(line.decode())
         return first or time.perf_counter() - t0, "".join(text)
+
+
+def legs(conv: str) -> dict[str, float]:
+    """{decide, prefill, decode: ms} from the router's Server-Timing of the conversation's last answer."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+);dur=([0-9.]+)", TIMINGS.get(conv, ""))}
 
 
 def metrics(p_url: str) -> dict[str, float]:
@@ -95,7 +104,7 @@ def point(router: str, p_url: str, length: int, stream: bool, tag: str) -> dict:
     return {"length": length, "stream": stream, "on_ms": round(1000 * on, 1), "off_ms": round(1000 * off, 1),
             "speedup": round(off / on, 2), "pulled": m_on["pulled"], "off_pulled": m_off["pulled"],
             "xfer_ms": round(1000 * m_on["xfer_s"], 1), "xfers": m_on["xfer_n"], "gb": round(m_on["bytes"] / 1e9, 3),
-            "gbps": round(gbps, 1) if gbps else None}
+            "gbps": round(gbps, 1) if gbps else None, "on_legs": legs(conv), "off_legs": legs(conv + "-off")}
 
 
 def curve(router: str, p_url: str, out: str, lengths: list[int]) -> None:

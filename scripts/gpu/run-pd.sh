@@ -24,9 +24,9 @@ down() { pd doctor "/tmp/$1.yaml" > "$out/$1-doctor.txt" 2>&1; pd status "$1"; p
 for step in "$@"; do
   case $step in
     curve)      # (a) the on/off TTFT curve, streamed and not, vLLM's default block size (16)
-      up pd2 --block 16 && python3 "$code/scripts/gpu/measure.py" curve http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/curve.json"; down pd2 ;;
+      up pd2 --block 16 --no-cost-aware && python3 "$code/scripts/gpu/measure.py" curve http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/curve.json"; down pd2 ;;
     curve-b64)  # (c) the same with 64-token KV blocks (the shipped config): 4x fewer NIXL descriptors per pull
-      up pd2b && python3 "$code/scripts/gpu/measure.py" curve http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/curve-b64.json" 8192,16384,24576,32768; down pd2b ;;
+      up pd2b --no-cost-aware && python3 "$code/scripts/gpu/measure.py" curve http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/curve-b64.json" 8192,16384,24576,32768; down pd2b ;;
     guard)      # (b) cost guard with UCX forced onto TCP: reuse must cost no more than 1.1x recompute
       up pd2g --cost-aware --env UCX_TLS=tcp,cuda_copy && python3 "$code/scripts/gpu/measure.py" guard http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/guard.json" 16384 10; down pd2g ;;
   esac

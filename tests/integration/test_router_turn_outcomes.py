@@ -73,6 +73,7 @@ async def test_a_client_that_closes_right_after_done_keeps_the_turns_entry():
         headers: dict = {}
         await stream_then_close(dep, chat(history), seen=headers)
         assert int(headers["X-PDServe-Pulled-Tokens"]) == dep.prefill[0][FAKE].external_tokens
+        assert headers["Server-Timing"].startswith("decide;dur=")        # the reuse decision, timed apart
         got = await settled(dep, 2)
         assert got == {"stored": 2.0}, got
         m = parse(await dep.metrics())

@@ -1,0 +1,40 @@
+#!/bin/bash
+# One H200 (P and D sharing GPU 0), configs/gpu-1p1d-shared.yaml as shipped: only the model is replaced by
+# the random-weight 8B-class one of mkcfg.py (no model hub there); cost guard, transport and vLLM flags as
+# shipped. Wheel parts already moved to /tmp/parts (scripts/gpu/wheelhouse.sh). Results under $OUT.
+#   scripts/gpu/run-shipped.sh curve   install, up, plan's transport lines, doctor, off/on curve 2k-32k
+#                                      streamed and not (measure.py), status; the cluster stays up
+#   scripts/gpu/run-shipped.sh load    8 conversations of 10 turns to ~32k tokens, 4 at a time: `bench
+#                                      --attach` on the running shipped cluster, down, then the `off` arm
+set -u
+code=$(cd "$(dirname "$0")/../.." && pwd)
+out=${OUT:-/tmp/out}
+export PDSERVE_HOME=/tmp/pdhome PYTHONUNBUFFERED=1
+[ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:$code
+[ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
+pd() { python3 -m pdserve "$@"; }
+cfg=/tmp/shipped.yaml
+case $1 in
+  curve)
+    python3 "$code/scripts/gpu/cluster.py" "$cfg" shipped --shared > "$out/shipped.yaml"
+    pd plan "$cfg" | grep "set by pdserve" | sort -u
+    t0=$(date +%s)
+    if ! pd up "$cfg" > "$out/up.txt" 2>&1; then
+      cat "$out/up.txt"; pd logs shipped prefill-0 -n 60; pd logs shipped decode-0 -n 60; exit 1
+    fi
+    echo "up: $(( $(date +%s) - t0 )) s"; tail -3 "$out/up.txt"
+    pd doctor "$cfg" 2>&1 | tee "$out/doctor.txt"
+    python3 "$code/scripts/gpu/measure.py" curve http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/curve.json" \
+      2048,4096,8192,16384,24576,32768
+    pd status shipped | tee "$out/status.txt" ;;
+  load)
+    pd bench "$cfg" --attach shipped --workload "$code/scripts/gpu/workload-32k.json" --concurrency 4 \
+      --out /tmp/load-on > "$out/load-on.txt" 2>&1; tail -25 "$out/load-on.txt"
+    cp /tmp/load-on/results.json "$out/load-on.json"
+    pd status shipped | tail -4; pd down shipped; nvidia-smi --query-gpu=memory.used --format=csv
+    pd bench "$cfg" --arms off --workload "$code/scripts/gpu/workload-32k.json" --concurrency 4 \
+      --out /tmp/load-off > "$out/load-off.txt" 2>&1; tail -25 "$out/load-off.txt"
+    cp /tmp/load-off/results.json "$out/load-off.json"
+    nvidia-smi --query-gpu=memory.used --format=csv ;;
+esac
