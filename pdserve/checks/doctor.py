@@ -4,7 +4,7 @@ router answers, a canary really moves KV from P to D, and the NIXL transfer rate
 from __future__ import annotations
 
 from pdserve.plan.records import ClusterPlan
-from pdserve.checks.preflight import Finding
+from pdserve.checks.findings import Finding
 from pdserve.observe.promtext import scrape, total
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe

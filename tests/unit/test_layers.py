@@ -1,6 +1,7 @@
 """The import graph runs one way: cli -> orchestrate -> (spec, plan, supervise, state, checks, bench) ->
 launchers -> (plan records, observe, errors); the router imports nothing of the rest but errors. A new
-import that runs back up fails here, and so does any cycle between packages."""
+import that runs back up fails here, and so does any cycle between packages or between the modules of one
+package."""
 
 from __future__ import annotations
 
@@ -74,5 +75,47 @@ def test_no_cycle_between_packages():
         state[node] = 2
 
     for node in list(edges):
+        if node not in state:
+            visit(node, [node])
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Module -> the pdserve modules it imports, anywhere in it (a deferred import inside a function is
+    still an edge: it only hides the circle until the function runs). `from pdserve.a import b` is an edge
+    to the module pdserve.a.b when there is one, else to pdserve.a."""
+    modules = {".".join(("pdserve", *p.relative_to(PKG).with_suffix("").parts)).removesuffix(".__init__"): p
+               for p in PKG.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        out = edges.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+                out.update(subs or {node.module})
+                if len(subs) < len(node.names):
+                    out.add(node.module)
+        out.discard(module)
+    return edges
+
+
+def test_no_cycle_between_modules_of_a_package():
+    """Inside a package too, imports run one way: two modules that import each other (even through an
+    import deferred into a function) are one module in two files, or share a third that both should import."""
+    edges = module_imports()
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in edges.get(node, ()):
+            if package_of(nxt) != package_of(node) or nxt == f"pdserve.{package_of(node)}":
+                continue    # between packages: the test above; a package's __init__ re-exports its modules
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join(path + [nxt])
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
         if node not in state:
             visit(node, [node])
