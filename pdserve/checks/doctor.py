@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.plan.records import ClusterPlan
 from pdserve.checks.findings import Finding
-from pdserve.observe.promtext import scrape, total
+from pdserve.observe.promtext import api_key_of, scrape, total
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 
@@ -29,7 +29,7 @@ def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
     out = [Finding("ok", "router", f"{plan.router.url} answers")]
     cfg = plan.router_config
     ok, detail = run_canary(plan.router.url, [p.url for p in plan.processes if p.role == "decode"],
-                            cfg.get("model", ""), cfg.get("api_key_env"))
+                            cfg.get("model", ""), api_key_of(cfg))
     out.append(Finding("ok" if ok else "fail", "canary", detail,
                        "" if ok else f"`pdserve logs {plan.name} decode-0` for NIXL errors"))
     for proc in plan.processes:

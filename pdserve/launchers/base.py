@@ -13,13 +13,15 @@ not by parentage or the leader's liveness.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from pdserve.errors import PdserveError
 from pdserve.plan.records import ProcessPlan
+from pdserve.spec.schema import LauncherKind
+
+__all__ = ["Handle", "HostUnreachable", "Launcher", "LauncherKind"]
 
 
 class HostUnreachable(PdserveError):
@@ -29,12 +31,6 @@ class HostUnreachable(PdserveError):
         self.host, self.reason = host, reason
         super().__init__(f"host {host} is unreachable: {reason}",
                          hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
-
-
-class LauncherKind(str, enum.Enum):
-    LOCAL = "local"
-    SSH = "ssh"
-    SLURM = "slurm"
 
 
 @dataclass(frozen=True)

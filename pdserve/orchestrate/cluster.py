@@ -23,7 +23,8 @@ from pdserve.launchers.local import same_process
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
-from pdserve.observe.routerstats import api_key_for, read_router
+from pdserve.observe.promtext import api_key_of
+from pdserve.observe.routerstats import read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.observe.logfiles import last_lines, root_cause
@@ -372,6 +373,7 @@ def _stop_tree(launcher, handle, timeout: float) -> bool:
 def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
     """The cluster as `status` shows it (its --json shape)."""
     state = cdir.read_state() or ClusterState(cdir.name, Phase.STOPPED, "")
+    plan = _stored_plan(cdir)
     alive = live_processes(cdir, state)
     sup_alive = supervisor_process(state) is not None
     now = time.time()
@@ -392,7 +394,8 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "name": cdir.name, "phase": state.phase.value if running else "stopped", "running": running,
         "supervisor_alive": sup_alive, "error": state.error, "router_url": router_url,
         "processes": processes,
-        "router": read_router(router_url, api_key_for(cdir.root / "router.json")) if running and router_url else None,
+        "router": read_router(router_url, api_key_of(plan.router_config) if plan else None)
+        if running and router_url else None,
         "state_dir": str(cdir.root),
     }
 

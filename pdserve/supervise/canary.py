@@ -8,12 +8,11 @@ own `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` before a
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 import uuid
 
-from pdserve.observe.promtext import auth_headers, has, scrape, total
+from pdserve.observe.promtext import api_key_of, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -36,12 +35,12 @@ def external_tokens(url: str) -> float | None:
     return total(samples, BY_SOURCE, source="external_kv_transfer")
 
 
-def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env: str | None = None,
+def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str | None = None,
                timeout: float = 120.0) -> tuple[bool, str]:
     """(passed, what happened)."""
     before = [external_tokens(u) for u in decode_urls]
     headers = {"Content-Type": "application/json",
-               **auth_headers(os.environ.get(api_key_env) if api_key_env else None)}
+               **auth_headers(api_key)}
     body = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": canary_text()}]})
     req = urllib.request.Request(router_url + "/v1/chat/completions", data=body.encode(), headers=headers)
     try:
@@ -64,5 +63,5 @@ def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
     """The canary through a planned cluster's router, checked on its decode servers."""
     cfg = plan.router_config
     decode = [p.url for p in plan.processes if p.role == "decode"]
-    return run_canary(plan.router.url, decode, cfg.get("model", ""), cfg.get("api_key_env"),
+    return run_canary(plan.router.url, decode, cfg.get("model", ""), api_key_of(cfg),
                       timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0))

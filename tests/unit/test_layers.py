@@ -17,7 +17,7 @@ ALLOWED = {
     "observe": {"errors"},
     "spec": {"errors", "engine", "router"},  # engine: built-in model names; router: the one source of its defaults
     "plan": {"spec", "engine", "errors"},
-    "launchers": {"plan", "observe", "errors"},
+    "launchers": {"plan", "spec", "observe", "errors"},   # spec: the launcher names (LauncherKind)
     "state": {"launchers", "errors"},
     "supervise": {"plan", "spec", "state", "launchers", "observe", "errors"},
     "checks": {"plan", "spec", "observe", "supervise", "launchers", "engine", "errors"},
