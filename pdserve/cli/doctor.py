@@ -9,8 +9,7 @@ from pathlib import Path
 
 import typer
 
-from pdserve.checks import doctor, preflight
-from pdserve.orchestrate import cluster
+from pdserve.orchestrate import ops
 from pdserve.ui import console
 
 NAME = "doctor"
@@ -21,14 +20,7 @@ def command(
     min_gbps: float = typer.Option(None, "--min-gbps", help="Warn when a server's measured NIXL rate is below "
                                                            "this (default: 5 on GPU deployments, none on CPU)."),
 ) -> None:
-    spec, plan, cdir = cluster.plan_from_file(config)
-    running = cluster.has_live_processes(cdir)
-    findings = preflight.machine_findings(spec, plan, None if running else cluster.busy_ports(plan))
-    if running:
-        on_gpus = spec.prefill.gpus is not None or spec.decode.gpus is not None
-        findings += doctor.live_findings(plan, min_gbps if min_gbps is not None else (5.0 if on_gpus else None))
-    else:
-        findings.append(preflight.Finding("ok", "cluster", f"{spec.name} is not running: live checks skipped"))
+    findings = ops.doctor(config, min_gbps)
     for f in findings:
         style = {"ok": "green", "warn": "yellow", "fail": "bold red"}[f.level]
         console.out.print(f"[{style}]{f.level:4s}[/] {f.check}: {f.message}", highlight=False)

@@ -61,7 +61,7 @@ def live_processes(cdir: ClusterDir, state: ClusterState | None = None) -> dict[
     state = state if state is not None else cdir.read_state()
     if state is None:
         return {}
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     return {name: _tree_alive(plan, p.handle) for name, p in state.processes.items()}
 
 
@@ -81,7 +81,7 @@ def has_live_processes(cdir: ClusterDir) -> bool:
     return bool(supervisor_process(state)) or any(live_processes(cdir, state).values())
 
 
-def _stored_plan(cdir: ClusterDir) -> ClusterPlan | None:
+def stored_plan(cdir: ClusterDir) -> ClusterPlan | None:
     data = cdir.read_plan()
     return ClusterPlan.from_dict(data) if data else None
 
@@ -309,7 +309,7 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
         state = cdir.read_state() or state
     if state is None:
         return StopReport([], [], [])
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     order = [p.name for p in plan.stop_order()] if plan else []
     killed = []
     for name in sorted(state.processes, key=lambda n: order.index(n) if n in order else len(order)):
@@ -354,6 +354,22 @@ class StopReport:
     def clean(self) -> bool:
         return not self.left and not self.busy_ports and not self.gpu_left
 
+    def raise_if_unclean(self, name: str) -> None:
+        """`down`'s verdict: an error naming what is left of cluster `name`."""
+        if self.left or self.busy_ports:
+            raise PdserveError(f"{name} did not stop cleanly: "
+                               + "; ".join([f"{p} still has live processes" for p in self.left] +
+                                           [f"{b} still bound" for b in self.busy_ports] +
+                                           [g.describe() for g in self.gpu_left]),
+                               hint=f"`pdserve down {name}` again; `pdserve status {name}` shows what is left")
+        if self.gpu_left:
+            # Every process of the cluster is gone, yet its GPUs are not free: another program's, or memory
+            # that a dead server's peer imported over CUDA IPC (freed only when that holder exits).
+            raise PdserveError(f"{name} stopped, but " + "; ".join(g.describe() for g in self.gpu_left),
+                               hint="`nvidia-smi` shows who holds it; memory that no process lists is held by a "
+                                    "process that imported it over CUDA IPC or by a leftover engine: stop it "
+                                    "before the next `pdserve up`")
+
 
 def _stop_tree(launcher, handle, timeout: float) -> bool:
     """SIGTERM the whole tree, SIGKILL what is left after `timeout`; True when anything was alive."""
@@ -373,7 +389,7 @@ def _stop_tree(launcher, handle, timeout: float) -> bool:
 def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
     """The cluster as `status` shows it (its --json shape)."""
     state = cdir.read_state() or ClusterState(cdir.name, Phase.STOPPED, "")
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     alive = live_processes(cdir, state)
     sup_alive = supervisor_process(state) is not None
     now = time.time()
@@ -403,5 +419,5 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
 def stop_timeout_of(cdir: ClusterDir) -> float:
     """The stored plan's SIGTERM -> SIGKILL window (the spec's default when there is no plan)."""
     from pdserve.spec.schema import SupervisorSpec
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     return SupervisorSpec.model_validate(plan.supervisor if plan else {}).stop_timeout

@@ -22,11 +22,10 @@ ALLOWED = {
     "supervise": {"plan", "spec", "state", "launchers", "observe", "errors"},
     "checks": {"plan", "spec", "observe", "supervise", "launchers", "engine", "errors"},
     "orchestrate": {"spec", "plan", "state", "launchers", "observe", "checks", "engine", "errors"},
-    "bench": {"orchestrate", "observe", "errors"},
+    "bench": {"orchestrate", "spec", "observe", "router", "errors"},   # router: the prefill policies' names
     "router": {"errors"},
     "ui": set(),
-    "cli": {"orchestrate", "spec", "plan", "state", "checks", "bench", "observe", "ui", "errors", "launchers",
-            "router"},
+    "cli": {"orchestrate", "bench", "ui", "errors"},     # orchestrate.ops and bench.session: the operations
 }
 
 
