@@ -20,6 +20,7 @@ from pdserve.errors import ConfigError, NotRunningError, PdserveError, UsageErro
 from pdserve.launchers import launcher_for_handle
 from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.local import same_process
+from pdserve.launchers.stop import stop_tree
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
@@ -315,7 +316,7 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     for name in sorted(state.processes, key=lambda n: order.index(n) if n in order else len(order)):
         rec = state.processes[name]
         try:
-            if rec.handle is not None and _stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
+            if rec.handle is not None and stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
                 killed.append(name)
         except HostUnreachable as err:      # reported below as left: `down` again once the host is back
             rec.message = f"{err.message}: may still run there"
@@ -369,21 +370,6 @@ class StopReport:
                                hint="`nvidia-smi` shows who holds it; memory that no process lists is held by a "
                                     "process that imported it over CUDA IPC or by a leftover engine: stop it "
                                     "before the next `pdserve up`")
-
-
-def _stop_tree(launcher, handle, timeout: float) -> bool:
-    """SIGTERM the whole tree, SIGKILL what is left after `timeout`; True when anything was alive."""
-    if not launcher.tree_alive(handle):
-        return False
-    launcher.signal(handle, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while launcher.tree_alive(handle) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    kill_until = time.monotonic() + 10
-    while launcher.tree_alive(handle) and time.monotonic() < kill_until:
-        launcher.signal(handle, signal.SIGKILL)
-        time.sleep(0.2)
-    return True
 
 
 def cluster_status(cdir: ClusterDir) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pdserve.launchers.base import Handle, Launcher
+from pdserve.launchers.stop import TimedStop
 from pdserve.plan.records import ProcessPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.records import ProcessRecord, ProcState
@@ -15,12 +16,11 @@ from pdserve.supervise.transitions import check_transition
 
 @dataclass
 class Teardown:
-    """A stop in progress: SIGTERM was sent at `since`; SIGKILL goes out once `deadline` passes."""
-    deadline: float
+    """A stop in progress: the timed stop of the tree, and what comes after it."""
+    stop: TimedStop
     then: ProcState                  # stopped, backoff or fatal once nothing of the tree is left
     message: str
     restart: bool = False            # a requested restart: start again once stopped
-    killed_at: float | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pdserve.launchers.base import HostUnreachable
+from pdserve.launchers.stop import TimedStop
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
@@ -32,7 +33,6 @@ CANARY_TRIES = 3
 CANARY_PAUSE = 2.0
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
-KILL_GRACE = 10.0                # after SIGKILL, how long to wait for the tree before reporting leftovers
 ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died
 
 
@@ -269,27 +269,20 @@ class Supervisor:
         now = self.clock.monotonic()
         proc.to(ProcState.STOPPING, now, message)
         proc.probe = None
-        proc.teardown = Teardown(now + (self.stop_timeout if grace is None else grace), then, message, restart)
+        stop = TimedStop(proc.launcher, proc.handle, now + (self.stop_timeout if grace is None else grace),
+                         lambda left: log.warning("%s: %d process(es) still alive %gs after SIGTERM: SIGKILL",
+                                                  proc.name, left, self.stop_timeout))
+        proc.teardown = Teardown(stop, then, message, restart)
         if proc.handle is not None:
-            sent = proc.launcher.signal(proc.handle, signal.SIGTERM)
+            sent = stop.terminate()
             log.info("%s: SIGTERM to %d process(es) (%s)", proc.name, sent, message)
         self._step_stopping(proc, now)
 
     def _step_stopping(self, proc: ManagedProcess, now: float) -> None:
         td = proc.teardown
         assert td is not None
-        left = proc.launcher.tree_alive(proc.handle) if proc.handle is not None else 0
-        if left and td.killed_at is None and now >= td.deadline:
-            proc.launcher.signal(proc.handle, signal.SIGKILL)
-            td.killed_at = now
-            log.warning("%s: %d process(es) still alive %gs after SIGTERM: SIGKILL", proc.name, left,
-                        self.stop_timeout)
-            left = proc.launcher.tree_alive(proc.handle)
-        if left and td.killed_at is not None and now - td.killed_at < KILL_GRACE:
-            if now - td.killed_at >= 1.0:
-                proc.launcher.signal(proc.handle, signal.SIGKILL)
-            return
-        if left and td.killed_at is None:
+        left = td.stop.step(now)
+        if left is None:
             return
         message = td.message + (f"; {left} process(es) would not die" if left else "")
         if left:

@@ -13,7 +13,8 @@ from pdserve.spec.load import parse_spec
 from pdserve.state.folder import ClusterDir
 from pdserve.state.records import Phase, ProcState
 from pdserve.supervise.services import Services
-from pdserve.supervise.supervisor import CANARY_TRIES, FAILED_PROBES_BEFORE_UNHEALTHY, KILL_GRACE, Supervisor
+from pdserve.launchers.stop import KILL_GRACE
+from pdserve.supervise.supervisor import CANARY_TRIES, FAILED_PROBES_BEFORE_UNHEALTHY, Supervisor
 from tests.fakes.supervision import Canary, FakeClock, FakeLauncher, Health, InlineExecutor
 from tests.unit.test_spec import GOOD
 
