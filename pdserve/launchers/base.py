@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pdserve.errors import PdserveError
-from pdserve.plan.records import ProcessPlan
+from pdserve.plan.records import ClusterPlan, ProcessPlan
 from pdserve.spec.schema import LauncherKind
 
-__all__ = ["Handle", "HostUnreachable", "Launcher", "LauncherKind"]
+__all__ = ["Handle", "HostHealth", "HostUnreachable", "Launcher", "LauncherKind"]
 
 
 class HostUnreachable(PdserveError):
@@ -31,6 +31,16 @@ class HostUnreachable(PdserveError):
         self.host, self.reason = host, reason
         super().__init__(f"host {host} is unreachable: {reason}",
                          hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
+
+
+@dataclass
+class HostHealth:
+    """What a launcher last learned of a host's reachability."""
+    reachable: bool = True
+    reason: str = ""
+    since: float = 0.0          # when it became unreachable (time.time())
+    retry_at: float = 0.0       # monotonic time before which calls fail at once
+    failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,20 @@ class Handle:
 
 
 class Launcher(Protocol):
-    """What the supervisor needs of a way to run processes. Every call returns promptly (no waiting on a
-    process to exit): stopping is the supervisor's timed state, SIGTERM on one tick, SIGKILL on a later one."""
+    """What the supervisor, `down`, `logs` and the checks need of a way to run processes. Every call returns
+    promptly (no waiting on a process to exit): stopping is a timed stop (stop.py), SIGTERM on one tick,
+    SIGKILL on a later one."""
+
+    kind: LauncherKind
+    plan: ClusterPlan | None          # the cluster's plan (hosts, settings); the factory keeps it current
+
+    def host_health(self, host: str) -> HostHealth:
+        """What the launcher last learned of a host (reachable, or since when not and why)."""
+        ...
+
+    def probe(self, host_name: str, address: str, ports: list[int], efa: bool) -> dict[str, Any]:
+        """Preflight facts of one host (software versions, GPUs, EFA, ports taken there): remote_ops' probe."""
+        ...
 
     def start(self, plan: ProcessPlan, log_path: Path) -> Handle:
         """Start the process detached, as the leader of a new session, its output appended to log_path."""

@@ -336,9 +336,11 @@ GPU_SETTLE_S = 15.0   # before `down` reports a GPU still holding memory (gpus_s
 
 def gpu_memory_left(plan: ClusterPlan, settle_s: float = GPU_SETTLE_S, run=None,
                     sleep: Callable[[float], None] = time.sleep) -> list[GpuLeft]:
-    """GPUs of the plan's servers (their CUDA_VISIBLE_DEVICES; every launcher is local today) that still
-    hold memory once settle_s has passed; [] when nothing is over the threshold or nvidia-smi is absent."""
-    devices = sorted({d for p in plan.processes for d in process_gpus(p.env.get("CUDA_VISIBLE_DEVICES"))})
+    """GPUs of the plan's servers on this machine (their CUDA_VISIBLE_DEVICES; nvidia-smi here sees no other
+    host's) that still hold memory once settle_s has passed; [] when nothing is over the threshold or
+    nvidia-smi is absent."""
+    devices = sorted({d for p in plan.processes if not plan.is_remote(p)
+                      for d in process_gpus(p.env.get("CUDA_VISIBLE_DEVICES"))})
     if not devices:
         return []
     return gpus_still_holding(devices, settle_s, run=run, sleep=sleep) or []

@@ -72,8 +72,8 @@ class ClusterPlan:
     supervisor: dict[str, Any]          # restart policy (SupervisorSpec fields)
     launcher: str = "local"             # local | ssh | slurm: how processes on hosts other than LOCAL_HOST start
     hosts: list[HostPlan] = field(default_factory=list)    # empty: everything on this machine
-    slurm_job_id: str | None = None     # the allocation srun steps join (launcher slurm)
-    slurm_args: list[str] = field(default_factory=list)
+    # the launcher's own settings, whole (slurm: the spec's `slurm:` section); its launcher reads them
+    launcher_settings: dict[str, Any] = field(default_factory=dict)
 
     def host(self, name: str) -> HostPlan | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -100,6 +100,10 @@ class ClusterPlan:
     def from_dict(cls, data: dict[str, Any]) -> "ClusterPlan":
         procs = [ProcessPlan(**p) for p in data["processes"]]
         hosts = [HostPlan(**h) for h in data.get("hosts") or []]
+        data = dict(data)
+        old = {"job_id": data.pop("slurm_job_id", None), "srun_args": data.pop("slurm_args", None) or []}
+        if data.get("launcher") == "slurm" and "launcher_settings" not in data:
+            data["launcher_settings"] = old        # a plan.json written before launcher_settings
         return cls(**{**data, "processes": procs, "hosts": hosts})
 
 
