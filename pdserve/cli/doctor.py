@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from pdserve.errors import EXIT_ERROR
 from pdserve.orchestrate import ops
 from pdserve.ui import console
 
@@ -27,4 +28,4 @@ def command(
         if f.hint and f.level != "ok":
             console.out.print(f"     hint: {f.hint}", highlight=False)
     if any(f.level == "fail" for f in findings):
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_ERROR)

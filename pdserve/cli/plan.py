@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from pdserve.errors import EXIT_ERROR
 from pdserve.orchestrate import ops
 from pdserve.ui import console
 
@@ -25,7 +26,7 @@ def command(
         console.print_json({**plan.to_dict(), "state_dir": str(result.state_dir),
                             "preflight": [vars(f) for f in result.findings]})
         if failed:
-            raise typer.Exit(1)
+            raise typer.Exit(EXIT_ERROR)
         return
     # Plain lines, never truncated: the argv must be exact and copyable.
     for proc in plan.processes:
@@ -40,4 +41,4 @@ def command(
     for f in failed:
         console.error(f"preflight {f.check}: {f.message}", f.hint or None)
     if failed:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_ERROR)

@@ -21,7 +21,7 @@ from pdserve.errors import PdserveError
 from pdserve.launchers.base import Handle, HostHealth, LauncherKind
 from pdserve.launchers.local import LocalLauncher
 from pdserve.launchers.remote import program, remote_argv
-from pdserve.plan.records import MARKER_ENV, ClusterPlan, ProcessPlan
+from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, ProcessPlan
 from pdserve.observe.logfiles import last_lines
 
 
@@ -84,7 +84,7 @@ class SlurmLauncher:
                       str(log_path), job_id=self.job_id(), step_name=name)
 
     def _client(self, handle: Handle) -> Handle:
-        return Handle(LauncherKind.LOCAL, "local", handle.pid, handle.start_time, handle.marker, handle.log_path)
+        return Handle(LauncherKind.LOCAL, LOCAL_HOST, handle.pid, handle.start_time, handle.marker, handle.log_path)
 
     def is_alive(self, handle: Handle) -> bool:
         """The step runs (its srun client may be gone with a dead supervisor's machine session)."""

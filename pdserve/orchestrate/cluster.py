@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from pdserve.errors import ConfigError, NotRunningError, PdserveError, UsageError
+from pdserve.errors import EXIT_BAD_INPUT, ConfigError, NotRunningError, PdserveError, UsageError
 from pdserve.launchers import launcher_for_handle
 from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.local import same_process
@@ -137,7 +137,7 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
     failed = [f for f in machine_findings(spec, plan, None) if f.level == "fail"]
     if failed:
         raise PdserveError("; ".join(f"{f.check}: {f.message}" for f in failed), hint=failed[0].hint,
-                           exit_code=2)
+                           exit_code=EXIT_BAD_INPUT)
     busy = busy_ports(plan, skip=set(alive))
     if busy:
         raise PdserveError(f"ports already in use: {', '.join(busy)}",
@@ -331,10 +331,10 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     return StopReport(killed, left, busy, gpu_memory_left(plan) if plan else [])
 
 
-GPU_SETTLE_S = 15.0   # before `down` reports a GPU still holding memory (gpus_still_holding says why)
+DOWN_GPU_SETTLE_S = 15.0   # before `down` reports a GPU still holding memory (gpus_still_holding says why)
 
 
-def gpu_memory_left(plan: ClusterPlan, settle_s: float = GPU_SETTLE_S, run=None,
+def gpu_memory_left(plan: ClusterPlan, settle_s: float = DOWN_GPU_SETTLE_S, run=None,
                     sleep: Callable[[float], None] = time.sleep) -> list[GpuLeft]:
     """GPUs of the plan's servers on this machine (their CUDA_VISIBLE_DEVICES; nvidia-smi here sees no other
     host's) that still hold memory once settle_s has passed; [] when nothing is over the threshold or

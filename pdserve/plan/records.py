@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdserve.spec.schema import LauncherKind
+
 # Start order of the roles (prefill, then decode, then the router); stop and restart orders derive from it.
 ROLE_ORDER = {"prefill": 0, "decode": 1, "router": 2}
 
@@ -70,7 +72,7 @@ class ClusterPlan:
     builtin_model: str | None           # kind to build before start, when model is `pdserve:<kind>`
     model_path: str
     supervisor: dict[str, Any]          # restart policy (SupervisorSpec fields)
-    launcher: str = "local"             # local | ssh | slurm: how processes on hosts other than LOCAL_HOST start
+    launcher: str = LauncherKind.LOCAL.value   # how processes on hosts other than LOCAL_HOST start (LauncherKind)
     hosts: list[HostPlan] = field(default_factory=list)    # empty: everything on this machine
     # the launcher's own settings, whole (slurm: the spec's `slurm:` section); its launcher reads them
     launcher_settings: dict[str, Any] = field(default_factory=dict)
@@ -80,7 +82,7 @@ class ClusterPlan:
 
     def is_remote(self, process: ProcessPlan) -> bool:
         """Whether the process runs elsewhere than this machine (ssh host or Slurm node)."""
-        return process.host_name != LOCAL_HOST and self.launcher != "local"
+        return process.host_name != LOCAL_HOST and self.launcher != LauncherKind.LOCAL
 
     @property
     def router(self) -> ProcessPlan:
@@ -102,7 +104,7 @@ class ClusterPlan:
         hosts = [HostPlan(**h) for h in data.get("hosts") or []]
         data = dict(data)
         old = {"job_id": data.pop("slurm_job_id", None), "srun_args": data.pop("slurm_args", None) or []}
-        if data.get("launcher") == "slurm" and "launcher_settings" not in data:
+        if data.get("launcher") == LauncherKind.SLURM and "launcher_settings" not in data:
             data["launcher_settings"] = old        # a plan.json written before launcher_settings
         return cls(**{**data, "processes": procs, "hosts": hosts})
 
