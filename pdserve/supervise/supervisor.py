@@ -3,6 +3,10 @@
 Each tick looks at every process and returns at once: probes and canaries run on the executor and are
 read on a later tick; a stop sends SIGTERM to the process's whole tree, SIGKILL once its deadline passes,
 and ends when nothing of the tree is left. It never renders: it writes state.json, which the CLI reads.
+
+Each process steps itself through its own transitions (process.py) and reports what it cannot decide
+alone; the supervisor keeps what concerns the cluster: the order, the phase, peer resets, canaries,
+requests from the CLI, the plan's reload and the state file.
 """
 
 from __future__ import annotations
@@ -15,14 +19,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from pdserve.launchers.base import HostUnreachable
-from pdserve.launchers.stop import TimedStop
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.folder import ClusterDir, read_json
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
 from pdserve.supervise.peers import PeerReset
-from pdserve.supervise.process import ManagedProcess, Teardown
+from pdserve.supervise.process import ORPHAN_GRACE, Exited, ManagedProcess, Notice, Stopped
 from pdserve.supervise.services import Services
 
 log = logging.getLogger("pdserve.supervisor")
@@ -31,9 +34,6 @@ TICK = 0.25
 LOG_CHECK_INTERVAL = 5.0
 CANARY_TRIES = 3
 CANARY_PAUSE = 2.0
-STARTUP_PROBE_INTERVAL = 0.5
-FAILED_PROBES_BEFORE_UNHEALTHY = 3
-ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died
 
 
 class Supervisor:
@@ -172,83 +172,33 @@ class Supervisor:
             proc.message = err.message
 
     def _step_process(self, proc: ManagedProcess, now: float) -> None:
-        st = proc.state
-        if st == ProcState.STOPPING:
-            self._step_stopping(proc, now)
-        elif st.has_process and not proc.launcher.is_alive(proc.handle):
-            self._on_exit(proc, now)
-        elif st == ProcState.STARTING:
-            healthy = self._probe_result(proc, now, STARTUP_PROBE_INTERVAL)
-            if healthy:
-                self._became_ready(proc, now)
-            elif now - proc.state_since > self.policy.startup_timeout:
-                self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
-        elif st in (ProcState.READY, ProcState.UNHEALTHY):
-            healthy = self._probe_result(proc, now, self.policy.health_interval)
-            if healthy is not None:
-                self._after_probe(proc, now, healthy)
-        elif st == ProcState.BACKOFF and now >= proc.next_start:
-            if not self.peers.may_start(proc, self.procs, self.restart_queue):
-                return
-            if proc.crash_looping:
-                proc.to(ProcState.FATAL, now, f"crash loop: {len(proc.failures)} failures within "
-                                              f"{self.policy.restart_window:g}s; last: {proc.message}")
-                log.error("%s fatal: %s", proc.name, proc.message)
-            else:
-                # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff ran
-                # out while P was being reset, and both then started on the GPU at once
-                self._start_when_due(proc, restart=True)
-        elif st == ProcState.STOPPED and proc.handle is None and self.phase == Phase.STARTING:
-            self._start_when_due(proc)
+        """The process takes its own transitions; what depends on the cluster is decided here."""
+        for event in proc.step(now, self.services):
+            match event:
+                case Stopped():
+                    self._stopped(proc, event, now)
+                case Exited(why=why, orphans=orphans):
+                    # What is left of a dead leader is orphans with nothing to finish: a short grace.
+                    self._on_exit(proc, now, why, grace=min(self.stop_timeout, ORPHAN_GRACE) if orphans else None)
+                case Notice.READY:
+                    if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role != "router":
+                        self._verify.add(proc.name)
+                case Notice.START_DUE:
+                    if not self.peers.may_start(proc, self.procs, self.restart_queue):
+                        return
+                    if proc.crash_looping:
+                        proc.give_up(now)
+                    else:
+                        # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff
+                        # ran out while P was being reset, and both then started on the GPU at once
+                        self._start_when_due(proc, restart=True)
+                case Notice.IDLE:
+                    if self.phase == Phase.STARTING:
+                        self._start_when_due(proc)
 
-    def _probe_result(self, proc: ManagedProcess, now: float, interval: float) -> bool | None:
-        """The result of a probe that finished (None while none has): one in flight per process, the next
-        submitted `interval` after the previous was."""
-        if proc.probe is not None:
-            if not proc.probe.done():
-                return None
-            result, proc.probe = bool(proc.probe.result()), None
-            return result
-        if now - proc.last_probe >= interval:
-            proc.last_probe = now
-            proc.probe = self.services.executor.submit(self.services.probe, proc.plan.health_url)
-            if proc.probe.done():              # an inline executor (tests) answers at once
-                result, proc.probe = bool(proc.probe.result()), None
-                return result
-        return None
-
-    def _became_ready(self, proc: ManagedProcess, now: float) -> None:
-        proc.ever_ready = True
-        proc.failed_starts = 0
-        proc.failed_probes = 0
-        proc.to(ProcState.READY, now, "health check passed")
-        log.info("%s ready", proc.name)
-        if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role != "router":
-            self._verify.add(proc.name)
-
-    def _after_probe(self, proc: ManagedProcess, now: float, healthy: bool) -> None:
-        if healthy:
-            proc.failed_probes = 0
-            if proc.state == ProcState.UNHEALTHY:
-                proc.to(ProcState.READY, now, "health check passed again")
-            return
-        proc.failed_probes += 1
-        if proc.state == ProcState.READY and proc.failed_probes >= FAILED_PROBES_BEFORE_UNHEALTHY:
-            proc.to(ProcState.UNHEALTHY, now, f"{proc.failed_probes} health checks failed while the process lives")
-            log.warning("%s unhealthy", proc.name)
-        elif proc.state == ProcState.UNHEALTHY and now - proc.state_since > self.policy.unhealthy_grace:
-            self._on_exit(proc, now, f"unhealthy for {self.policy.unhealthy_grace:g}s; restarted")
-
-    def _on_exit(self, proc: ManagedProcess, now: float, why: str | None = None) -> None:
+    def _on_exit(self, proc: ManagedProcess, now: float, why: str, grace: float | None = None) -> None:
         """The process died or must go: stop its whole tree (its children may outlive it), then back off
         or, before the cluster was ever up, fail `up`."""
-        grace = None
-        if why is None:
-            rc = proc.launcher.exit_code(proc.handle) if proc.handle else None
-            why = f"exited with code {rc}" if rc is not None else "process disappeared"
-            # What is left of a dead leader is orphans with nothing to finish (on an H200, vLLM's engine
-            # ignored SIGTERM for the whole 20 s): a short grace, then SIGKILL.
-            grace = min(self.stop_timeout, ORPHAN_GRACE)
         if self.phase == Phase.STARTING and not proc.ever_ready:
             self._begin_stop(proc, ProcState.FATAL, why, grace=grace)
             self._fail(f"{proc.name} {why} before it became ready")
@@ -263,37 +213,22 @@ class Supervisor:
         self.phase, self.error, self.stop_requested = Phase.FAILED, error, True
         log.error(error)
 
-    # -- timed stop --------------------------------------------------------------------------------
+    # -- timed stop (the process runs it; what comes after depends on the cluster) ----------------------
     def _begin_stop(self, proc: ManagedProcess, then: ProcState, message: str, restart: bool = False,
                     grace: float | None = None) -> None:
         now = self.clock.monotonic()
-        proc.to(ProcState.STOPPING, now, message)
-        proc.probe = None
-        stop = TimedStop(proc.launcher, proc.handle, now + (self.stop_timeout if grace is None else grace),
-                         lambda left: log.warning("%s: %d process(es) still alive %gs after SIGTERM: SIGKILL",
-                                                  proc.name, left, self.stop_timeout))
-        proc.teardown = Teardown(stop, then, message, restart)
-        if proc.handle is not None:
-            sent = stop.terminate()
-            log.info("%s: SIGTERM to %d process(es) (%s)", proc.name, sent, message)
+        proc.begin_stop(now, then, message, restart, self.stop_timeout if grace is None else grace)
         self._step_stopping(proc, now)
 
     def _step_stopping(self, proc: ManagedProcess, now: float) -> None:
-        td = proc.teardown
-        assert td is not None
-        left = td.stop.step(now)
-        if left is None:
-            return
-        message = td.message + (f"; {left} process(es) would not die" if left else "")
-        if left:
-            log.error("%s: %s", proc.name, message)
-        proc.handle, proc.teardown = None, None
-        proc.to(td.then, now, message)
-        if td.then == ProcState.BACKOFF:
-            proc.next_start = now + proc.backoff_delay()
-            log.info("%s stopped; restart in %.1fs", proc.name, proc.backoff_delay())
+        stopped = proc.step_stop(now)
+        if stopped is not None:
+            self._stopped(proc, stopped, now)
+
+    def _stopped(self, proc: ManagedProcess, stopped: Stopped, now: float) -> None:
+        if stopped.then == ProcState.BACKOFF:
             self.peers.after_crash_stop(proc, self.procs)
-        if td.restart and not self.stop_requested:
+        if stopped.restart and not self.stop_requested:
             proc.restarts += 1
             self._start(proc, now)
 
@@ -308,37 +243,10 @@ class Supervisor:
             proc.message = f"waiting for {', '.join(waiting)}"
 
     def _start(self, proc: ManagedProcess, now: float) -> None:
-        try:
-            proc.handle = proc.launcher.start(proc.plan, self.cdir.log_path(proc.name))
-        except (OSError, HostUnreachable) as err:
-            proc.handle = None
-            if proc.state != ProcState.BACKOFF:
-                proc.to(ProcState.BACKOFF, now)
-            proc.record_failure(now)
-            proc.next_start = now + proc.backoff_delay()
-            proc.message = f"could not start: {err}"
-            log.error("%s could not start: %s", proc.name, err)
-            return
-        proc.started_at = self.clock.time()
-        proc.last_probe = 0.0
-        proc.failed_probes = 0
-        proc.to(ProcState.STARTING, now, f"pid {proc.handle.pid}")
-        log.info("%s started, pid %s", proc.name, proc.handle.pid)
+        proc.start(now, self.cdir.log_path(proc.name), self.clock.time)
 
     def _adopt(self, proc: ManagedProcess, before: ProcessRecord) -> bool:
-        """Take over a process the previous (dead) supervisor started, if it is provably the same one;
-        it is ready again once its health endpoint answers."""
-        handle = proc.launcher.adopt(before.handle) if before.handle else None
-        if handle is None:
-            return False
-        proc.handle = handle
-        proc.started_at = before.started_at
-        proc.restarts = before.restarts
-        proc.ever_ready = True     # it served before: dying now means restart, not a failed `up`
-        proc.last_probe = 0.0
-        proc.to(ProcState.STARTING, self.clock.monotonic(), f"adopted pid {handle.pid}")
-        log.info("%s adopted, pid %s", proc.name, handle.pid)
-        return True
+        return proc.adopt(before, self.clock.monotonic())
 
     # -- canary: the P->D KV path really works ------------------------------------------------------
     def _canary_try(self, now: float) -> tuple[bool, str, bool] | None:
