@@ -5,7 +5,6 @@ shows progress and renders the summary; everything else is here."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
