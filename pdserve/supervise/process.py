@@ -224,6 +224,12 @@ class ManagedProcess:
             log.info("%s stopped; restart in %.1fs", self.name, self.backoff_delay())
         return Stopped(td.then, td.restart)
 
+    def abandon(self, err: HostUnreachable) -> None:
+        """Its host cannot be reached while stopping: stopped as far as this supervisor can tell."""
+        self.handle, self.teardown, self.state = None, None, ProcState.STOPPED
+        self.message = f"{err.message}: its processes may still run there"
+        log.error("%s: %s", self.name, self.message)
+
     # -- starting ----------------------------------------------------------------------------------
     def start(self, now: float, log_path: Path, wall_time: Callable[[], float]) -> None:
         """Start it through its launcher; a start that fails is a failure with backoff."""

@@ -14,26 +14,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections import deque
-from concurrent.futures import Future
 from typing import Any
 
 from pdserve.launchers.base import HostUnreachable
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
-from pdserve.state.folder import ClusterDir, read_json
+from pdserve.state.folder import ClusterDir
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
+from pdserve.supervise.canary import CanaryGate
 from pdserve.supervise.peers import PeerReset
 from pdserve.supervise.process import ORPHAN_GRACE, Exited, ManagedProcess, Notice, Stopped
+from pdserve.supervise.restarts import RestartQueue, take_requests
 from pdserve.supervise.services import Services
 
 log = logging.getLogger("pdserve.supervisor")
 
 TICK = 0.25
 LOG_CHECK_INTERVAL = 5.0
-CANARY_TRIES = 3
-CANARY_PAUSE = 2.0
 
 
 class Supervisor:
@@ -53,11 +51,9 @@ class Supervisor:
         self.adopt = adopt
         self._next_log_check = 0.0
         self._verify: set[str] = set()        # restarted servers whose P->D path is not yet verified
-        self._canary_failures = 0
-        self._next_canary = 0.0
-        self._canary_future: Future | None = None
-        self.restart_queue: deque[str] = deque()
-        self._restarting: ManagedProcess | None = None
+        self.canary = CanaryGate(self.services.executor, self.services.canary)
+        self.restarts = RestartQueue()
+        self.restart_queue = self.restarts.names     # peer resets and the canary queue restarts too
         self.peers = PeerReset(self.services.executor, self.services.memory_held)
         self._record = SupervisorRecord(os.getpid(), _own_start_time())
 
@@ -111,9 +107,7 @@ class Supervisor:
                     if proc.state == ProcState.STOPPING:
                         self.clock.sleep(TICK / 5)
             except HostUnreachable as err:      # `down` reports what is left there; do not hang on it
-                proc.handle, proc.teardown, proc.state = None, None, ProcState.STOPPED
-                proc.message = f"{err.message}: its processes may still run there"
-                log.error("%s: %s", proc.name, proc.message)
+                proc.abandon(err)
         if self.phase != Phase.FAILED:
             self.phase = Phase.STOPPED
         self.write_state()
@@ -125,9 +119,7 @@ class Supervisor:
         self._restart_next()
         if now >= self._next_log_check:
             self._next_log_check = now + LOG_CHECK_INTERVAL
-            for path in self.cdir.logs_dir.glob("*.log"):
-                if rotate_if_large(path, int(self.policy.log_max_mb * 1024 * 1024), self.policy.log_keep):
-                    log.info("rotated %s", path.name)
+            _rotate_logs(self.cdir, self.policy)
         for proc in self.procs:
             self._step(proc, now)
             if self.stop_requested:
@@ -249,82 +241,33 @@ class Supervisor:
         return proc.adopt(before, self.clock.monotonic())
 
     # -- canary: the P->D KV path really works ------------------------------------------------------
-    def _canary_try(self, now: float) -> tuple[bool, str, bool] | None:
-        """One canary on the executor, at most every CANARY_PAUSE s after a failure: None while waiting or
-        running, else (passed, what happened, out of tries). CANARY_TRIES failures in a row are out of
-        tries, and the count starts over."""
-        if self._canary_future is None:
-            if now < self._next_canary:
-                return None
-            self._canary_future = self.services.executor.submit(self.services.canary, self.plan)
-        if not self._canary_future.done():
-            return None
-        future, self._canary_future = self._canary_future, None
-        try:
-            ok, detail = future.result()
-        except Exception as err:      # a canary that crashed is a failed canary, not a dead supervisor
-            ok, detail = False, f"canary error: {err!r}"
-        if ok:
-            self._canary_failures = 0
-            return True, detail, False
-        self._canary_failures += 1
-        self._next_canary = now + CANARY_PAUSE
-        out_of_tries = self._canary_failures >= CANARY_TRIES
-        if out_of_tries:
-            self._canary_failures = 0
-        return False, detail, out_of_tries
-
     def _canary_passes(self, now: float) -> bool:
         """At start-up: a few tries (backends may still be warming up), then `up` fails with the reason."""
         if not self.policy.canary:
             return True
-        tried = self._canary_try(now)
-        if tried is None:
-            return False
-        ok, detail, out_of_tries = tried
-        log.info("%s", detail)
-        if out_of_tries:
-            self._fail(detail)
+        ok, failed = self.canary.at_start(now, self.plan)
+        if failed:
+            self._fail(failed)
         return ok
 
     def _verify_restarted(self, now: float) -> None:
-        """After a prefill or decode restart, check the pair with a canary. Decode servers that keep failing
-        to read from a restarted prefill server hold stale NIXL agent state: restart them too."""
+        """After a prefill or decode restart, check the pair with a canary (CanaryGate.after_restart)."""
         if not self.policy.canary:
             self._verify.clear()
             return
-        tried = self._canary_try(now)
-        if tried is None:
-            return
-        ok, detail, out_of_tries = tried
-        restarted = ", ".join(sorted(self._verify))
-        if ok:
-            log.info("after restarting %s: %s", restarted, detail)
-            self._verify.clear()
-            return
-        log.warning("after restarting %s: %s", restarted, detail)
-        if out_of_tries:
-            roles = {p.role for p in self.procs if p.name in self._verify}
-            self._verify.clear()
-            if "prefill" in roles:
-                decode = [p.name for p in self.procs if p.role == "decode" and p.name not in self.restart_queue]
-                log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
-                self.restart_queue.extend(decode)
+        self.canary.after_restart(now, self.plan, self._verify, self.procs, self.restart_queue)
 
     # -- requests from the CLI (`pdserve restart`, `up` with a changed config, `down --timeout`) ------
     def _take_requests(self) -> None:
-        for path in sorted(self.cdir.requests_dir.glob("*.json")):
-            request = read_json(path) or {}
-            path.unlink(missing_ok=True)
+        for request in take_requests(self.cdir):
             if request.get("stop_timeout"):
                 self.stop_timeout = float(request["stop_timeout"])
             if request.get("reload"):
                 self._reload_plan()
-            known = {p.name for p in self.procs}
-            names = [n for n in request.get("restart") or [] if n in known]
+            names = [n for n in request.get("restart") or [] if any(p.name == n for p in self.procs)]
             if names:
                 log.info("restart requested for %s", ", ".join(names))
-            self.restart_queue.extend(n for n in names if n not in self.restart_queue)
+            self.restarts.add(names)
 
     def _reload_plan(self) -> None:
         """`up` with a changed config wrote a new plan: the next start of each process uses it."""
@@ -341,17 +284,9 @@ class Supervisor:
         log.info("reloaded the plan")
 
     def _restart_next(self) -> None:
-        """One process at a time, the next only once the previous is ready again (or gave up), so a role
-        with several replicas keeps serving through a full restart."""
-        if self._restarting is not None:
-            # BACKOFF: it died again after the restart; its own backoff takes it from here, and the queue
-            # must move (it may hold that server's peer reset, which the server waits for)
-            if self._restarting.state not in (ProcState.READY, ProcState.FATAL, ProcState.BACKOFF):
-                return
-            self._restarting = None
-        if not self.restart_queue:
+        proc = self.restarts.next(self.by_name)
+        if proc is None:
             return
-        proc = self.by_name(self.restart_queue.popleft())
         if proc.state == ProcState.STOPPING:
             proc.teardown.restart = True
         elif proc.state.has_process or proc.handle is not None:
@@ -359,7 +294,6 @@ class Supervisor:
         else:
             proc.restarts += 1
             self._start(proc, self.clock.monotonic())
-        self._restarting = proc
 
     # -- state file --------------------------------------------------------------------------------
     def state(self) -> ClusterState:
@@ -369,6 +303,12 @@ class Supervisor:
 
     def write_state(self) -> None:
         self.cdir.write_state(self.state())
+
+
+def _rotate_logs(cdir: ClusterDir, policy: SupervisorSpec) -> None:
+    for path in cdir.logs_dir.glob("*.log"):
+        if rotate_if_large(path, int(policy.log_max_mb * 1024 * 1024), policy.log_keep):
+            log.info("rotated %s", path.name)
 
 
 def _own_start_time() -> float:

@@ -15,7 +15,8 @@ from pdserve.state.records import Phase, ProcState
 from pdserve.supervise.services import Services
 from pdserve.launchers.stop import KILL_GRACE
 from pdserve.supervise.process import FAILED_PROBES_BEFORE_UNHEALTHY
-from pdserve.supervise.supervisor import CANARY_TRIES, Supervisor
+from pdserve.supervise.canary import CANARY_TRIES
+from pdserve.supervise.supervisor import Supervisor
 from tests.fakes.supervision import Canary, FakeClock, FakeLauncher, Health, InlineExecutor
 from tests.unit.test_spec import GOOD
 
