@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.errors import PdserveError
-from pdserve.orchestrate import cluster
+from pdserve.orchestrate import ops
+from pdserve.router.config import AFFINITY, LEAST_LOADED
 
 ARMS = ("on", "off", "prefix-cache", "affinity", "vllm-router")
 PREFIX_CACHE_ARMS = ("prefix-cache", "affinity", "vllm-router")
@@ -42,21 +43,19 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
                             else "--no-enable-prefix-caching"]
     router = cfg.setdefault("router", {})
     router["cost_aware"] = False
-    router["prefill_policy"] = "affinity" if arm == "affinity" else "least_loaded"
+    router["prefill_policy"] = AFFINITY if arm == "affinity" else LEAST_LOADED
     return cfg
 
 
 @contextlib.contextmanager
 def deployed(arm: str, config: Path) -> Iterator[None]:
     """One arm's cluster, up for the body and down after it, through the same library `up` and `down` use."""
-    spec, plan, cdir = cluster.plan_from_file(config)
-    adopted = cluster.prepare(spec, plan, cdir, config)
     try:
-        cluster.supervise_until_up(cdir, bool(adopted), lambda state: None, spec.supervisor.stop_timeout)
-    except cluster.StartFailed as failed:
+        result = ops.up(config, apply_to_running=False)
+    except ops.StartFailed as failed:
         raise PdserveError(f"arm {arm}: {failed.message}: {' | '.join(failed.log_lines[-3:])}",
                            hint=f"`pdserve up {config}` to see it") from None
     try:
         yield
     finally:
-        cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
+        ops.down(result.name, result.stop_timeout, strict=False)

@@ -44,7 +44,7 @@ def _get(url: str, timeout: float = 30.0) -> str:
         return resp.read().decode(errors="replace")
 
 
-def scrape(urls: list[str]) -> Samples:
+def summed_metrics(urls: list[str]) -> Samples:
     """All prefill servers' metrics, summed sample by sample."""
     out: Samples = {}
     for url in urls:
@@ -136,10 +136,10 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
         st = state[conv.id]
         for turn in range(first, min(end, len(conv.user_turns))):
             messages = conv.messages_for(st["history"], turn)
-            before = scrape(ep.prefill) if exact else None
+            before = summed_metrics(ep.prefill) if exact else None
             result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens,
                           extra=extra)
-            deltas = prefill_deltas(before, scrape(ep.prefill)) if exact else {}
+            deltas = prefill_deltas(before, summed_metrics(ep.prefill)) if exact else {}
             reusable = 0
             if st["previous"] is not None:
                 # What D holds of the previous turn: its prompt and reply, all but the last sampled token.
@@ -162,10 +162,10 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
     for first, end, after_pause in phases:
         if after_pause:
             pause[1]()
-        phase_before = scrape(ep.prefill)
+        phase_before = summed_metrics(ep.prefill)
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             for future in [pool.submit(one, c, first, end, after_pause) for c in conversations]:
                 future.result()
-        for key, value in prefill_deltas(phase_before, scrape(ep.prefill)).items():
+        for key, value in prefill_deltas(phase_before, summed_metrics(ep.prefill)).items():
             totals[key] = totals.get(key, 0.0) + value
     return sorted(rows, key=lambda r: (r["conversation"], r["turn"])), totals

@@ -5,8 +5,8 @@ transfer rate each server measured over its life."""
 from __future__ import annotations
 
 from pdserve.plan.records import ClusterPlan
-from pdserve.checks.preflight import Finding
-from pdserve.observe.promtext import scrape, total
+from pdserve.checks.findings import Finding
+from pdserve.observe.promtext import api_key_of, scrape, total
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 
@@ -32,7 +32,7 @@ def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
     cfg = plan.router_config
     floor = plan.transfer_floor_gbps if min_gbps is None else min_gbps
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), cfg.get("api_key_env"),
+    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
                         prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
                         floor_gbps=floor)
     hint = "" if result.ok else ("" if result.slow else f"`pdserve logs {plan.name} decode-0` for NIXL errors")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.checks.preflight import Finding
+from pdserve.checks.findings import Finding
 from pdserve.errors import PdserveError
 from pdserve.plan.records import ClusterPlan
 

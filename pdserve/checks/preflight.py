@@ -1,7 +1,7 @@
 """Checks against the machine (not just the file): do the plan's devices, ports and software exist here?
 `pdserve plan` and `pdserve doctor` run them; `doctor` adds live checks of a running cluster.
 
-Each check gives one Finding: ok / warn / fail, a one-line message and a hint.
+Each check gives one Finding (findings.py); the per-host checks of multi-host plans are in hosts.py.
 """
 
 from __future__ import annotations
@@ -14,21 +14,14 @@ import resource
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.checks.findings import Finding
+from pdserve.checks.hosts import host_findings, launcher_probe
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import ClusterSpec
 
 MIN_VLLM = (0, 21)     # first vLLM with bidirectional_kv_xfer in NixlConnector
-
-
-@dataclass(frozen=True)
-class Finding:
-    level: str           # ok | warn | fail
-    check: str
-    message: str
-    hint: str = ""
 
 
 def _version(dist_names: tuple[str, ...]) -> tuple[str, str] | None:
@@ -156,7 +149,6 @@ def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | Non
     processes whose ports are their own (live ones being adopted), not checked on remote hosts either."""
     if any(plan.is_remote(p) for p in plan.processes):
         # Servers run on other hosts: check them there; this machine only runs the router.
-        from pdserve.checks.hosts import host_findings, launcher_probe
         out = host_findings(plan, probe or launcher_probe(plan), check_ports=busy is not None, skip=skip)
         out += check_open_files(spec)          # the router's, on this machine
         return out + (check_ports(plan, busy) if busy is not None else [])

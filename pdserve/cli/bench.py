@@ -8,28 +8,16 @@ model). `--attach NAME` measures a running cluster instead (one arm, as it is)."
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import time
 from pathlib import Path
 
 import typer
-import yaml
 from rich.progress import Progress
 from rich.table import Table
 
-from pdserve.orchestrate import cluster
-from pdserve.bench import report, vrouter
-from pdserve.bench.arms import ARMS, arm_config, deployed
-from pdserve.bench.run import Endpoints, chat, run_arm, verbatim_token_ids
-from pdserve.bench.workload import WORDS, generate, load
-from pdserve.errors import PdserveError, UsageError
-from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
-from pdserve.state.folder import ClusterDir
+from pdserve.bench import session as bench
 from pdserve.ui import console
 
 NAME = "bench"
-BENCH_CONFIG = SHIPPED_CONFIGS / "bench-cpu.yaml"
 
 
 def command(
@@ -55,113 +43,18 @@ def command(
                                       help="Restart every prefill server once all conversations have run this "
                                            "many turns (their caches are lost; D still holds the turns). 0: never."),
 ) -> None:
-    convs = load(workload, seed) if workload else generate(seed, conversations, turns)
-    if restart_after and restart_after >= max(len(c.user_turns) for c in convs):
-        raise UsageError(f"--restart-prefill-after-turn: {restart_after} leaves no turn after the restart",
-                         hint="use a number below the turns per conversation")
-    warm = generate(seed + 1000, warmup, max(len(c.user_turns) for c in convs)) if warmup else []
-    if attach:
-        plan_dict = ClusterDir(attach).read_plan()
-        if not plan_dict or not cluster.has_live_processes(ClusterDir(attach)):
-            raise PdserveError(f"cluster {attach} is not running", hint="`pdserve status` lists clusters", exit_code=3)
-        runs = [("attached", None, attach)]
-        base_name = attach
-    else:
-        path = config or BENCH_CONFIG
-        spec = load_spec(path)                  # exit 2 on a bad file, before anything starts
-        data = yaml.safe_load(Path(path).read_text())
-        chosen = [a.strip() for a in arms.split(",") if a.strip()]
-        unknown = [a for a in chosen if a not in ARMS]
-        if unknown or not chosen:
-            raise UsageError(f"--arms: unknown arm {unknown[0] if unknown else '(none)'}",
-                              hint=f"choose from {', '.join(ARMS)}")
-        runs = [(arm, arm_config(data, arm), None) for arm in chosen]
-        base_name = spec.name
-    out = out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    requests = sum(len(c.user_turns) for c in convs)
-    rows, totals = [], {}
-    info = {"verbatim_replies": verbatim, "restart_prefill_after_turn": restart_after}
+    prepared = bench.prepare(bench.Settings(
+        config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
+        max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
+        verbatim=verbatim, restart_after=restart_after))
     with Progress(console=console.err, transient=False) as progress:
-        task = progress.add_task("bench", total=requests * len(runs))
-        for arm, cfg, name in runs:
-            progress.update(task, description=f"arm {arm}")
-            rows_arm, totals[arm] = _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency,
-                                             lambda row: progress.advance(task), info)
-            rows += rows_arm
-    summary = report.summarize(rows)
-    after_restart = report.after_pause(rows) if restart_after else None
-    meta = {"config": str(config or BENCH_CONFIG) if not attach else attach, "arms": [r[0] for r in runs],
-            "conversations": len(convs), "requests_per_arm": requests, "concurrency": concurrency,
-            "max_tokens": max_tokens, "seed": seed, "warmup_conversations": warmup,
-            "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
-            "host": report.host_facts(),
-            **info, **({"after_prefill_restart": after_restart} if after_restart else {})}
-    files = report.write_files(out, meta, rows, summary, totals)
-    _print_summary(summary, meta, totals)
-    if after_restart:
-        _print_after_restart(after_restart, restart_after)
-    console.info("wrote " + ", ".join(str(f) for f in files))
-
-
-def _run_one(arm, cfg, name, out, convs, warm, max_tokens, concurrency, on_request, info):
-    if cfg is None:
-        return _measure(arm, _endpoints(name), convs, warm, max_tokens, concurrency, on_request, info, name)
-    arm_file = out / f"{arm}.yaml"
-    arm_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    with deployed(arm, arm_file):
-        ep = _endpoints(cfg["name"])
-        if arm != "vllm-router":
-            return _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request, info, cfg["name"])
-        if ep.api_key:
-            raise UsageError("arm vllm-router: the cluster has an API key (router.api_key_env); "
-                             "run that arm without one")
-        # The same servers, reached through vllm-router instead of pdserve's router (which stays idle).
-        with vrouter.running(ep.prefill, ep.decode, out / "vllm-router.log") as vr:
-            info["vllm_router"] = {"version": vr.version, "argv": vr.argv}
-            return _measure(arm, dataclasses.replace(ep, router=vr.url, stream=True), convs, warm, max_tokens,
-                            concurrency, on_request, info, cfg["name"])
-
-
-def _measure(arm, ep, convs, warm, max_tokens, concurrency, on_request, info, cluster_name):
-    extra = None
-    if info["verbatim_replies"]:
-        ids = verbatim_token_ids(ep, WORDS)       # same model in every arm: the same ids
-        info["verbatim_token_ids"] = ids
-        extra = {"allowed_token_ids": ids}
-    if warm:
-        run_arm(f"{arm}-warmup", ep, warm, max_tokens, 1, extra=extra)
-    turn = info["restart_prefill_after_turn"]
-
-    def restart() -> None:
-        info.setdefault("prefill_restart_s", {})[arm] = _restart_prefill(cluster_name, ep)
-    pause = (turn, restart) if turn else None
-    return run_arm(arm, ep, convs, max_tokens, concurrency, on_request, extra=extra, pause=pause)
-
-
-def _restart_prefill(name: str, ep: Endpoints) -> float:
-    """Every prefill server restarted through the supervisor, as `pdserve restart` does, then one request
-    outside the workload: a fresh server's first request carries one-time costs, as after `--warmup`.
-    Returns the seconds until they were ready again."""
-    cdir = ClusterDir(name)
-    state = cdir.read_state()
-    prefill = [n for n, p in (state.processes if state else {}).items() if p.role == "prefill"]
-    before = cluster.request_restart(cdir, prefill)
-    started = time.monotonic()
-    cluster.wait_restarted(cdir, before, 900.0,
-                           lambda n: console.info(f"{n} restarted in {time.monotonic() - started:.1f}s"))
-    took = time.monotonic() - started
-    chat(ep, [{"role": "user", "content": f"warm-up after restart {time.time_ns()}"}], 2)
-    return round(took, 1)
-
-
-def _endpoints(name: str) -> Endpoints:
-    from pdserve.plan.records import ClusterPlan
-    plan = ClusterPlan.from_dict(ClusterDir(name).read_plan())
-    key_env = plan.router_config.get("api_key_env")
-    return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],
-                     plan.router_config.get("model", ""), os.environ.get(key_env) if key_env else None,
-                     [p.url for p in plan.processes if p.role == "decode"])
+        task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
+        outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),
+                            lambda row: progress.advance(task), note=console.info)
+    _print_summary(outcome.summary, outcome.meta, outcome.totals)
+    if outcome.after_restart:
+        _print_after_restart(outcome.after_restart, restart_after)
+    console.info("wrote " + ", ".join(str(f) for f in outcome.files))
 
 
 def _print_after_restart(after: dict, turn: int) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.state.folder import list_clusters
+from pdserve.orchestrate import ops
 
 
 def cluster_names(incomplete: str) -> list[str]:
-    return [name for name in list_clusters() if name.startswith(incomplete)]
+    return [name for name in ops.cluster_names() if name.startswith(incomplete)]

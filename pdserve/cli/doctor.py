@@ -9,8 +9,8 @@ from pathlib import Path
 
 import typer
 
-from pdserve.checks import doctor, preflight
-from pdserve.orchestrate import cluster
+from pdserve.errors import EXIT_ERROR
+from pdserve.orchestrate import ops
 from pdserve.ui import console
 
 NAME = "doctor"
@@ -22,17 +22,11 @@ def command(
                                                            "many GB/s (default: kv_transfer.min_transfer_gbps, "
                                                            "5 on GPU buffers, none on CPU; 0: no floor)."),
 ) -> None:
-    spec, plan, cdir = cluster.plan_from_file(config)
-    running = cluster.has_live_processes(cdir)
-    findings = preflight.machine_findings(spec, plan, None if running else cluster.busy_ports(plan))
-    if running:
-        findings += doctor.live_findings(plan, min_gbps)
-    else:
-        findings.append(preflight.Finding("ok", "cluster", f"{spec.name} is not running: live checks skipped"))
+    findings = ops.doctor(config, min_gbps)
     for f in findings:
         style = {"ok": "green", "warn": "yellow", "fail": "bold red"}[f.level]
         console.out.print(f"[{style}]{f.level:4s}[/] {f.check}: {f.message}", highlight=False)
         if f.hint and f.level != "ok":
             console.out.print(f"     hint: {f.hint}", highlight=False)
     if any(f.level == "fail" for f in findings):
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_ERROR)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import typer
 
-from pdserve.checks import preflight
-from pdserve.orchestrate.cluster import busy_ports, has_supervisor, plan_from_file
+from pdserve.errors import EXIT_ERROR
+from pdserve.orchestrate import ops
 from pdserve.ui import console
 
 NAME = "plan"
@@ -20,14 +20,13 @@ def command(
     config: Path = typer.Argument(None, help="cluster.yaml (default: the embedded configs/local-cpu.yaml)"),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    spec, plan, cdir = plan_from_file(config)
-    findings = preflight.machine_findings(spec, plan, None if has_supervisor(cdir) else busy_ports(plan))
-    failed = [f for f in findings if f.level == "fail"]
+    result = ops.plan(config)
+    plan, failed = result.plan, result.failed
     if json_out:
-        console.print_json({**plan.to_dict(), "state_dir": str(cdir.root),
-                            "preflight": [vars(f) for f in findings]})
+        console.print_json({**plan.to_dict(), "state_dir": str(result.state_dir),
+                            "preflight": [vars(f) for f in result.findings]})
         if failed:
-            raise typer.Exit(1)
+            raise typer.Exit(EXIT_ERROR)
         return
     # Plain lines, never truncated: the argv must be exact and copyable.
     for proc in plan.processes:
@@ -40,8 +39,8 @@ def command(
         console.out.print("  argv: " + shlex.join(proc.argv), markup=False, highlight=False)
         for name, why in proc.defaults.items():
             console.out.print(f"  set by pdserve: {name}={proc.env[name]}: {why}", markup=False, highlight=False)
-    console.out.print(f"router URL: {plan.router.url}   state: {cdir.root}", highlight=False)
+    console.out.print(f"router URL: {plan.router.url}   state: {result.state_dir}", highlight=False)
     for f in failed:
         console.error(f"preflight {f.check}: {f.message}", f.hint or None)
     if failed:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_ERROR)

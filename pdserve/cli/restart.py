@@ -5,14 +5,10 @@ no running supervisor."""
 
 from __future__ import annotations
 
-import time
-
 import typer
 
-from pdserve.orchestrate import cluster
 from pdserve.cli.completion import cluster_names
-from pdserve.errors import NotRunningError
-from pdserve.state.folder import ClusterDir
+from pdserve.orchestrate import ops
 from pdserve.ui import console
 
 NAME = "restart"
@@ -21,11 +17,9 @@ NAME = "restart"
 def command(
     name: str = typer.Argument(..., help="Cluster name.", autocompletion=cluster_names),
     process: str = typer.Argument(None, help="Process to restart (default: all, one at a time)."),
-    timeout: float = typer.Option(900.0, "--timeout", help="Seconds to wait for them to be ready again."),
+    timeout: float = typer.Option(ops.STARTUP_TIMEOUT_S, "--timeout",
+                                  help="Seconds to wait for them to be ready again."),
 ) -> None:
-    cdir = cluster.find_cluster(name)
-    before = cluster.request_restart(cdir, [process] if process else None)
-    console.info(f"restarting {', '.join(before)}")
-    started = time.monotonic()
-    cluster.wait_restarted(cdir, before, timeout,
-                           lambda n: console.info(f"{time.monotonic() - started:6.1f}s {n} ready again"))
+    ops.restart(name, [process] if process else None, timeout,
+                on_requested=lambda names: console.info(f"restarting {', '.join(names)}"),
+                on_ready_again=lambda n, took: console.info(f"{took:6.1f}s {n} ready again"))

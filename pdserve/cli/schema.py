@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pdserve.spec.schema import ClusterSpec
+from pdserve.orchestrate import ops
 from pdserve.ui import console
 
 NAME = "schema"
 
 
 def command() -> None:
-    console.print_json(ClusterSpec.model_json_schema())
+    console.print_json(ops.schema())

@@ -12,12 +12,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdserve.orchestrate import cluster
 from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError
-from pdserve.observe.resources import TreeSampler, gpu_memory_by_pid, human_bytes
-from pdserve.state.folder import ClusterDir, list_clusters
+from pdserve.orchestrate import ops
 from pdserve.ui import console
+from pdserve.ui.units import human_bytes
 
 NAME = "status"
 
@@ -40,7 +39,7 @@ def command(
                                                         "(0: until Ctrl-C)."),
 ) -> None:
     if name is None:
-        rows = [cluster.cluster_status(ClusterDir(n)) for n in list_clusters()]
+        rows = ops.status()
         if json_out:
             console.print_json(rows)
             return
@@ -51,10 +50,9 @@ def command(
                           "alive" if r["supervisor_alive"] else "gone")
         console.out.print(table if rows else "no clusters")
         return
-    cdir = cluster.find_cluster(name)
-    st = cluster.cluster_status(cdir)
+    st = ops.status(name)
     if watch and st["running"]:
-        return _watch(cdir, count)
+        return _watch(name, count)
     if json_out:
         console.print_json(st)
     else:
@@ -64,13 +62,13 @@ def command(
         raise NotRunningError(f"cluster {name} is not running", hint="`pdserve up` to start it")
 
 
-def _watch(cdir: ClusterDir, count: int) -> None:
-    sampler = TreeSampler()
+def _watch(name: str, count: int) -> None:
+    sampler = ops.Usage()
     refreshes = 0
     with Live(console=console.out, refresh_per_second=2) as live:
         try:
             while True:
-                st = cluster.cluster_status(cdir)
+                st = ops.status(name)
                 live.update(_view(st, sampler))
                 refreshes += 1
                 if not st["running"] or refreshes == count:
@@ -90,14 +88,15 @@ def _routing(backend: dict | None) -> tuple[str, str]:
     return health, str(backend.get("in_flight", 0))
 
 
-def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
+def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
     """The process table and the router line; with a sampler, CPU and memory (and GPU memory where
     nvidia-smi sees GPUs) per process tree too."""
     table = Table(title=f"{st['name']}: {st['phase']}", title_justify="left")
     cols = ["process", "role", "state", "pid", "address", "uptime", "restarts", "routing", "in flight"]
-    gpu_by_pid = gpu_memory_by_pid() if sampler else None
+    usage = sampler.sample(st) if sampler else {}
+    gpus = bool(sampler and sampler.gpus_seen)
     if sampler:
-        cols += ["cpu", "memory"] + (["gpu memory"] if gpu_by_pid is not None else [])
+        cols += ["cpu", "memory"] + (["gpu memory"] if gpus else [])
     for col in cols:
         table.add_column(col)
     backends = (st.get("router") or {}).get("backends") or {}
@@ -106,9 +105,9 @@ def _view(st: dict, sampler: TreeSampler | None = None) -> Group:
         row = [p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
                _uptime(p["uptime_s"]), str(p["restarts"]), health, load]
         if sampler:
-            use = sampler.sample(p["pid"] if p["alive"] else None, gpu_by_pid)
+            use = usage[p["name"]]
             row += ["-" if use.cpu_percent is None else f"{use.cpu_percent:.0f}%", human_bytes(use.rss)]
-            if gpu_by_pid is not None:
+            if gpus:
                 row.append(human_bytes(use.gpu_bytes))
         table.add_row(*row)
     parts: list = [table]

@@ -15,9 +15,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from pdserve.orchestrate import cluster
-from pdserve.spec.load import DEFAULT_CONFIG
-from pdserve.state.records import ClusterState, ProcState
+from pdserve.orchestrate import ops
 from pdserve.ui import console
 
 NAME = "up"
@@ -25,7 +23,7 @@ STATE_STYLE = {"ready": "green", "starting": "yellow", "backoff": "yellow", "unh
                "fatal": "bold red", "stopping": "dim", "stopped": "dim"}
 
 
-def progress_table(state: ClusterState | None, started: float) -> Table:
+def progress_table(state: ops.ClusterState | None, started: float) -> Table:
     table = Table(title=f"starting {state.cluster if state else ''} ({time.monotonic() - started:.0f}s)",
                   title_justify="left")
     for col in ("process", "state", "pid", "address", "detail"):
@@ -42,59 +40,31 @@ def command(
     foreground: bool = typer.Option(False, "--foreground", "-f",
                                     help="Stay attached; Ctrl-C stops the cluster (like `down`)."),
 ) -> None:
-    spec, plan, cdir = cluster.plan_from_file(config)
-    if cluster.has_supervisor(cdir):
-        return _update_running(plan, cdir, config)
-    if plan.builtin_model:
-        console.info(f"model: built-in {spec.model} at {plan.model_path} (built on first use)")
-    adopted = cluster.prepare(spec, plan, cdir, Path(config) if config else DEFAULT_CONFIG)
-    if adopted:
-        console.info(f"{spec.name}: its supervisor was gone; re-attaching to live {', '.join(adopted)} "
-                     "after checking their identity")
-    started = time.monotonic()
-    console.info(f"starting {spec.name}: {len(plan.processes)} processes; logs in {cdir.logs_dir} "
-                 f"(`pdserve logs {spec.name} PROCESS`)")
     try:
-        with _progress(started) as on_update:
-            supervisor = cluster.supervise_until_up(cdir, bool(adopted), on_update, spec.supervisor.stop_timeout)
-    except KeyboardInterrupt:
+        result = ops.up(config, note=console.info, watch=_progress,
+                        on_ready_again=lambda n, took: console.info(f"{took:6.1f}s {n} ready again"))
+    except ops.UpInterrupted:
         console.info("interrupted: the cluster was stopped")
         raise typer.Exit(130) from None
-    except cluster.StartFailed as failed:
+    except ops.StartFailed as failed:
         for line in failed.log_lines:
             console.err.print(f"  {failed.process}| {line}", markup=False, highlight=False)
         raise
-    console.info(f"{spec.name} is ready in {time.monotonic() - started:.0f}s")
-    console.out.print(plan.router.url + "/v1", highlight=False)
+    if result.started:
+        console.info(f"{result.name} is ready in {result.took_s:.0f}s")
+    console.out.print(result.router_url + "/v1", highlight=False)
     if foreground:
-        try:
-            while supervisor.poll() is None:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            console.info("stopping")
-            cluster.stop_cluster(cdir, spec.supervisor.stop_timeout)
-
-
-def _update_running(plan, cdir, config: Path | None) -> None:
-    """`up` of a running cluster: restart only what the config changed, one process at a time."""
-    before = cluster.apply_changes(plan, cdir, Path(config) if config else DEFAULT_CONFIG)
-    if not before:
-        console.info(f"{plan.name} is running and its config is unchanged: nothing to do")
-    else:
-        console.info(f"{plan.name}: the config changed for {', '.join(before)}; restarting them one at a time")
-        started = time.monotonic()
-        cluster.wait_restarted(cdir, before, plan.supervisor.get("startup_timeout", 900.0),
-                               lambda n: console.info(f"{time.monotonic() - started:6.1f}s {n} ready again"))
-    console.out.print(plan.router.url + "/v1", highlight=False)
+        ops.stay_attached(result, note=console.info)
 
 
 @contextlib.contextmanager
-def _progress(started: float):
+def _progress():
     """A live table on a terminal, else one line per state change."""
+    started = time.monotonic()
     if not console.is_tty():
-        last: dict[str, ProcState] = {}
+        last: dict[str, ops.ProcState] = {}
 
-        def plain(state: ClusterState | None) -> None:
+        def plain(state: ops.ClusterState | None) -> None:
             for name, proc in (state.processes if state else {}).items():
                 if last.get(name) != proc.state:
                     last[name] = proc.state

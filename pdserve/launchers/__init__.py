@@ -7,10 +7,26 @@ started (to reap it), the ssh one keeps each host's reachability (to fail at onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdserve.errors import PdserveError
 from pdserve.launchers.base import Handle, Launcher, LauncherKind
 from pdserve.launchers.local import LocalLauncher
 from pdserve.plan.records import ClusterPlan, ProcessPlan
+
+
+def _ssh(plan: ClusterPlan) -> Launcher:
+    from pdserve.launchers.ssh import SshLauncher
+    return SshLauncher(plan)
+
+
+def _slurm(plan: ClusterPlan) -> Launcher:
+    from pdserve.launchers.slurm import SlurmLauncher
+    return SlurmLauncher(plan)
+
+
+# The launchers of other hosts, one line each (imported when first used); the local one is always there.
+REMOTE: dict[LauncherKind, Callable[[ClusterPlan], Launcher]] = {LauncherKind.SSH: _ssh, LauncherKind.SLURM: _slurm}
 
 _shared: dict[tuple[str, str], Launcher] = {}
 
@@ -25,14 +41,7 @@ def _launcher(plan: ClusterPlan | None, kind: LauncherKind) -> Launcher:
                            hint="the state folder lost plan.json; stop the servers on their hosts by hand")
     key = ("" if kind is LauncherKind.LOCAL else plan.name, kind.value)
     if key not in _shared:
-        if kind is LauncherKind.LOCAL:
-            _shared[key] = LocalLauncher()
-        elif kind is LauncherKind.SSH:
-            from pdserve.launchers.ssh import SshLauncher
-            _shared[key] = SshLauncher(plan)
-        else:
-            from pdserve.launchers.slurm import SlurmLauncher
-            _shared[key] = SlurmLauncher(plan)
+        _shared[key] = LocalLauncher() if kind is LauncherKind.LOCAL else REMOTE[kind](plan)
     elif kind is not LauncherKind.LOCAL:
         _shared[key].plan = plan     # the newest plan's hosts; reachability learned so far is kept
     return _shared[key]
@@ -53,9 +62,9 @@ def unreachable_hosts(plan: ClusterPlan) -> dict[str, str]:
     status and the supervisor's messages; empty for local clusters)."""
     out: dict[str, str] = {}
     for (cluster, _), launcher in _shared.items():
-        health = getattr(launcher, "host_health", None)
-        if cluster == plan.name and health is not None:
-            out.update({h.name: health(h.name).reason for h in plan.hosts if not health(h.name).reachable})
+        if cluster == plan.name:
+            out.update({h.name: launcher.host_health(h.name).reason for h in plan.hosts
+                        if not launcher.host_health(h.name).reachable})
     return out
 
 

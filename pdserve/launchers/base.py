@@ -13,13 +13,15 @@ not by parentage or the leader's liveness.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from pdserve.errors import PdserveError
-from pdserve.plan.records import ProcessPlan
+from pdserve.plan.records import ClusterPlan, ProcessPlan
+from pdserve.spec.schema import LauncherKind
+
+__all__ = ["Handle", "HostHealth", "HostUnreachable", "Launcher", "LauncherKind"]
 
 
 class HostUnreachable(PdserveError):
@@ -31,10 +33,14 @@ class HostUnreachable(PdserveError):
                          hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
 
 
-class LauncherKind(str, enum.Enum):
-    LOCAL = "local"
-    SSH = "ssh"
-    SLURM = "slurm"
+@dataclass
+class HostHealth:
+    """What a launcher last learned of a host's reachability."""
+    reachable: bool = True
+    reason: str = ""
+    since: float = 0.0          # when it became unreachable (time.time())
+    retry_at: float = 0.0       # monotonic time before which calls fail at once
+    failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,8 +64,20 @@ class Handle:
 
 
 class Launcher(Protocol):
-    """What the supervisor needs of a way to run processes. Every call returns promptly (no waiting on a
-    process to exit): stopping is the supervisor's timed state, SIGTERM on one tick, SIGKILL on a later one."""
+    """What the supervisor, `down`, `logs` and the checks need of a way to run processes. Every call returns
+    promptly (no waiting on a process to exit): stopping is a timed stop (stop.py), SIGTERM on one tick,
+    SIGKILL on a later one."""
+
+    kind: LauncherKind
+    plan: ClusterPlan | None          # the cluster's plan (hosts, settings); the factory keeps it current
+
+    def host_health(self, host: str) -> HostHealth:
+        """What the launcher last learned of a host (reachable, or since when not and why)."""
+        ...
+
+    def probe(self, host_name: str, address: str, ports: list[int], efa: bool) -> dict[str, Any]:
+        """Preflight facts of one host (software versions, GPUs, EFA, ports taken there): remote_ops' probe."""
+        ...
 
     def start(self, plan: ProcessPlan, log_path: Path) -> Handle:
         """Start the process detached, as the leader of a new session, its output appended to log_path."""

@@ -12,10 +12,12 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from pdserve.launchers.base import Handle, LauncherKind
+from pdserve.errors import PdserveError
+from pdserve.launchers.base import Handle, HostHealth, LauncherKind
 from pdserve.observe.logfiles import last_lines
 from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ProcessPlan
 
@@ -113,6 +115,7 @@ class LocalLauncher:
     read its exit code; a handle read back from state.json (adopted) has none and is checked by pid."""
 
     kind = LauncherKind.LOCAL
+    plan = None           # this machine needs no plan to reach it
 
     def __init__(self, base_env: dict[str, str] | None = None):
         self._base_env = base_env
@@ -180,3 +183,9 @@ class LocalLauncher:
 
     def read_log(self, handle: Handle, lines: int) -> list[str]:
         return last_lines(Path(handle.log_path), lines)
+
+    def host_health(self, host: str) -> HostHealth:
+        return HostHealth()       # this machine is always reachable
+
+    def probe(self, host_name: str, address: str, ports: list[int], efa: bool) -> dict[str, Any]:
+        raise PdserveError("this machine is checked by the machine checks, not probed as a host")

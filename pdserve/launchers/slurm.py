@@ -9,18 +9,27 @@ by Slurm) appended to the local log; it lives exactly as long as the step.
 
 from __future__ import annotations
 
+import json
 import os
 import signal as signals
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from pdserve.errors import PdserveError
-from pdserve.launchers.base import Handle, LauncherKind
+from pdserve.launchers.base import Handle, HostHealth, LauncherKind
 from pdserve.launchers.local import LocalLauncher
-from pdserve.launchers.ssh import BOOTSTRAP, REMOTE_OPS
-from pdserve.plan.records import MARKER_ENV, ClusterPlan, ProcessPlan
+from pdserve.launchers.remote import program, remote_argv
+from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, ProcessPlan
 from pdserve.observe.logfiles import last_lines
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    """The plan's settings for this launcher (the spec's `slurm:` section)."""
+    job_id: str | None = None          # the allocation srun steps join (default: $SLURM_JOB_ID)
+    srun_args: list[str] = field(default_factory=list)
 
 
 def step_name(cluster: str, process: str) -> str:
@@ -29,6 +38,10 @@ def step_name(cluster: str, process: str) -> str:
 
 class SlurmLauncher:
     kind = LauncherKind.SLURM
+
+    @property
+    def settings(self) -> SlurmSettings:
+        return SlurmSettings(**self.plan.launcher_settings)
 
     def __init__(self, plan: ClusterPlan, *, base_env: dict[str, str] | None = None,
                  run: Callable[..., subprocess.CompletedProcess] = subprocess.run):
@@ -39,7 +52,7 @@ class SlurmLauncher:
 
     def job_id(self) -> str:
         base = os.environ if self._base_env is None else self._base_env
-        job = self.plan.slurm_job_id or base.get("SLURM_JOB_ID")
+        job = self.settings.job_id or base.get("SLURM_JOB_ID")
         if not job:
             raise PdserveError("launcher slurm runs inside an allocation, but no job id is known",
                                hint="run pdserve under salloc/sbatch, or set slurm.job_id in the config")
@@ -47,7 +60,7 @@ class SlurmLauncher:
 
     def _srun(self, host: str, name: str, argv: list[str]) -> list[str]:
         return ["srun", "--overlap", f"--jobid={self.job_id()}", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
-                f"--job-name={name}", "--export=ALL", "--kill-on-bad-exit=1", *self.plan.slurm_args, *argv]
+                f"--job-name={name}", "--export=ALL", "--kill-on-bad-exit=1", *self.settings.srun_args, *argv]
 
     def _slurm(self, *argv: str) -> subprocess.CompletedProcess:
         try:
@@ -71,7 +84,7 @@ class SlurmLauncher:
                       str(log_path), job_id=self.job_id(), step_name=name)
 
     def _client(self, handle: Handle) -> Handle:
-        return Handle(LauncherKind.LOCAL, "local", handle.pid, handle.start_time, handle.marker, handle.log_path)
+        return Handle(LauncherKind.LOCAL, LOCAL_HOST, handle.pid, handle.start_time, handle.marker, handle.log_path)
 
     def is_alive(self, handle: Handle) -> bool:
         """The step runs (its srun client may be gone with a dead supervisor's machine session)."""
@@ -99,16 +112,17 @@ class SlurmLauncher:
     def read_log(self, handle: Handle, lines: int) -> list[str]:
         return last_lines(Path(handle.log_path), lines)
 
+    def host_health(self, host: str) -> HostHealth:
+        """Slurm reaches its nodes itself: a node is never marked unreachable here."""
+        return HostHealth()
+
     def probe(self, host_name: str, address: str, ports: list[int], efa: bool) -> dict[str, Any]:
         """Preflight facts of one node, gathered by a short step on it."""
-        import json
         request = {"op": "probe", "address": address, "ports": ports, "efa": efa}
         host = self.plan.host(host_name)
-        python = (host.python if host else None) or "python3"
-        program = f"{REMOTE_OPS}\nmain(json.loads({json.dumps(request)!r}))\n"
-        argv = self._srun(host_name, step_name(self.plan.name, "preflight"), [python, "-c", BOOTSTRAP])
+        argv = self._srun(host_name, step_name(self.plan.name, "preflight"), remote_argv(host.python if host else None))
         try:
-            res = self._run(argv, input=program, capture_output=True, text=True, timeout=120)
+            res = self._run(argv, input=program(request), capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired:
             raise PdserveError(f"preflight step on {host_name} did not finish in 120 s", hint="`sinfo`, `squeue`") from None
         lines = res.stdout.strip().splitlines()

@@ -15,27 +15,15 @@ import os
 import shlex
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from pdserve.errors import PdserveError
-from pdserve.launchers.base import Handle, HostUnreachable, LauncherKind
+from pdserve.launchers.base import Handle, HostHealth, HostUnreachable, LauncherKind
+from pdserve.launchers.remote import program, remote_argv
 from pdserve.plan.records import MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan
 
-REMOTE_OPS = (Path(__file__).with_name("remote_ops.py")).read_text()
-# The remote side reads the program from stdin, so no quoting of the request through the remote shell.
-BOOTSTRAP = "import sys; exec(compile(sys.stdin.read(), 'pdserve-remote-ops', 'exec'))"
 SSH_ERROR = 255       # ssh's own exit status: could not connect / authenticate / lost the connection
-
-
-@dataclass
-class HostHealth:
-    reachable: bool = True
-    reason: str = ""
-    since: float = 0.0          # when it became unreachable (time.time())
-    retry_at: float = 0.0       # monotonic time before which calls fail at once
-    failures: int = 0
 
 
 def control_dir() -> Path:
@@ -98,12 +86,11 @@ class SshLauncher:
         h = self.host_health(host_name)
         if not h.reachable and time.monotonic() < h.retry_at:
             raise HostUnreachable(host_name, h.reason + " (retrying later)")
-        argv = ssh_argv(host, [host.python or "python3", "-c", BOOTSTRAP], self.connect_timeout)
+        argv = ssh_argv(host, remote_argv(host.python), self.connect_timeout)
         dest = f"{host.user}@{host.destination}" if host.user else host.destination
-        program = f"{REMOTE_OPS}\nmain(json.loads({json.dumps(request)!r}))\n"
         limit = timeout or self.call_timeout
         try:
-            res = self._run(argv, input=program.encode(), capture_output=True, timeout=limit)
+            res = self._run(argv, input=program(request).encode(), capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:
             raise self._failed(host_name, f"no answer over ssh within {limit:g} s", dest) from None
         stderr = res.stderr.decode("utf-8", "replace").strip()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +23,12 @@ def parse(text: str) -> Samples:
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header the router (and vLLM with VLLM_API_KEY) wants for a key; none without one."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def api_key_of(router_config: dict[str, Any]) -> str | None:
+    """The key a router wants, from the environment variable its config names (None if unset)."""
+    name = router_config.get("api_key_env")
+    return os.environ.get(name) if name else None
 
 
 def scrape(url: str, timeout: float = 10.0, api_key: str | None = None) -> Samples | None:

@@ -69,16 +69,6 @@ def gpu_memory_by_pid(nvidia_smi: str | None = None) -> dict[int, int] | None:
     return used
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return "-"
-
-
 GPU_LEFT_THRESHOLD_MIB = 1024   # a CUDA context alone is a few hundred MiB; a leaked KV cache is tens of GiB
 
 

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from pdserve.observe.promtext import Samples, parse, scrape
 
 BACKEND_GAUGES = {"pdserve_router_backend_healthy": "healthy", "pdserve_router_backend_breaker_open": "breaker_open",
                   "pdserve_router_backend_in_flight": "in_flight"}
-
-
-def api_key_for(router_config_path: Path) -> str | None:
-    """The key the router wants, from the environment variable its config names (None if unset)."""
-    try:
-        name = json.loads(router_config_path.read_text()).get("api_key_env")
-    except (OSError, ValueError):
-        return None
-    return os.environ.get(name) if name else None
 
 
 def read_router(router_url: str, api_key: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:

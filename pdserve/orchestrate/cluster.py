@@ -16,14 +16,16 @@ from typing import Any
 
 import psutil
 
-from pdserve.errors import ConfigError, NotRunningError, PdserveError, UsageError
+from pdserve.errors import EXIT_BAD_INPUT, ConfigError, NotRunningError, PdserveError, UsageError
 from pdserve.launchers import launcher_for_handle
 from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.local import same_process
+from pdserve.launchers.stop import stop_tree
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
-from pdserve.observe.routerstats import api_key_for, read_router
+from pdserve.observe.promtext import api_key_of
+from pdserve.observe.routerstats import read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.observe.logfiles import last_lines, root_cause
@@ -60,7 +62,7 @@ def live_processes(cdir: ClusterDir, state: ClusterState | None = None) -> dict[
     state = state if state is not None else cdir.read_state()
     if state is None:
         return {}
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     return {name: _tree_alive(plan, p.handle) for name, p in state.processes.items()}
 
 
@@ -80,7 +82,7 @@ def has_live_processes(cdir: ClusterDir) -> bool:
     return bool(supervisor_process(state)) or any(live_processes(cdir, state).values())
 
 
-def _stored_plan(cdir: ClusterDir) -> ClusterPlan | None:
+def stored_plan(cdir: ClusterDir) -> ClusterPlan | None:
     data = cdir.read_plan()
     return ClusterPlan.from_dict(data) if data else None
 
@@ -135,7 +137,7 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
     failed = [f for f in machine_findings(spec, plan, None) if f.level == "fail"]
     if failed:
         raise PdserveError("; ".join(f"{f.check}: {f.message}" for f in failed), hint=failed[0].hint,
-                           exit_code=2)
+                           exit_code=EXIT_BAD_INPUT)
     busy = busy_ports(plan, skip=set(alive))
     if busy:
         raise PdserveError(f"ports already in use: {', '.join(busy)}",
@@ -308,13 +310,13 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
         state = cdir.read_state() or state
     if state is None:
         return StopReport([], [], [])
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     order = [p.name for p in plan.stop_order()] if plan else []
     killed = []
     for name in sorted(state.processes, key=lambda n: order.index(n) if n in order else len(order)):
         rec = state.processes[name]
         try:
-            if rec.handle is not None and _stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
+            if rec.handle is not None and stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
                 killed.append(name)
         except HostUnreachable as err:      # reported below as left: `down` again once the host is back
             rec.message = f"{err.message}: may still run there"
@@ -329,14 +331,16 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     return StopReport(killed, left, busy, gpu_memory_left(plan) if plan else [])
 
 
-GPU_SETTLE_S = 15.0   # before `down` reports a GPU still holding memory (gpus_still_holding says why)
+DOWN_GPU_SETTLE_S = 15.0   # before `down` reports a GPU still holding memory (gpus_still_holding says why)
 
 
-def gpu_memory_left(plan: ClusterPlan, settle_s: float = GPU_SETTLE_S, run=None,
+def gpu_memory_left(plan: ClusterPlan, settle_s: float = DOWN_GPU_SETTLE_S, run=None,
                     sleep: Callable[[float], None] = time.sleep) -> list[GpuLeft]:
-    """GPUs of the plan's servers (their CUDA_VISIBLE_DEVICES; every launcher is local today) that still
-    hold memory once settle_s has passed; [] when nothing is over the threshold or nvidia-smi is absent."""
-    devices = sorted({d for p in plan.processes for d in process_gpus(p.env.get("CUDA_VISIBLE_DEVICES"))})
+    """GPUs of the plan's servers on this machine (their CUDA_VISIBLE_DEVICES; nvidia-smi here sees no other
+    host's) that still hold memory once settle_s has passed; [] when nothing is over the threshold or
+    nvidia-smi is absent."""
+    devices = sorted({d for p in plan.processes if not plan.is_remote(p)
+                      for d in process_gpus(p.env.get("CUDA_VISIBLE_DEVICES"))})
     if not devices:
         return []
     return gpus_still_holding(devices, settle_s, run=run, sleep=sleep) or []
@@ -353,25 +357,27 @@ class StopReport:
     def clean(self) -> bool:
         return not self.left and not self.busy_ports and not self.gpu_left
 
-
-def _stop_tree(launcher, handle, timeout: float) -> bool:
-    """SIGTERM the whole tree, SIGKILL what is left after `timeout`; True when anything was alive."""
-    if not launcher.tree_alive(handle):
-        return False
-    launcher.signal(handle, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while launcher.tree_alive(handle) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    kill_until = time.monotonic() + 10
-    while launcher.tree_alive(handle) and time.monotonic() < kill_until:
-        launcher.signal(handle, signal.SIGKILL)
-        time.sleep(0.2)
-    return True
+    def raise_if_unclean(self, name: str) -> None:
+        """`down`'s verdict: an error naming what is left of cluster `name`."""
+        if self.left or self.busy_ports:
+            raise PdserveError(f"{name} did not stop cleanly: "
+                               + "; ".join([f"{p} still has live processes" for p in self.left] +
+                                           [f"{b} still bound" for b in self.busy_ports] +
+                                           [g.describe() for g in self.gpu_left]),
+                               hint=f"`pdserve down {name}` again; `pdserve status {name}` shows what is left")
+        if self.gpu_left:
+            # Every process of the cluster is gone, yet its GPUs are not free: another program's, or memory
+            # that a dead server's peer imported over CUDA IPC (freed only when that holder exits).
+            raise PdserveError(f"{name} stopped, but " + "; ".join(g.describe() for g in self.gpu_left),
+                               hint="`nvidia-smi` shows who holds it; memory that no process lists is held by a "
+                                    "process that imported it over CUDA IPC or by a leftover engine: stop it "
+                                    "before the next `pdserve up`")
 
 
 def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
     """The cluster as `status` shows it (its --json shape)."""
     state = cdir.read_state() or ClusterState(cdir.name, Phase.STOPPED, "")
+    plan = stored_plan(cdir)
     alive = live_processes(cdir, state)
     sup_alive = supervisor_process(state) is not None
     now = time.time()
@@ -392,7 +398,8 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "name": cdir.name, "phase": state.phase.value if running else "stopped", "running": running,
         "supervisor_alive": sup_alive, "error": state.error, "router_url": router_url,
         "processes": processes,
-        "router": read_router(router_url, api_key_for(cdir.root / "router.json")) if running and router_url else None,
+        "router": read_router(router_url, api_key_of(plan.router_config) if plan else None)
+        if running and router_url else None,
         "state_dir": str(cdir.root),
     }
 
@@ -400,5 +407,5 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
 def stop_timeout_of(cdir: ClusterDir) -> float:
     """The stored plan's SIGTERM -> SIGKILL window (the spec's default when there is no plan)."""
     from pdserve.spec.schema import SupervisorSpec
-    plan = _stored_plan(cdir)
+    plan = stored_plan(cdir)
     return SupervisorSpec.model_validate(plan.supervisor if plan else {}).stop_timeout

@@ -141,6 +141,11 @@ def cpu_memory_shares(servers: list[ProcessPlan], spec: ClusterSpec, memory_gib:
     return out
 
 
+def launcher_settings(spec: ClusterSpec) -> dict[str, Any]:
+    """The spec's section named after its launcher (`slurm:`), whole; none for a launcher without one."""
+    return getattr(spec, spec.launcher).model_dump() if spec.launcher in ClusterSpec.model_fields else {}
+
+
 def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir: Path,
                memory_gib: float | None = None) -> ClusterPlan:
     """All processes of a cluster. `python` runs vLLM and the router; paths come from the state layout;
@@ -179,5 +184,5 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
     return ClusterPlan(name=spec.name, processes=[*servers, router], router_config=router_config,
                        router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
                        supervisor=spec.supervisor.model_dump(), launcher=spec.launcher, hosts=hosts,
-                       slurm_job_id=spec.slurm.job_id, slurm_args=list(spec.slurm.srun_args),
+                       launcher_settings=launcher_settings(spec),
                        transfer_floor_gbps=spec.kv_transfer.transfer_floor_gbps)

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdserve.spec.schema import LauncherKind
+
 # Start order of the roles (prefill, then decode, then the router); stop and restart orders derive from it.
 ROLE_ORDER = {"prefill": 0, "decode": 1, "router": 2}
 
@@ -72,10 +74,10 @@ class ClusterPlan:
     builtin_model: str | None           # kind to build before start, when model is `pdserve:<kind>`
     model_path: str
     supervisor: dict[str, Any]          # restart policy (SupervisorSpec fields)
-    launcher: str = "local"             # local | ssh | slurm: how processes on hosts other than LOCAL_HOST start
+    launcher: str = LauncherKind.LOCAL.value   # how processes on hosts other than LOCAL_HOST start (LauncherKind)
     hosts: list[HostPlan] = field(default_factory=list)    # empty: everything on this machine
-    slurm_job_id: str | None = None     # the allocation srun steps join (launcher slurm)
-    slurm_args: list[str] = field(default_factory=list)
+    # the launcher's own settings, whole (slurm: the spec's `slurm:` section); its launcher reads them
+    launcher_settings: dict[str, Any] = field(default_factory=dict)
     transfer_floor_gbps: float = 0.0    # the canary's KV transfers must be at least this fast (0: no floor)
 
     def host(self, name: str) -> HostPlan | None:
@@ -83,7 +85,7 @@ class ClusterPlan:
 
     def is_remote(self, process: ProcessPlan) -> bool:
         """Whether the process runs elsewhere than this machine (ssh host or Slurm node)."""
-        return process.host_name != LOCAL_HOST and self.launcher != "local"
+        return process.host_name != LOCAL_HOST and self.launcher != LauncherKind.LOCAL
 
     @property
     def router(self) -> ProcessPlan:
@@ -103,6 +105,10 @@ class ClusterPlan:
     def from_dict(cls, data: dict[str, Any]) -> "ClusterPlan":
         procs = [ProcessPlan(**p) for p in data["processes"]]
         hosts = [HostPlan(**h) for h in data.get("hosts") or []]
+        data = dict(data)
+        old = {"job_id": data.pop("slurm_job_id", None), "srun_args": data.pop("slurm_args", None) or []}
+        if data.get("launcher") == LauncherKind.SLURM and "launcher_settings" not in data:
+            data["launcher_settings"] = old        # a plan.json written before launcher_settings
         return cls(**{**data, "processes": procs, "hosts": hosts})
 
 

@@ -15,11 +15,10 @@ import json
 from typing import Any
 
 from pdserve.router.backends import Backend, Pool
+from pdserve.router.config import AFFINITY
 from pdserve.router.identity import Key
 
-LEAST_LOADED = "least_loaded"
-AFFINITY = "affinity"
-POLICIES = (LEAST_LOADED, AFFINITY)
+__all__ = ["AFFINITY", "anchor", "ranked", "pick"]    # AFFINITY: the policy's name (router/config.py), for flow.py
 
 
 def anchor(explicit: Key | None, tenant: str, messages: list[Any] | None) -> str | None:

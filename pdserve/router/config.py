@@ -6,6 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# Prefill policies (how the router picks a prefill server); the spec's choices and bench's arms use these.
+LEAST_LOADED = "least_loaded"
+AFFINITY = "affinity"          # one prefill server per conversation (affinity.py)
+PREFILL_POLICIES = (LEAST_LOADED, AFFINITY)
+
 
 @dataclass(frozen=True)
 class BackendConfig:
@@ -36,7 +41,7 @@ class RouterConfig:
     max_connections: int = 4096        # open client connections (lowered to fit the open-file limit)
     api_key_env: str | None = None     # name of the environment variable holding the API key
     cost_aware: bool = True
-    prefill_policy: str = "least_loaded"  # or "affinity": one prefill server per conversation (affinity.py)
+    prefill_policy: str = LEAST_LOADED    # one of PREFILL_POLICIES
     cost_probe_every: int = 8          # while a pull is predicted slower, pull anyway every Nth turn ...
     cost_probe_interval: float = 60.0  # ... or when the last pull is this old
     upstream_max_connections: int = 1024   # connections to all backends together (pooled, kept alive)

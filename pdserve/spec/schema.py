@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import PREFILL_POLICIES, RouterConfig
 
 BUILTIN_MODEL_PREFIX = "pdserve:"
 # Flags pdserve sets itself from the topology; giving them in vllm_args would contradict the plan.
@@ -15,6 +16,17 @@ RESERVED_VLLM_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config", "-
                        "--tensor-parallel-size", "-tp", "--api-key")
 
 Port = Field(ge=1, le=65535)
+STARTUP_TIMEOUT_S = 900.0     # how long a server may take to answer /health (and `restart` waits, by default)
+
+
+class LauncherKind(str, enum.Enum):
+    """How servers start (the spec's `launcher:`); each has its module in pdserve/launchers/."""
+    LOCAL = "local"
+    SSH = "ssh"
+    SLURM = "slurm"
+
+
+LAUNCHERS = tuple(k.value for k in LauncherKind)
 
 
 class Strict(BaseModel):
@@ -119,7 +131,7 @@ class RouterSpec(Strict):
         "so they refuse clients that bypass the router.", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     cost_aware: bool = router_field("cost_aware", "Offer D's blocks to P only while pulling them is measured to "
                                     "be faster than recomputing (see docs/router.md).")
-    prefill_policy: Literal["least_loaded", "affinity"] = router_field(
+    prefill_policy: Literal[PREFILL_POLICIES] = router_field(
         "prefill_policy", "How the router picks a prefill server: the least loaded one, or 'affinity': each "
         "conversation stays on one (rendezvous hashing; least loaded while that one is down), so P's own "
         "prefix cache holds its history.")
@@ -132,7 +144,7 @@ class RouterSpec(Strict):
 
 
 class SupervisorSpec(Strict):
-    startup_timeout: float = Field(900.0, gt=0, description="Seconds a server may take to answer /health.")
+    startup_timeout: float = Field(STARTUP_TIMEOUT_S, gt=0, description="Seconds a server may take to answer /health.")
     health_interval: float = Field(2.0, gt=0)
     unhealthy_grace: float = Field(30.0, ge=0, description="Seconds unhealthy before a live server is restarted.")
     backoff_initial: float = Field(1.0, gt=0)
@@ -186,8 +198,8 @@ class ClusterSpec(Strict):
     share_gpus: bool = Field(False, description="Allow prefill and decode servers on the same GPU: each gets a "
                                                 "fitting --gpu-memory-utilization and starts after the "
                                                 "server before it on that GPU is ready.")
-    launcher: Literal["local", "ssh", "slurm"] = Field(
-        "local", description="How servers start: on this machine, over the system ssh, or as srun steps.")
+    launcher: Literal[LAUNCHERS] = Field(
+        LauncherKind.LOCAL.value, description="How servers start: on this machine, over the system ssh, or as srun steps.")
     hosts: list[HostSpec] | None = Field(
         None, description="The machines servers run on (default: this machine only).")
     platform: Literal["p5en-efa"] | None = Field(

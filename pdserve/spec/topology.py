@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from pdserve.spec.schema import ClusterSpec, RoleSpec
+from pdserve.spec.schema import ClusterSpec, LauncherKind, RoleSpec
 
 ROLES = ("prefill", "decode")
 ROUTER_MACHINE = "(router)"   # port-clash key of the machine the router runs on (where `pdserve up` runs)
@@ -70,9 +70,9 @@ def _is_loopback(address: str) -> bool:
 def topology_problems(spec: ClusterSpec) -> list[str]:
     problems: list[str] = []
     hosts = spec.hosts or []
-    if spec.launcher != "local" and not hosts:
+    if spec.launcher != LauncherKind.LOCAL and not hosts:
         problems.append(f"hosts: launcher {spec.launcher} needs a hosts: list naming where servers run")
-    if spec.launcher == "local" and len(hosts) > 1:
+    if spec.launcher == LauncherKind.LOCAL and len(hosts) > 1:
         problems.append(f"launcher: local runs every server on this machine; {len(hosts)} hosts need ssh or slurm")
     seen: dict[str, int] = {}
     for i, h in enumerate(hosts):

@@ -13,14 +13,23 @@ UCX's TCP emulation, slower than recomputing) fails: a deployment slower than on
 from __future__ import annotations
 
 import json
-import os
+import logging
 import urllib.error
 import urllib.request
 import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
-from pdserve.observe.promtext import Samples, auth_headers, has, scrape, total
+from pdserve.observe.promtext import Samples, api_key_of, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
+from pdserve.supervise.process import ManagedProcess
+
+log = logging.getLogger("pdserve.supervisor")
+
+CANARY_TRIES = 3
+CANARY_PAUSE = 2.0
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
@@ -96,13 +105,12 @@ def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) 
         return json.loads(resp.read())
 
 
-def run_canary(router_url: str, decode_urls: list[str], model: str, api_key_env: str | None = None,
+def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str | None = None,
                timeout: float = 120.0, prefill_urls: list[str] | None = None,
                floor_gbps: float = 0.0) -> CanaryResult:
     """The P->D turn; with `prefill_urls` (reuse on) a second turn that P should pull from D. A measured
     rate below `floor_gbps` (0: no floor) fails as slow."""
-    headers = {"Content-Type": "application/json",
-               **auth_headers(os.environ.get(api_key_env) if api_key_env else None)}
+    headers = {"Content-Type": "application/json", **auth_headers(api_key)}
     conversation = f"pdserve-canary-{uuid.uuid4().hex}"
     messages = [{"role": "user", "content": canary_text()}]
     body = {"model": model, "max_tokens": 2, "messages": messages, "conversation_id": conversation}
@@ -146,8 +154,75 @@ def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
     """The canary through a planned cluster's router, checked on its servers."""
     cfg = plan.router_config
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), cfg.get("api_key_env"),
+    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
                         timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0),
                         prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
                         floor_gbps=plan.transfer_floor_gbps)
     return result.ok, result.detail
+
+
+class CanaryGate:
+    """The supervisor's canaries: one at a time on the executor, at most every CANARY_PAUSE s after a
+    failure; CANARY_TRIES failures in a row are out of tries, and the count starts over. At start-up, out
+    of tries fails `up`; after a prefill restart, a pair that keeps failing has its decode servers
+    restarted (they hold stale NIXL agent state); after a decode restart it does not."""
+
+    def __init__(self, executor: Executor, canary: Callable[[ClusterPlan], tuple[bool, str]]):
+        self.executor, self.canary = executor, canary
+        self.failures = 0
+        self._next_try = 0.0
+        self._future: Future | None = None
+
+    def try_once(self, now: float, plan: ClusterPlan) -> tuple[bool, str, bool] | None:
+        """None while waiting or running, else (passed, what happened, out of tries)."""
+        if self._future is None:
+            if now < self._next_try:
+                return None
+            self._future = self.executor.submit(self.canary, plan)
+        if not self._future.done():
+            return None
+        future, self._future = self._future, None
+        try:
+            ok, detail = future.result()
+        except Exception as err:      # a canary that crashed is a failed canary, not a dead supervisor
+            ok, detail = False, f"canary error: {err!r}"
+        if ok:
+            self.failures = 0
+            return True, detail, False
+        self.failures += 1
+        self._next_try = now + CANARY_PAUSE
+        out_of_tries = self.failures >= CANARY_TRIES
+        if out_of_tries:
+            self.failures = 0
+        return False, detail, out_of_tries
+
+    def at_start(self, now: float, plan: ClusterPlan) -> tuple[bool, str | None]:
+        """(passed, why `up` fails once out of tries): backends may still be warming up."""
+        tried = self.try_once(now, plan)
+        if tried is None:
+            return False, None
+        ok, detail, out_of_tries = tried
+        log.info("%s", detail)
+        return ok, detail if out_of_tries else None
+
+    def after_restart(self, now: float, plan: ClusterPlan, verify: set[str], procs: list[ManagedProcess],
+                      restart_queue: deque[str]) -> None:
+        """Check the P->D path after `verify` (prefill or decode servers) restarted; clears `verify` once
+        decided, and queues the decode servers' restart when a prefill restart left the path failing."""
+        tried = self.try_once(now, plan)
+        if tried is None:
+            return
+        ok, detail, out_of_tries = tried
+        restarted = ", ".join(sorted(verify))
+        if ok:
+            log.info("after restarting %s: %s", restarted, detail)
+            verify.clear()
+            return
+        log.warning("after restarting %s: %s", restarted, detail)
+        if out_of_tries:
+            roles = {p.role for p in procs if p.name in verify}
+            verify.clear()
+            if "prefill" in roles:
+                decode = [p.name for p in procs if p.role == "decode" and p.name not in restart_queue]
+                log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
+                restart_queue.extend(decode)

@@ -25,14 +25,14 @@ log = logging.getLogger("pdserve.supervisor")
 
 SERVER_ROLES = ("prefill", "decode")
 FAILED_STARTS_BEFORE_PEER_RESET = 2
-GPU_SETTLE_S = 8.0     # before a dead server's memory counts as held (gpus_still_holding says why)
+PEER_GPU_SETTLE_S = 8.0     # before a dead server's memory counts as held (gpus_still_holding says why)
 
 
 def _gpus(plan: ProcessPlan) -> set[str]:
     return set(process_gpus(plan.env.get("CUDA_VISIBLE_DEVICES")))
 
 
-def memory_held_by_nobody(dead: ProcessPlan, others: list[ProcessPlan], settle_s: float = GPU_SETTLE_S,
+def memory_held_by_nobody(dead: ProcessPlan, others: list[ProcessPlan], settle_s: float = PEER_GPU_SETTLE_S,
                           run: Callable[[list[str]], str | None] | None = None,
                           sleep: Callable[[float], None] = time.sleep) -> bool | None:
     """True when the GPUs of a server whose tree is gone still hold memory after settle_s with no process

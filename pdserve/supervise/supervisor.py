@@ -3,6 +3,10 @@
 Each tick looks at every process and returns at once: probes and canaries run on the executor and are
 read on a later tick; a stop sends SIGTERM to the process's whole tree, SIGKILL once its deadline passes,
 and ends when nothing of the tree is left. It never renders: it writes state.json, which the CLI reads.
+
+Each process steps itself through its own transitions (process.py) and reports what it cannot decide
+alone; the supervisor keeps what concerns the cluster: the order, the phase, peer resets, canaries,
+requests from the CLI, the plan's reload and the state file.
 """
 
 from __future__ import annotations
@@ -10,30 +14,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections import deque
-from concurrent.futures import Future
 from typing import Any
 
 from pdserve.launchers.base import HostUnreachable
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.schema import SupervisorSpec
-from pdserve.state.folder import ClusterDir, read_json
+from pdserve.state.folder import ClusterDir
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
+from pdserve.supervise.canary import CanaryGate
 from pdserve.supervise.peers import PeerReset
-from pdserve.supervise.process import ManagedProcess, Teardown
+from pdserve.supervise.process import ORPHAN_GRACE, Exited, ManagedProcess, Notice, Stopped
+from pdserve.supervise.restarts import RestartQueue, take_requests
 from pdserve.supervise.services import Services
 
 log = logging.getLogger("pdserve.supervisor")
 
 TICK = 0.25
 LOG_CHECK_INTERVAL = 5.0
-CANARY_TRIES = 3
-CANARY_PAUSE = 2.0
-STARTUP_PROBE_INTERVAL = 0.5
-FAILED_PROBES_BEFORE_UNHEALTHY = 3
-KILL_GRACE = 10.0                # after SIGKILL, how long to wait for the tree before reporting leftovers
-ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died
 
 
 class Supervisor:
@@ -53,11 +51,9 @@ class Supervisor:
         self.adopt = adopt
         self._next_log_check = 0.0
         self._verify: set[str] = set()        # restarted servers whose P->D path is not yet verified
-        self._canary_failures = 0
-        self._next_canary = 0.0
-        self._canary_future: Future | None = None
-        self.restart_queue: deque[str] = deque()
-        self._restarting: ManagedProcess | None = None
+        self.canary = CanaryGate(self.services.executor, self.services.canary)
+        self.restarts = RestartQueue()
+        self.restart_queue = self.restarts.names     # peer resets and the canary queue restarts too
         self.peers = PeerReset(self.services.executor, self.services.memory_held)
         self._record = SupervisorRecord(os.getpid(), _own_start_time())
 
@@ -111,9 +107,7 @@ class Supervisor:
                     if proc.state == ProcState.STOPPING:
                         self.clock.sleep(TICK / 5)
             except HostUnreachable as err:      # `down` reports what is left there; do not hang on it
-                proc.handle, proc.teardown, proc.state = None, None, ProcState.STOPPED
-                proc.message = f"{err.message}: its processes may still run there"
-                log.error("%s: %s", proc.name, proc.message)
+                proc.abandon(err)
         if self.phase != Phase.FAILED:
             self.phase = Phase.STOPPED
         self.write_state()
@@ -125,9 +119,7 @@ class Supervisor:
         self._restart_next()
         if now >= self._next_log_check:
             self._next_log_check = now + LOG_CHECK_INTERVAL
-            for path in self.cdir.logs_dir.glob("*.log"):
-                if rotate_if_large(path, int(self.policy.log_max_mb * 1024 * 1024), self.policy.log_keep):
-                    log.info("rotated %s", path.name)
+            _rotate_logs(self.cdir, self.policy)
         for proc in self.procs:
             self._step(proc, now)
             if self.stop_requested:
@@ -172,83 +164,33 @@ class Supervisor:
             proc.message = err.message
 
     def _step_process(self, proc: ManagedProcess, now: float) -> None:
-        st = proc.state
-        if st == ProcState.STOPPING:
-            self._step_stopping(proc, now)
-        elif st.has_process and not proc.launcher.is_alive(proc.handle):
-            self._on_exit(proc, now)
-        elif st == ProcState.STARTING:
-            healthy = self._probe_result(proc, now, STARTUP_PROBE_INTERVAL)
-            if healthy:
-                self._became_ready(proc, now)
-            elif now - proc.state_since > self.policy.startup_timeout:
-                self._on_exit(proc, now, f"not ready after {self.policy.startup_timeout:g}s")
-        elif st in (ProcState.READY, ProcState.UNHEALTHY):
-            healthy = self._probe_result(proc, now, self.policy.health_interval)
-            if healthy is not None:
-                self._after_probe(proc, now, healthy)
-        elif st == ProcState.BACKOFF and now >= proc.next_start:
-            if not self.peers.may_start(proc, self.procs, self.restart_queue):
-                return
-            if proc.crash_looping:
-                proc.to(ProcState.FATAL, now, f"crash loop: {len(proc.failures)} failures within "
-                                              f"{self.policy.restart_window:g}s; last: {proc.message}")
-                log.error("%s fatal: %s", proc.name, proc.message)
-            else:
-                # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff ran
-                # out while P was being reset, and both then started on the GPU at once
-                self._start_when_due(proc, restart=True)
-        elif st == ProcState.STOPPED and proc.handle is None and self.phase == Phase.STARTING:
-            self._start_when_due(proc)
+        """The process takes its own transitions; what depends on the cluster is decided here."""
+        for event in proc.step(now, self.services):
+            match event:
+                case Stopped():
+                    self._stopped(proc, event, now)
+                case Exited(why=why, orphans=orphans):
+                    # What is left of a dead leader is orphans with nothing to finish: a short grace.
+                    self._on_exit(proc, now, why, grace=min(self.stop_timeout, ORPHAN_GRACE) if orphans else None)
+                case Notice.READY:
+                    if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role != "router":
+                        self._verify.add(proc.name)
+                case Notice.START_DUE:
+                    if not self.peers.may_start(proc, self.procs, self.restart_queue):
+                        return
+                    if proc.crash_looping:
+                        proc.give_up(now)
+                    else:
+                        # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff
+                        # ran out while P was being reset, and both then started on the GPU at once
+                        self._start_when_due(proc, restart=True)
+                case Notice.IDLE:
+                    if self.phase == Phase.STARTING:
+                        self._start_when_due(proc)
 
-    def _probe_result(self, proc: ManagedProcess, now: float, interval: float) -> bool | None:
-        """The result of a probe that finished (None while none has): one in flight per process, the next
-        submitted `interval` after the previous was."""
-        if proc.probe is not None:
-            if not proc.probe.done():
-                return None
-            result, proc.probe = bool(proc.probe.result()), None
-            return result
-        if now - proc.last_probe >= interval:
-            proc.last_probe = now
-            proc.probe = self.services.executor.submit(self.services.probe, proc.plan.health_url)
-            if proc.probe.done():              # an inline executor (tests) answers at once
-                result, proc.probe = bool(proc.probe.result()), None
-                return result
-        return None
-
-    def _became_ready(self, proc: ManagedProcess, now: float) -> None:
-        proc.ever_ready = True
-        proc.failed_starts = 0
-        proc.failed_probes = 0
-        proc.to(ProcState.READY, now, "health check passed")
-        log.info("%s ready", proc.name)
-        if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role != "router":
-            self._verify.add(proc.name)
-
-    def _after_probe(self, proc: ManagedProcess, now: float, healthy: bool) -> None:
-        if healthy:
-            proc.failed_probes = 0
-            if proc.state == ProcState.UNHEALTHY:
-                proc.to(ProcState.READY, now, "health check passed again")
-            return
-        proc.failed_probes += 1
-        if proc.state == ProcState.READY and proc.failed_probes >= FAILED_PROBES_BEFORE_UNHEALTHY:
-            proc.to(ProcState.UNHEALTHY, now, f"{proc.failed_probes} health checks failed while the process lives")
-            log.warning("%s unhealthy", proc.name)
-        elif proc.state == ProcState.UNHEALTHY and now - proc.state_since > self.policy.unhealthy_grace:
-            self._on_exit(proc, now, f"unhealthy for {self.policy.unhealthy_grace:g}s; restarted")
-
-    def _on_exit(self, proc: ManagedProcess, now: float, why: str | None = None) -> None:
+    def _on_exit(self, proc: ManagedProcess, now: float, why: str, grace: float | None = None) -> None:
         """The process died or must go: stop its whole tree (its children may outlive it), then back off
         or, before the cluster was ever up, fail `up`."""
-        grace = None
-        if why is None:
-            rc = proc.launcher.exit_code(proc.handle) if proc.handle else None
-            why = f"exited with code {rc}" if rc is not None else "process disappeared"
-            # What is left of a dead leader is orphans with nothing to finish (on an H200, vLLM's engine
-            # ignored SIGTERM for the whole 20 s): a short grace, then SIGKILL.
-            grace = min(self.stop_timeout, ORPHAN_GRACE)
         if self.phase == Phase.STARTING and not proc.ever_ready:
             self._begin_stop(proc, ProcState.FATAL, why, grace=grace)
             self._fail(f"{proc.name} {why} before it became ready")
@@ -263,44 +205,22 @@ class Supervisor:
         self.phase, self.error, self.stop_requested = Phase.FAILED, error, True
         log.error(error)
 
-    # -- timed stop --------------------------------------------------------------------------------
+    # -- timed stop (the process runs it; what comes after depends on the cluster) ----------------------
     def _begin_stop(self, proc: ManagedProcess, then: ProcState, message: str, restart: bool = False,
                     grace: float | None = None) -> None:
         now = self.clock.monotonic()
-        proc.to(ProcState.STOPPING, now, message)
-        proc.probe = None
-        proc.teardown = Teardown(now + (self.stop_timeout if grace is None else grace), then, message, restart)
-        if proc.handle is not None:
-            sent = proc.launcher.signal(proc.handle, signal.SIGTERM)
-            log.info("%s: SIGTERM to %d process(es) (%s)", proc.name, sent, message)
+        proc.begin_stop(now, then, message, restart, self.stop_timeout if grace is None else grace)
         self._step_stopping(proc, now)
 
     def _step_stopping(self, proc: ManagedProcess, now: float) -> None:
-        td = proc.teardown
-        assert td is not None
-        left = proc.launcher.tree_alive(proc.handle) if proc.handle is not None else 0
-        if left and td.killed_at is None and now >= td.deadline:
-            proc.launcher.signal(proc.handle, signal.SIGKILL)
-            td.killed_at = now
-            log.warning("%s: %d process(es) still alive %gs after SIGTERM: SIGKILL", proc.name, left,
-                        self.stop_timeout)
-            left = proc.launcher.tree_alive(proc.handle)
-        if left and td.killed_at is not None and now - td.killed_at < KILL_GRACE:
-            if now - td.killed_at >= 1.0:
-                proc.launcher.signal(proc.handle, signal.SIGKILL)
-            return
-        if left and td.killed_at is None:
-            return
-        message = td.message + (f"; {left} process(es) would not die" if left else "")
-        if left:
-            log.error("%s: %s", proc.name, message)
-        proc.handle, proc.teardown = None, None
-        proc.to(td.then, now, message)
-        if td.then == ProcState.BACKOFF:
-            proc.next_start = now + proc.backoff_delay()
-            log.info("%s stopped; restart in %.1fs", proc.name, proc.backoff_delay())
+        stopped = proc.step_stop(now)
+        if stopped is not None:
+            self._stopped(proc, stopped, now)
+
+    def _stopped(self, proc: ManagedProcess, stopped: Stopped, now: float) -> None:
+        if stopped.then == ProcState.BACKOFF:
             self.peers.after_crash_stop(proc, self.procs)
-        if td.restart and not self.stop_requested:
+        if stopped.restart and not self.stop_requested:
             proc.restarts += 1
             self._start(proc, now)
 
@@ -315,115 +235,39 @@ class Supervisor:
             proc.message = f"waiting for {', '.join(waiting)}"
 
     def _start(self, proc: ManagedProcess, now: float) -> None:
-        try:
-            proc.handle = proc.launcher.start(proc.plan, self.cdir.log_path(proc.name))
-        except (OSError, HostUnreachable) as err:
-            proc.handle = None
-            if proc.state != ProcState.BACKOFF:
-                proc.to(ProcState.BACKOFF, now)
-            proc.record_failure(now)
-            proc.next_start = now + proc.backoff_delay()
-            proc.message = f"could not start: {err}"
-            log.error("%s could not start: %s", proc.name, err)
-            return
-        proc.started_at = self.clock.time()
-        proc.last_probe = 0.0
-        proc.failed_probes = 0
-        proc.to(ProcState.STARTING, now, f"pid {proc.handle.pid}")
-        log.info("%s started, pid %s", proc.name, proc.handle.pid)
+        proc.start(now, self.cdir.log_path(proc.name), self.clock.time)
 
     def _adopt(self, proc: ManagedProcess, before: ProcessRecord) -> bool:
-        """Take over a process the previous (dead) supervisor started, if it is provably the same one;
-        it is ready again once its health endpoint answers."""
-        handle = proc.launcher.adopt(before.handle) if before.handle else None
-        if handle is None:
-            return False
-        proc.handle = handle
-        proc.started_at = before.started_at
-        proc.restarts = before.restarts
-        proc.ever_ready = True     # it served before: dying now means restart, not a failed `up`
-        proc.last_probe = 0.0
-        proc.to(ProcState.STARTING, self.clock.monotonic(), f"adopted pid {handle.pid}")
-        log.info("%s adopted, pid %s", proc.name, handle.pid)
-        return True
+        return proc.adopt(before, self.clock.monotonic())
 
     # -- canary: the P->D KV path really works ------------------------------------------------------
-    def _canary_try(self, now: float) -> tuple[bool, str, bool] | None:
-        """One canary on the executor, at most every CANARY_PAUSE s after a failure: None while waiting or
-        running, else (passed, what happened, out of tries). CANARY_TRIES failures in a row are out of
-        tries, and the count starts over."""
-        if self._canary_future is None:
-            if now < self._next_canary:
-                return None
-            self._canary_future = self.services.executor.submit(self.services.canary, self.plan)
-        if not self._canary_future.done():
-            return None
-        future, self._canary_future = self._canary_future, None
-        try:
-            ok, detail = future.result()
-        except Exception as err:      # a canary that crashed is a failed canary, not a dead supervisor
-            ok, detail = False, f"canary error: {err!r}"
-        if ok:
-            self._canary_failures = 0
-            return True, detail, False
-        self._canary_failures += 1
-        self._next_canary = now + CANARY_PAUSE
-        out_of_tries = self._canary_failures >= CANARY_TRIES
-        if out_of_tries:
-            self._canary_failures = 0
-        return False, detail, out_of_tries
-
     def _canary_passes(self, now: float) -> bool:
         """At start-up: a few tries (backends may still be warming up), then `up` fails with the reason."""
         if not self.policy.canary:
             return True
-        tried = self._canary_try(now)
-        if tried is None:
-            return False
-        ok, detail, out_of_tries = tried
-        log.info("%s", detail)
-        if out_of_tries:
-            self._fail(detail)
+        ok, failed = self.canary.at_start(now, self.plan)
+        if failed:
+            self._fail(failed)
         return ok
 
     def _verify_restarted(self, now: float) -> None:
-        """After a prefill or decode restart, check the pair with a canary. Decode servers that keep failing
-        to read from a restarted prefill server hold stale NIXL agent state: restart them too."""
+        """After a prefill or decode restart, check the pair with a canary (CanaryGate.after_restart)."""
         if not self.policy.canary:
             self._verify.clear()
             return
-        tried = self._canary_try(now)
-        if tried is None:
-            return
-        ok, detail, out_of_tries = tried
-        restarted = ", ".join(sorted(self._verify))
-        if ok:
-            log.info("after restarting %s: %s", restarted, detail)
-            self._verify.clear()
-            return
-        log.warning("after restarting %s: %s", restarted, detail)
-        if out_of_tries:
-            roles = {p.role for p in self.procs if p.name in self._verify}
-            self._verify.clear()
-            if "prefill" in roles:
-                decode = [p.name for p in self.procs if p.role == "decode" and p.name not in self.restart_queue]
-                log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
-                self.restart_queue.extend(decode)
+        self.canary.after_restart(now, self.plan, self._verify, self.procs, self.restart_queue)
 
     # -- requests from the CLI (`pdserve restart`, `up` with a changed config, `down --timeout`) ------
     def _take_requests(self) -> None:
-        for path in sorted(self.cdir.requests_dir.glob("*.json")):
-            request = read_json(path) or {}
-            path.unlink(missing_ok=True)
+        for request in take_requests(self.cdir):
             if request.get("stop_timeout"):
                 self.stop_timeout = float(request["stop_timeout"])
             if request.get("reload"):
                 self._reload_plan()
-            known = {p.name for p in self.procs}
-            names = [n for n in request.get("restart") or [] if n in known]
+            names = [n for n in request.get("restart") or [] if any(p.name == n for p in self.procs)]
             if names:
                 log.info("restart requested for %s", ", ".join(names))
-            self.restart_queue.extend(n for n in names if n not in self.restart_queue)
+            self.restarts.add(names)
 
     def _reload_plan(self) -> None:
         """`up` with a changed config wrote a new plan: the next start of each process uses it."""
@@ -440,17 +284,9 @@ class Supervisor:
         log.info("reloaded the plan")
 
     def _restart_next(self) -> None:
-        """One process at a time, the next only once the previous is ready again (or gave up), so a role
-        with several replicas keeps serving through a full restart."""
-        if self._restarting is not None:
-            # BACKOFF: it died again after the restart; its own backoff takes it from here, and the queue
-            # must move (it may hold that server's peer reset, which the server waits for)
-            if self._restarting.state not in (ProcState.READY, ProcState.FATAL, ProcState.BACKOFF):
-                return
-            self._restarting = None
-        if not self.restart_queue:
+        proc = self.restarts.next(self.by_name)
+        if proc is None:
             return
-        proc = self.by_name(self.restart_queue.popleft())
         if proc.state == ProcState.STOPPING:
             proc.teardown.restart = True
         elif proc.state.has_process or proc.handle is not None:
@@ -458,7 +294,6 @@ class Supervisor:
         else:
             proc.restarts += 1
             self._start(proc, self.clock.monotonic())
-        self._restarting = proc
 
     # -- state file --------------------------------------------------------------------------------
     def state(self) -> ClusterState:
@@ -468,6 +303,12 @@ class Supervisor:
 
     def write_state(self) -> None:
         self.cdir.write_state(self.state())
+
+
+def _rotate_logs(cdir: ClusterDir, policy: SupervisorSpec) -> None:
+    for path in cdir.logs_dir.glob("*.log"):
+        if rotate_if_large(path, int(policy.log_max_mb * 1024 * 1024), policy.log_keep):
+            log.info("rotated %s", path.name)
 
 
 def _own_start_time() -> float:

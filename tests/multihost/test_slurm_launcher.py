@@ -17,7 +17,8 @@ from tests.multihost.test_ssh_launcher import LEADER, wait_for
 def cluster(job_id: str) -> ClusterPlan:
     return ClusterPlan(name="t", processes=[], router_config={}, router_config_path="", builtin_model=None,
                        model_path="", supervisor={}, launcher="slurm",
-                       hosts=[HostPlan(NODE, "127.0.0.1", python=sys.executable)], slurm_job_id=job_id)
+                       hosts=[HostPlan(NODE, "127.0.0.1", python=sys.executable)],
+                       launcher_settings={"job_id": job_id})
 
 
 def test_a_server_is_a_named_step_that_down_cancels_from_its_handle(slurm, tmp_path):

@@ -4,8 +4,6 @@ NIXL moves KV between the namespaces both ways (D->P reuse shows on P's own /met
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from pathlib import Path
 

@@ -32,8 +32,9 @@ def test_wheel_in_a_fresh_venv_plans_the_default_and_prints_the_schema(tmp_path)
     # Dependencies come from this environment's site-packages through PYTHONPATH, whose .pth files (the
     # editable install's finder) are not processed: pdserve itself can only come from the wheel.
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], "PDSERVE_HOME": str(tmp_path / "home")}
-    run = lambda *args: subprocess.run([str(venv / "bin" / "python"), "-m", "pdserve", *args], cwd=tmp_path,
-                                       env=env, capture_output=True, text=True, timeout=120)
+    def run(*args):
+        return subprocess.run([str(venv / "bin" / "python"), "-m", "pdserve", *args], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import pdserve; print(pdserve.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True)
     assert str(venv) in where.stdout, where.stdout + where.stderr

@@ -8,7 +8,8 @@ import itertools
 from pathlib import Path
 
 from pdserve.state.records import Phase
-from pdserve.supervise.supervisor import CANARY_TRIES, Supervisor
+from pdserve.supervise.canary import CANARY_TRIES
+from pdserve.supervise.supervisor import Supervisor
 from tests.unit.test_supervisor_policy import Rig
 
 
@@ -33,7 +34,7 @@ def test_a_failed_try_waits_before_the_next(tmp_path):
     sup = supervisor(tmp_path, [False, True])
     assert sup._canary_passes(0.0) is False
     assert sup._canary_passes(0.0) is False          # too soon: no second canary yet
-    assert sup._canary_failures == 1
+    assert sup.canary.failures == 1
 
 
 def test_prefill_restart_with_a_failing_path_restarts_decode(tmp_path):
@@ -56,9 +57,9 @@ def test_a_passing_canary_clears_the_check_and_the_count(tmp_path):
     sup, t = supervisor(tmp_path, [False, True, False]), later()
     sup._verify = {"prefill-0"}
     sup._verify_restarted(next(t))
-    assert sup._verify and sup._canary_failures == 1
+    assert sup._verify and sup.canary.failures == 1
     sup._verify_restarted(next(t))
-    assert not sup._verify and sup._canary_failures == 0 and not sup.restart_queue
+    assert not sup._verify and sup.canary.failures == 0 and not sup.restart_queue
 
 
 def test_canary_text_is_fresh_from_its_first_token():

@@ -61,6 +61,14 @@ def test_gpu_memory_left_waits_for_the_driver_then_reports(monkeypatch):
     assert gpu_memory_left(_plan("", ""), run=smi(GPUS)) == []      # no GPUs in the plan: nothing asked
 
 
+def test_only_this_machine_s_servers_gpus_are_checked_here():
+    remote = _server("decode-0", "1", host_name="b")
+    plan = ClusterPlan("c", [_server("prefill-0", "0"), remote], {}, "", None, "", {}, launcher="ssh")
+    asked = smi("0, GPU-aaa, 3\n1, GPU-bbb, 71574\n")
+    assert gpu_memory_left(plan, run=asked, sleep=lambda s: None) == []   # GPU 1 here is not host b's GPU 1
+    assert gpu_memory_left(_plan("1"), run=asked, sleep=lambda s: None) == [GpuLeft(1, 71574, [])]
+
+
 def test_a_gpu_left_makes_the_stop_unclean():
     assert StopReport([], [], []).clean
     assert not StopReport([], [], [], [GpuLeft(1, 71574, [])]).clean

@@ -13,7 +13,10 @@ from pdserve.spec.load import parse_spec
 from pdserve.state.folder import ClusterDir
 from pdserve.state.records import Phase, ProcState
 from pdserve.supervise.services import Services
-from pdserve.supervise.supervisor import CANARY_TRIES, FAILED_PROBES_BEFORE_UNHEALTHY, KILL_GRACE, Supervisor
+from pdserve.launchers.stop import KILL_GRACE
+from pdserve.supervise.process import FAILED_PROBES_BEFORE_UNHEALTHY
+from pdserve.supervise.canary import CANARY_TRIES
+from pdserve.supervise.supervisor import Supervisor
 from tests.fakes.supervision import Canary, FakeClock, FakeLauncher, Health, InlineExecutor
 from tests.unit.test_spec import GOOD
 
@@ -374,7 +377,7 @@ def test_adopts_live_processes_of_a_dead_supervisor(tmp_path):
 
 
 def test_orphans_of_a_dead_leader_get_a_short_grace_not_the_full_stop_timeout(tmp_path):
-    from pdserve.supervise.supervisor import ORPHAN_GRACE
+    from pdserve.supervise.process import ORPHAN_GRACE
     rig = Rig(tmp_path, stop_timeout=20.0).running()
     rig.launcher.live("decode-0").stubborn = True          # its engine ignores SIGTERM
     rig.launcher.crash("decode-0")

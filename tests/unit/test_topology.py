@@ -57,7 +57,7 @@ def test_plan_round_trips_and_old_plans_still_load():
     plan = plan_of(TWO_HOSTS)
     assert ClusterPlan.from_dict(plan.to_dict()) == plan
     old = plan_of(GOOD).to_dict()
-    for key in ("launcher", "hosts", "slurm_job_id", "slurm_args"):
+    for key in ("launcher", "hosts", "launcher_settings"):
         del old[key]
     for proc in old["processes"]:
         del proc["host_name"]

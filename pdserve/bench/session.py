@@ -1,0 +1,191 @@
+"""One `pdserve bench` invocation: its arms (or the attached cluster), the workload they share, running
+each arm in turn and the files and summary that come of it. The CLI parses the options into a Settings,
+shows progress and renders the summary; everything else is here."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.bench import report, vrouter
+from pdserve.bench.arms import ARMS, arm_config, deployed
+from pdserve.bench.run import Endpoints, chat, run_arm, verbatim_token_ids
+from pdserve.bench.workload import WORDS, Conversation, generate, load
+from pdserve.errors import NotRunningError, UsageError
+from pdserve.observe.promtext import api_key_of
+from pdserve.orchestrate import ops
+from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
+
+BENCH_CONFIG = SHIPPED_CONFIGS / "bench-cpu.yaml"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The command's options, as given."""
+    config: Path | None = None
+    arms: str = "on,off,prefix-cache"
+    conversations: int = 2
+    turns: int = 8
+    concurrency: int = 1
+    max_tokens: int = 32
+    seed: int = 0
+    warmup: int = 1
+    workload: Path | None = None
+    out: Path | None = None
+    attach: str | None = None
+    verbatim: bool = False
+    restart_after: int = 0
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    config: dict[str, Any] | None     # the arm's cluster.yaml; None: measure the attached cluster as it is
+    cluster: str | None               # the attached cluster's name
+
+
+@dataclass
+class Workload:
+    """What every arm runs: the measured conversations, the warm-up ones, and how."""
+    convs: list[Conversation]
+    warm: list[Conversation]
+    max_tokens: int
+    concurrency: int
+    info: dict[str, Any]              # results.json's settings; arms add what they learn (token ids, timings)
+    note: Callable[[str], None] = lambda message: None
+
+
+@dataclass
+class Session:
+    settings: Settings
+    arms: list[Arm]
+    workload: Workload
+    out: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    totals: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests_per_arm(self) -> int:
+        return sum(len(c.user_turns) for c in self.workload.convs)
+
+
+@dataclass
+class Outcome:
+    summary: list[dict[str, Any]]
+    meta: dict[str, Any]
+    totals: dict[str, Any]
+    after_restart: dict[str, Any] | None
+    files: list[Path]
+
+
+def prepare(s: Settings) -> Session:
+    """Check the options and the config (exit 2 on a bad one, before anything starts), make the workload
+    and the output folder."""
+    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns)
+    if s.restart_after and s.restart_after >= max(len(c.user_turns) for c in convs):
+        raise UsageError(f"--restart-prefill-after-turn: {s.restart_after} leaves no turn after the restart",
+                         hint="use a number below the turns per conversation")
+    warm = generate(s.seed + 1000, s.warmup, max(len(c.user_turns) for c in convs)) if s.warmup else []
+    if s.attach:
+        if not ops.stored_plan(s.attach) or not ops.is_running(s.attach):
+            raise NotRunningError(f"cluster {s.attach} is not running", hint="`pdserve status` lists clusters")
+        arms = [Arm("attached", None, s.attach)]
+        base_name = s.attach
+    else:
+        path = s.config or BENCH_CONFIG
+        spec = load_spec(path)                  # exit 2 on a bad file, before anything starts
+        data = yaml.safe_load(Path(path).read_text())
+        chosen = [a.strip() for a in s.arms.split(",") if a.strip()]
+        unknown = [a for a in chosen if a not in ARMS]
+        if unknown or not chosen:
+            raise UsageError(f"--arms: unknown arm {unknown[0] if unknown else '(none)'}",
+                             hint=f"choose from {', '.join(ARMS)}")
+        arms = [Arm(arm, arm_config(data, arm), None) for arm in chosen]
+        base_name = spec.name
+    out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after}
+    return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
+
+
+def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[dict], None],
+        note: Callable[[str], None] = lambda message: None) -> Outcome:
+    """Every arm in turn (each brought up, measured and brought down), then the report files."""
+    session.workload.note = note
+    for arm in session.arms:
+        on_arm(arm.name)
+        rows, session.totals[arm.name] = _run_one(arm, session.out, session.workload, on_request)
+        session.rows += rows
+    s, w, rows = session.settings, session.workload, session.rows
+    summary = report.summarize(rows)
+    after_restart = report.after_pause(rows) if s.restart_after else None
+    meta = {"config": str(s.config or BENCH_CONFIG) if not s.attach else s.attach,
+            "arms": [a.name for a in session.arms],
+            "conversations": len(w.convs), "requests_per_arm": session.requests_per_arm,
+            "concurrency": s.concurrency, "max_tokens": s.max_tokens, "seed": s.seed, "warmup_conversations": s.warmup,
+            "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
+            "host": report.host_facts(),
+            **w.info, **({"after_prefill_restart": after_restart} if after_restart else {})}
+    files = report.write_files(session.out, meta, rows, summary, session.totals)
+    return Outcome(summary, meta, session.totals, after_restart, files)
+
+
+def _run_one(arm: Arm, out: Path, w: Workload, on_request: Callable[[dict], None]):
+    if arm.config is None:
+        return _measure(arm.name, endpoints(arm.cluster), w, on_request, arm.cluster)
+    arm_file = out / f"{arm.name}.yaml"
+    arm_file.write_text(yaml.safe_dump(arm.config, sort_keys=False))
+    name = arm.config["name"]
+    with deployed(arm.name, arm_file):
+        ep = endpoints(name)
+        if arm.name != "vllm-router":
+            return _measure(arm.name, ep, w, on_request, name)
+        if ep.api_key:
+            raise UsageError("arm vllm-router: the cluster has an API key (router.api_key_env); "
+                             "run that arm without one")
+        # The same servers, reached through vllm-router instead of pdserve's router (which stays idle).
+        with vrouter.running(ep.prefill, ep.decode, out / "vllm-router.log") as vr:
+            w.info["vllm_router"] = {"version": vr.version, "argv": vr.argv}
+            return _measure(arm.name, dataclasses.replace(ep, router=vr.url, stream=True), w, on_request, name)
+
+
+def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], None], cluster_name: str):
+    extra = None
+    if w.info["verbatim_replies"]:
+        ids = verbatim_token_ids(ep, WORDS)       # same model in every arm: the same ids
+        w.info["verbatim_token_ids"] = ids
+        extra = {"allowed_token_ids": ids}
+    if w.warm:
+        run_arm(f"{arm}-warmup", ep, w.warm, w.max_tokens, 1, extra=extra)
+    turn = w.info["restart_prefill_after_turn"]
+
+    def restart() -> None:
+        w.info.setdefault("prefill_restart_s", {})[arm] = restart_prefill(cluster_name, ep, w.note)
+    pause = (turn, restart) if turn else None
+    return run_arm(arm, ep, w.convs, w.max_tokens, w.concurrency, on_request, extra=extra, pause=pause)
+
+
+def restart_prefill(name: str, ep: Endpoints, note: Callable[[str], None]) -> float:
+    """Every prefill server restarted through the supervisor, as `pdserve restart` does, then one request
+    outside the workload: a fresh server's first request carries one-time costs, as after `--warmup`.
+    Returns the seconds until they were ready again."""
+    started = time.monotonic()
+    ops.restart(name, ops.processes_of(name, "prefill"), ops.STARTUP_TIMEOUT_S,
+                on_ready_again=lambda n, took: note(f"{n} restarted in {took:.1f}s"))
+    took = time.monotonic() - started
+    chat(ep, [{"role": "user", "content": f"warm-up after restart {time.time_ns()}"}], 2)
+    return round(took, 1)
+
+
+def endpoints(name: str) -> Endpoints:
+    """Where a running cluster's router and servers answer, and the key its router wants."""
+    plan = ops.stored_plan(name)
+    return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],
+                     plan.router_config.get("model", ""), api_key_of(plan.router_config),
+                     [p.url for p in plan.processes if p.role == "decode"])
