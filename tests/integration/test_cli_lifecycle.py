@@ -112,7 +112,10 @@ def test_up_restart_down_leaves_nothing(tmp_path, home):
     wait_for(lambda: next(p for p in status_json("life")["processes"] if p["name"] == "decode-0")
              ["restarts"] == 1, what="decode restart")
     wait_for(lambda: all(p["state"] == "ready" for p in status_json("life")["processes"]), what="ready again")
-    assert not any(c.is_running() for c in children), "the killed server's child outlived it"
+    # A zombie is dead (it holds no memory, port or GPU); reaping it is its new parent's business, and where
+    # PID 1 does not reap orphans (some containers) it stays a zombie.
+    alive = [(c.pid, c.status()) for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"the killed server's child outlived it: {alive}"
 
     down = pdserve("down", "life")
     assert down.returncode == 0, down.stderr
