@@ -1,4 +1,5 @@
-"""A decode crash on GPUs, through pdserve itself: up, load, reuse, SIGKILL of D's API server, recovery, down.
+"""A server crash on GPUs, through pdserve itself: up, load, reuse, SIGKILL of one server's API-server pid
+(FAULTS_KILL, default decode-0; prefill-0 too), recovery, reuse, down.
 
   python3 faults.py CONFIG.yaml OUT_DIR [RECOVERY_TIMEOUT_S]
 
@@ -115,7 +116,7 @@ def main() -> int:
 
     def save() -> None:
         res.update(timeline=timeline, gpu_mib=gpus, requests=requests)
-        (out_dir / f"{name}-faults.json").write_text(json.dumps(res, indent=1))
+        (out_dir / f"{name}-{os.environ.get('FAULTS_KILL', 'decode-0')}-faults.json").write_text(json.dumps(res, indent=1))
 
     def log(key: str, value) -> None:
         res[key] = value
@@ -133,14 +134,15 @@ def main() -> int:
     load.start()
     log("reuse_before", conversation(router, p_url, "before"))
     time.sleep(4)
-    d = state_of(name, "decode-0")
+    victim = os.environ.get("FAULTS_KILL", "decode-0")    # or prefill-0
+    d = state_of(name, victim)
     restarts0, t_kill = d["restarts"], now()
     os.kill(d["pid"], signal.SIGKILL)      # the API server's pid only: its engine and workers are left orphaned
-    log("killed", {"t": t_kill, "pid": d["pid"], "gpu_mib": gpu_memory()})
+    log("killed", {"process": victim, "t": t_kill, "pid": d["pid"], "gpu_mib": gpu_memory()})
     deadline = time.monotonic() + recovery_timeout
     while time.monotonic() < deadline:
         st = cluster_status(ClusterDir(name))
-        dd = next(p for p in st["processes"] if p["name"] == "decode-0")
+        dd = next(p for p in st["processes"] if p["name"] == victim)
         if dd["restarts"] > restarts0 and dd["state"] == "ready" and st["phase"] == "running":
             break
         time.sleep(1)
