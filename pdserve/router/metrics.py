@@ -21,6 +21,11 @@ class RouterMetrics:
                                    "Backend calls the router could not make for want of its own resources "
                                    "(pool_wait: no pooled connection free in time; resources: EMFILE, ENOMEM...). "
                                    "Never counted against a backend.", ["reason"], registry=r)
+        self.connections_dropped = Counter("pdserve_router_connections_dropped",
+                                           "Client connections the router refused or closed on its own: full "
+                                           "(at the cap, every connection busy), evicted (an idle one or an "
+                                           "unfinished head closed to make room), head_timeout.", ["reason"],
+                                           registry=r)
         self.degraded = Counter("pdserve_router_degraded_requests",
                                 "Requests served whole by one server, without KV transfer, because no server "
                                 "of the other role was usable.", ["served_by"], registry=r)
