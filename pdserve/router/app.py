@@ -20,7 +20,7 @@ from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
-from pdserve.router.flow import TURN, Flow
+from pdserve.router.flow import FAILED, TURN, Flow
 from pdserve.router.inputs import BadInput, read_json, validate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
@@ -53,6 +53,7 @@ async def _completions(request: web.Request, route: str) -> web.StreamResponse:
             raise BadInput(400, f"'{key}' is required", key)
         validate(route, body)
     except BadInput as bad:
+        request.app[METRICS].turns.labels(FAILED).inc()   # refused for its content: a turn that failed
         return bad.response()
     return await request.app[FLOW].handle(request, route, body)
 

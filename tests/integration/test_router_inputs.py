@@ -107,3 +107,19 @@ def test_formatter_keeps_tracebacks_on_one_line():
                                    exc_info=__import__("sys").exc_info())
     line = formatter.format(record)
     assert "\n" not in line and line.startswith("on /p\\nCRITICAL forged | Traceback")
+
+
+async def test_a_lone_surrogate_is_a_400_that_never_reaches_a_backend_and_a_failed_turn():
+    json_ct = {"Content-Type": "application/json"}
+    async with deployment() as dep:
+        for content in (rb"a\ud800b", rb"\udfff", rb"x\uD83D"):
+            status, data = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "'
+                                      + content + b'"}]}', json_ct)
+            assert _is_openai_4xx(status, data) and data["error"]["param"] == "messages", data
+        assert not dep.prefill[0][FAKE].received and not dep.decode[0][FAKE].received
+        assert 'pdserve_router_turns_total{outcome="failed"} 3.0' in await dep.metrics()
+        # A pair (an escaped emoji) and an escaped backslash before "ud800" are valid text.
+        for content in (rb"\ud83d\ude00", rb"\\ud800"):
+            status, _ = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "'
+                                   + content + b'"}]}', json_ct)
+            assert status == 200
