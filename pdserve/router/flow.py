@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.router import affinity, identity
-from pdserve.router.backends import Backend, Pool
+from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
 from pdserve.router.identity import Key
@@ -53,6 +53,7 @@ class Turn:
     pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
     degraded: bool = False             # served whole by one role
     outcome: str | None = None         # set once, by Flow.end
+    suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
 
     @property
     def headers(self) -> dict[str, str]:
@@ -131,6 +132,21 @@ class Flow:
         if turn.outcome is None:
             turn.outcome = outcome
             self.metrics.turns.labels(outcome).inc()
+            self._settle(turn)
+
+    def _settle(self, turn: Turn) -> None:
+        """The 5xx answers held for this turn: answered means another server served the very request, so
+        they were their servers' failures; otherwise the request failed everywhere and they count for none."""
+        if not turn.suspects.held:
+            return
+        if turn.outcome in ANSWERED:
+            turn.suspects.served()
+            return
+        forgiven = turn.suspects.forgive()
+        if turn.outcome == FAILED:
+            self.metrics.content_failures.labels(turn.route).inc()
+            log.warning("%s: failed with a 5xx on %s alike: the request is the common factor, counted against "
+                        "no server", turn.request_id, " and ".join(forgiven))
 
     async def _route(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         route, body = turn.route, turn.body
@@ -147,7 +163,7 @@ class Flow:
             if other in missing:
                 return self._json(turn, error_body("no prefill or decode server available", "server_error", 503),
                                   503)
-            return await self._degraded(request, turn, other)
+            return await self._degraded(request, turn, other, f"no {missing[0].role} server usable")
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
         keys = self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         decision = await self.prefill.decide(keys, route, body) if keys else None
@@ -155,11 +171,12 @@ class Flow:
         try:
             anchor = (affinity.anchor(turn.explicit, turn.tenant, turn.messages)
                       if self.cfg.prefill_policy == affinity.AFFINITY else None)
-            p_params, turn.pulled = await self.prefill.run(route, body, turn.headers, decision, anchor)
+            p_params, turn.pulled = await self.prefill.run(route, body, turn.headers, decision, anchor,
+                                                           turn.suspects)
         except UpstreamError as err:
             if err.serve_elsewhere and self.decode.any_usable():
                 # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
-                return await self._degraded(request, turn, self.decode)
+                return await self._degraded(request, turn, self.decode, _failed(err))
             return self._json(turn, err.body, err.status)
         turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
         d_body = {**body, "kv_transfer_params": p_params}
@@ -169,11 +186,11 @@ class Flow:
         return await self._serve(request, turn, self.decode, decision.holder if decision else None, d_body,
                                  collector, track, fallback=self.prefill.pool)
 
-    async def _degraded(self, request: web.Request, turn: Turn, pool: Pool) -> web.StreamResponse:
-        """No server of the other role is usable: serve the request whole on `pool` as a plain vLLM
-        request, no KV transfer (the body carries no kv_transfer_params), and remember nothing."""
-        log.warning("%s: degraded: served whole by a %s server (no %s server usable)", turn.request_id,
-                    pool.role, "decode" if pool is not self.decode else "prefill")
+    async def _degraded(self, request: web.Request, turn: Turn, pool: Pool, why: str) -> web.StreamResponse:
+        """No server of the other role is usable, or the one tried failed (`why`): serve the request whole
+        on `pool` as a plain vLLM request, no KV transfer (the body carries no kv_transfer_params), and
+        remember nothing."""
+        log.warning("%s: degraded: served whole by a %s server (%s)", turn.request_id, pool.role, why)
         self.metrics.degraded.labels(pool.role).inc()
         turn.degraded = True
         collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
@@ -191,7 +208,7 @@ class Flow:
             return await self._on_a_server(turn, pool, prefer, attempt)
         except UpstreamError as err:
             if fallback is not None and err.serve_elsewhere and fallback.any_usable():
-                return await self._degraded(request, turn, fallback)
+                return await self._degraded(request, turn, fallback, _failed(err))
             return self._json(turn, err.body, err.status)
 
     def _json(self, turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
@@ -252,7 +269,8 @@ class Flow:
     async def _decode_from(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
                            collector: SequenceCollector, track: bool) -> web.Response:
         d_started = time.perf_counter()
-        status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers)
+        status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
+                                                     suspects=turn.suspects)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
         if backend_at_fault(status, data):
             raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
@@ -280,7 +298,10 @@ class Flow:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
-                    if not ok:
+                    if not ok and status >= 500 and resp.status != 200:
+                        ok = None                     # an answer: whose fault is for a second opinion
+                        turn.suspects.hold(pool, backend)
+                    if ok is not True:
                         raise UpstreamError(status, data, backend.name)   # nothing sent: may go elsewhere
                     return self._json(turn, data, status)
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -326,6 +347,7 @@ class Flow:
         """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
         relay.finish()
         self.upstream.count(backend, turn.route, True)
+        turn.suspects.served()
         self._remember(turn, backend, relay.collector, track)
         return True
 
@@ -337,11 +359,11 @@ class Flow:
         except (ValueError, aiohttp.ClientError):
             data = None
         if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
-            return False, 502, error_body(f"decode server {backend.name} answered a streamed request with "
+            return False, 502, error_body(f"{backend.role} server {backend.name} answered a streamed request with "
                                           f"{resp.content_type or 'no content type'}", "server_error", 502)
-        if not isinstance(data, dict):
-            data = error_body(f"{backend.role} server {backend.name} sent an unexpected body (HTTP {resp.status})",
-                              "server_error", 502)
+        if not isinstance(data, dict):   # as post_json answers it: the router's 502, not the backend's status
+            return False, 502, error_body(f"{backend.role} server {backend.name} sent a non-JSON body (HTTP "
+                                          f"{resp.status})", "server_error", 502)
         return not backend_at_fault(resp.status, data), resp.status, data
 
     async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException,
@@ -362,6 +384,10 @@ class Flow:
                 await out.write(b"data: [DONE]\n\n")
             await out.write_eof()
         return finished or False
+
+
+def _failed(err: UpstreamError) -> str:
+    return f"{err.backend} failed: HTTP {err.status}"
 
 
 async def _to_client(write: Awaitable[Any]) -> Any:

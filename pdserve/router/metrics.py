@@ -58,6 +58,13 @@ class RouterMetrics:
         self.prefill_tokens_local = Counter("pdserve_router_prefill_tokens_local_cached",
                                             "Prompt tokens P took from its own prefix cache (not pulled from D).",
                                             registry=r)
+        self.prefill_without_kv = Counter("pdserve_router_prefill_without_kv_params",
+                                          "Prefills answered without kv_transfer_params (the server is not "
+                                          "running NixlConnector): each was served again whole on decode.",
+                                          ["backend"], registry=r)
+        self.content_failures = Counter("pdserve_router_content_failures",
+                                        "Requests that failed with a 5xx on every server tried: the request is "
+                                        "the common factor, so no breaker counted them.", ["route"], registry=r)
         self.read_retries = Counter("pdserve_router_prefill_retries",
                                     "Prefill retried without D's blocks after a failed attempt with them.", registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token seen by the client.",

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from pdserve.router.backends import Backend, Pool
+from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
 
@@ -79,9 +80,13 @@ class Upstream:
                                                 isinstance(err, aiohttp.ClientConnectorError))
 
     async def post_json(self, pool: Pool, backend: Backend, route: str, body: dict[str, Any],
-                        headers: dict[str, str], blame: bool = True) -> tuple[int, dict[str, Any]]:
+                        headers: dict[str, str], blame: bool = True, suspects: Suspects | None = None,
+                        valid: Callable[[dict[str, Any]], bool] | None = None) -> tuple[int, dict[str, Any]]:
         """POST and parse; the backend's own failures count against its breaker unless `blame` is False.
-        Raises UpstreamError when there is no HTTP answer at all."""
+        With `suspects` (the request's), a 5xx answer is held there until another server serves the
+        request or it fails everywhere (see Suspects), and a success settles the held ones. A 200 that
+        `valid` refuses is the backend's failure (it answered, but not as configured). Raises
+        UpstreamError when there is no HTTP answer at all."""
         ok: bool | None = None    # stays None when the client went away (cancelled): no verdict on the backend
         trial = pool.acquire(backend)
         wait = PoolWait()
@@ -97,8 +102,15 @@ class Upstream:
                 if not isinstance(data, dict):
                     status, data = 502, error_body(f"backend {backend.name} sent an unexpected body",
                                                    "server_error", 502)
-                ok = not backend_at_fault(status, data)
-                self.count(backend, route, status == 200)
+                at_fault = backend_at_fault(status, data) or (status == 200 and valid is not None
+                                                              and not valid(data))
+                self.count(backend, route, status == 200 and not at_fault)
+                if at_fault and status >= 500 and suspects is not None:
+                    suspects.hold(pool, backend)          # ok stays None: no verdict yet
+                else:
+                    ok = not at_fault
+                if status == 200 and ok and suspects is not None:
+                    suspects.served()
                 return status, data
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             ok, error = self.failure(backend, route, err, wait)
