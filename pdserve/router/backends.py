@@ -31,6 +31,7 @@ class Backend:
     failed_probes: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     seen_alive: bool = False   # answered since the last generation bump
+    breaker_shown: bool = False   # what pdserve_router_backend_breaker_open says (set on changes only)
 
     @property
     def down(self) -> bool:
@@ -135,8 +136,9 @@ class Pool:
         if backend.breaker.record(ok):
             log.warning("%s %s: circuit breaker open after %d failed requests", self.role, backend.name,
                         backend.breaker.failures)
-        self.metrics.breaker_open.labels(backend.name, self.role).set(
-            0 if backend.breaker.state == "closed" else 1)
+        if not ok or backend.breaker_shown:   # a success on a closed breaker changes nothing to show
+            backend.breaker_shown = backend.breaker.state != "closed"
+            self.metrics.breaker_open.labels(backend.name, self.role).set(1 if backend.breaker_shown else 0)
 
 
 class Suspects:

