@@ -123,3 +123,26 @@ async def test_a_lone_surrogate_is_a_400_that_never_reaches_a_backend_and_a_fail
             status, _ = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "'
                                    + content + b'"}]}', json_ct)
             assert status == 200
+
+
+async def test_a_huge_body_is_parsed_checked_and_hashed_off_the_event_loop(monkeypatch):
+    """Issue 25, point 4: the pure-Python passes over a 13 MB body stalled every other client for seconds."""
+    import threading
+    from pdserve.router import identity, inputs
+    threads = {}
+
+    def spy(name, real):
+        def wrapped(*args):
+            threads[name] = threading.current_thread() is threading.main_thread()
+            return real(*args)
+        return wrapped
+
+    monkeypatch.setattr(inputs, "checked", spy("checked", inputs.checked))
+    monkeypatch.setattr(identity, "history", spy("history", identity.history))
+    async with deployment() as dep:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}] * 30_000, "max_tokens": 1}
+        assert (await dep.post(CHAT, body))[0] == 200
+        assert threads == {"checked": False, "history": False}
+        threads.clear()
+        assert (await dep.post(CHAT, {"model": "fake", "messages": MSG, "max_tokens": 1}))[0] == 200
+        assert threads == {"checked": True, "history": True}      # small ones stay on the loop: no hop
