@@ -140,11 +140,14 @@ def server_limits(cfg: RouterConfig) -> dict[str, Any]:
 
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[count_requests, openai_errors, require_api_key])
+    key = api_key_from_env(cfg) if api_key is None else api_key
+    # Without a key, no key middleware: every layer is a coroutine more on every request.
+    app = web.Application(client_max_size=cfg.max_body_bytes,
+                          middlewares=[count_requests, openai_errors, *([require_api_key] if key else [])])
     metrics = RouterMetrics()
     app[CONFIG] = cfg
     app[METRICS] = metrics
-    app[API_KEY] = api_key_from_env(cfg) if api_key is None else api_key
+    app[API_KEY] = key
     for route in COMPLETION_ROUTES:
         app.router.add_post(route, completions)
     app.router.add_get("/v1/models", models)

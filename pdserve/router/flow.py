@@ -323,7 +323,10 @@ class Flow:
                     if ok is None and (relay.done or collector.kv_params is not None):
                         ok = self._finished(turn, backend, relay, track)
                     if chunk:
-                        await _to_client(out.write(chunk))
+                        try:                  # _to_client inline: a coroutine less per chunk
+                            await out.write(chunk)
+                        except ConnectionError as err:
+                            raise ClientGone() from err
                         if first:
                             first = False
                             self.metrics.ttft.labels("true").observe(time.perf_counter() - turn.started)

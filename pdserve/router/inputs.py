@@ -68,7 +68,8 @@ def checked(raw: bytes, route: str) -> dict[str, Any]:
         raise BadInput(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadInput(400, "request body must be a JSON object")
-    if _depth(body) > MAX_DEPTH:
+    # Fewer brackets than MAX_DEPTH cannot nest deeper (two C-speed counts save the walk on most bodies).
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         raise BadInput(400, f"request body nests deeper than {MAX_DEPTH} levels")
     if SURROGATE_ESCAPE.search(raw) and LONE_SURROGATE.search(raw):   # the first is a fast literal scan
         _no_lone_surrogates(body)
