@@ -1,8 +1,9 @@
 """Requests to backends: JSON in, JSON out, with load accounting, circuit-breaker outcomes and metrics.
 
 What counts against a backend's breaker: no connection, a timeout, or a 5xx that is not vLLM's answer to
-invalid input. The router's own shortages (out of file descriptors or memory, no pooled connection free
-within upstream_pool_timeout) and the client's bad input never do.
+invalid input, the last only once another server has served the same request (see Suspects). The
+router's own shortages (out of file descriptors or memory, no pooled connection free within
+upstream_pool_timeout) and the client's bad input never do.
 """
 
 from __future__ import annotations
