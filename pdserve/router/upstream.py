@@ -98,7 +98,7 @@ class Upstream:
                 at_fault = backend_at_fault(status, data) or (status == 200 and valid is not None
                                                               and not valid(data))
                 self.count(backend, route, status == 200 and not at_fault)
-                if at_fault and status >= 500 and suspects is not None:
+                if at_fault and status >= 500 and suspects is not None and blame:
                     suspects.hold(pool, backend)          # ok stays None: no verdict yet
                 else:
                     ok = not at_fault
