@@ -14,6 +14,12 @@ clients. The proxy under test runs alone on core 0; the backend and the load gen
 the proxy's CPU use is printed so a run where the proxy was not the bottleneck is visible.
 
 Usage: .venv/bin/python scripts/bench_router.py [--duration 5] [--out bench-router.json]
+
+`--cpu REV [REV ...]` compares router revisions instead (`.` is the working tree): each one's `pdserve`
+package is exported to a temporary folder and run on core 0 against the same backend; printed side by side:
+the router's CPU seconds (user + system) for N JSON requests and N streams (16 clients), and the longest
+`/health` answer while one 13 MB body of 380k small messages is served (how long a huge body stalls the
+event loop for every other client).
 """
 
 
@@ -70,7 +76,7 @@ def run_backend(port: int) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)   # the huge-body case of --cpu reaches it
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", lambda r: health(r))
@@ -241,6 +247,115 @@ def summarize(rows: list[dict]) -> dict:
     return {"rows": rows, "summary": summary}
 
 
+# ---------------------------------------------------------------------------------------------------------
+# CPU per request, revision against revision
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    """The pdserve package of `rev` (`.`: the working tree) under `into`, for PYTHONPATH."""
+    repo = Path(__file__).resolve().parents[1]
+    if rev == ".":
+        subprocess.run(["cp", "-r", str(repo / "pdserve"), str(into)], check=True)
+    else:
+        archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "pdserve"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def requests_cpu(proc: psutil.Process, url: str, n: int, stream: bool) -> float:
+    """Router CPU seconds for n requests from 16 clients."""
+    left = n
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(50):
+            await one_request(session, url, stream, False)      # warm up
+        before = cpu_seconds(proc)
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                await one_request(session, url, stream, False)
+        await asyncio.gather(*(worker() for _ in range(16)))
+        return cpu_seconds(proc) - before
+
+
+async def huge_body_stall(url: str) -> tuple[float, float, int]:
+    """(longest /health answer in s while a 13 MB body of 380k messages is served, its own seconds, status)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}] * 380_000,
+                       "max_tokens": 4}).encode()
+    worst, done = 0.0, False
+    async with aiohttp.ClientSession() as session:
+        async def probe() -> None:
+            nonlocal worst
+            while not done:
+                t = time.perf_counter()
+                async with session.get(url + "/health") as r:
+                    await r.read()
+                worst = max(worst, time.perf_counter() - t)
+                await asyncio.sleep(0.01)
+        prober = asyncio.create_task(probe())
+        await asyncio.sleep(0.2)
+        t = time.perf_counter()
+        async with session.post(url + "/v1/chat/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            status = r.status
+        took = time.perf_counter() - t
+        await asyncio.sleep(0.2)
+        done = True
+        await prober
+    return worst, took, status
+
+
+async def compare_cpu(revs: list[str], n: int) -> list[dict]:
+    os.sched_setaffinity(0, LOAD_CORE)
+    backend_port = free_port()
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    backend = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(backend_port)], LOAD_CORE)
+    rows = []
+    try:
+        await wait_up(backend_url)
+        for rev in revs:
+            with tempfile.TemporaryDirectory() as tmp:
+                export_revision(rev, Path(tmp))
+                port = free_port()
+                cfg = Path(tmp) / "router.json"
+                cfg.write_text(json.dumps({"prefill": [{"name": "prefill-0", "url": backend_url}],
+                                           "decode": [{"name": "decode-0", "url": backend_url}],
+                                           "model": "m", "port": port}))
+                router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(cfg)], cwd=tmp,
+                                          env={**os.environ, "PYTHONPATH": tmp}, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL,
+                                          preexec_fn=lambda: os.sched_setaffinity(0, PROXY_CORE))
+                try:
+                    url = f"http://127.0.0.1:{port}"
+                    await wait_up(url)
+                    await asyncio.sleep(2.5)   # the first health probe marks the backend healthy
+                    proc = psutil.Process(router.pid)
+                    json_cpu = await requests_cpu(proc, url, n, False)
+                    stream_cpu = await requests_cpu(proc, url, n, True)
+                    stall, took, status = await huge_body_stall(url)
+                finally:
+                    router.terminate()
+                    router.wait(10)
+            rows.append({"rev": rev, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu, "health_stall_s": stall,
+                         "huge_body_s": took, "huge_body_status": status})
+            print(f"  {rev}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s, "
+                  f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s)",
+                  file=sys.stderr)
+    finally:
+        backend.terminate()
+        backend.wait(10)
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-backend":
         return run_backend(int(sys.argv[2]))
@@ -249,7 +364,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds measured per scenario")
     ap.add_argument("--out", default="bench-router.json", help="where to write the full results")
+    ap.add_argument("--cpu", nargs="+", metavar="REV", help="compare the router's CPU per request of revisions")
+    ap.add_argument("-n", type=int, default=1000, help="requests per kind with --cpu")
     args = ap.parse_args()
+    if args.cpu:
+        rows = asyncio.run(compare_cpu(args.cpu, args.n))
+        print(f"{'revision':12s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
+              f"{'/health stall s':>16s} {'13 MB body s':>13s}")
+        for r in rows:
+            print(f"{r['rev']:12s} {r['json_cpu_s']:16.2f} {r['stream_cpu_s']:19.2f} {r['health_stall_s']:16.2f} "
+                  f"{r['huge_body_s']:13.2f}")
+        return
     result = asyncio.run(main_async(args))
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'stream':7s} {'added p50 ms':>13s} {'added p99 ms':>13s} {'rps@64':>8s} "

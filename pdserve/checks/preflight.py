@@ -137,9 +137,11 @@ def check_open_files(spec: ClusterSpec, limits: tuple[int, int] | None = None) -
     needed = spec.router.max_connections + spec.router.upstream_max_connections + 64
     if hard != resource.RLIM_INFINITY and hard < needed:
         return [Finding("warn", "open files", f"hard open-file limit {hard} is below the router's "
-                        f"{needed} (max_connections + upstream_max_connections + 64); it will cap connections",
-                        "raise it (ulimit -Hn, LimitNOFILE= in a unit, /etc/security/limits.conf) or lower "
-                        "router.max_connections")]
+                        f"{needed} (max_connections + upstream_max_connections + 64); the router will split "
+                        f"{hard - 64} between client connections and its upstream pool",
+                        "raise the hard limit (ulimit -Hn, LimitNOFILE= in a systemd unit, nofile in "
+                        "/etc/security/limits.conf), or set router.max_connections + "
+                        f"router.upstream_max_connections to at most {hard - 64} yourself")]
     return [Finding("ok", "open files", f"hard open-file limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}")]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -11,23 +12,37 @@ import sys
 from aiohttp import web
 
 from pdserve.router import logs
-from pdserve.router.app import build_app, server_limits
+from pdserve.router.app import METRICS, build_app, server_limits
 from pdserve.router.config import RouterConfig
-from pdserve.router.limits import GuardedRunner, connection_cap, raise_fd_limit
+from pdserve.router.limits import GuardedRunner, fd_budget, raise_fd_limit
+
+
+def fit_descriptors(cfg: RouterConfig) -> RouterConfig:
+    """The config with client and upstream connection caps that fit the open-file limit together (the
+    upstream pool shrinks too: sized from the full pool, the client cap once fell to 1). Raises
+    TooFewDescriptors (a SystemExit with the reason) when no workable split fits."""
+    log = logging.getLogger("pdserve.router")
+    soft, hard = raise_fd_limit()
+    clients, upstream = fd_budget(soft, cfg.max_connections, cfg.upstream_max_connections)
+    log.info("open-file limit %d (hard %d): up to %d client connections, %d upstream", soft, hard, clients,
+             upstream)
+    if (clients, upstream) != (cfg.max_connections, cfg.upstream_max_connections):
+        log.warning("the open-file limit %d does not fit max_connections %d + upstream_max_connections %d: "
+                    "lowered to %d + %d; raise the hard limit (ulimit -Hn, LimitNOFILE=) for more", soft,
+                    cfg.max_connections, cfg.upstream_max_connections, clients, upstream)
+    return dataclasses.replace(cfg, max_connections=clients, upstream_max_connections=upstream,
+                               upstream_max_per_backend=min(cfg.upstream_max_per_backend, upstream))
 
 
 async def serve(cfg: RouterConfig, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting connections and give in-flight requests
     (streams included) up to drain_timeout to finish, so `pdserve down` loses no answer in progress."""
     log = logging.getLogger("pdserve.router")
-    soft, hard = raise_fd_limit()
-    cap = connection_cap(cfg.max_connections, soft, cfg.upstream_max_connections)
-    log.info("open-file limit %d (hard %d): up to %d client connections, %d upstream", soft, hard, cap,
-             cfg.upstream_max_connections)
+    app = build_app(cfg)
     # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
-    runner = GuardedRunner(build_app(cfg), max_connections=cap, header_timeout=cfg.header_timeout,
-                           handler_cancellation=True, access_log=None, shutdown_timeout=cfg.drain_timeout,
-                           **server_limits(cfg))
+    runner = GuardedRunner(app, max_connections=cfg.max_connections, header_timeout=cfg.header_timeout,
+                           metrics=app[METRICS], handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.drain_timeout, **server_limits(cfg))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     stop = asyncio.Event()
@@ -47,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, help="override the port")
     args = parser.parse_args(argv)
     logs.configure(logging.INFO)
-    cfg = RouterConfig.load(args.config)
+    cfg = fit_descriptors(RouterConfig.load(args.config))
     loop_factory = None
     try:
         import uvloop   # a faster event loop where available: the router's own cost is mostly loop overhead

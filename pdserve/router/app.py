@@ -20,12 +20,12 @@ from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
-from pdserve.router.flow import TURN, Flow
-from pdserve.router.inputs import BadInput, read_json, validate
+from pdserve.router.flow import FAILED, TURN, Flow
+from pdserve.router.inputs import BadInput, read_json
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
-from pdserve.router.upstream import Upstream, pool_trace
+from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
 
@@ -47,12 +47,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request, route: str) -> web.StreamResponse:
     try:
-        body = await read_json(request, request.app[CONFIG].body_timeout)
-        key = "messages" if route.endswith("chat/completions") else "prompt"
-        if key not in body:
-            raise BadInput(400, f"'{key}' is required", key)
-        validate(route, body)
+        body = await read_json(request, request.app[CONFIG].body_timeout, route)
     except BadInput as bad:
+        request.app[METRICS].turns.labels(FAILED).inc()   # refused for its content: a turn that failed
         return bad.response()
     return await request.app[FLOW].handle(request, route, body)
 
@@ -143,11 +140,14 @@ def server_limits(cfg: RouterConfig) -> dict[str, Any]:
 
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[count_requests, openai_errors, require_api_key])
+    key = api_key_from_env(cfg) if api_key is None else api_key
+    # Without a key, no key middleware: every layer is a coroutine more on every request.
+    app = web.Application(client_max_size=cfg.max_body_bytes,
+                          middlewares=[count_requests, openai_errors, *([require_api_key] if key else [])])
     metrics = RouterMetrics()
     app[CONFIG] = cfg
     app[METRICS] = metrics
-    app[API_KEY] = api_key_from_env(cfg) if api_key is None else api_key
+    app[API_KEY] = key
     for route in COMPLETION_ROUTES:
         app.router.add_post(route, completions)
     app.router.add_get("/v1/models", models)
@@ -159,7 +159,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
         connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
                                          limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
-        session = aiohttp.ClientSession(connector=connector, trace_configs=[pool_trace()])
+        session = aiohttp.ClientSession(connector=connector)
         def breaker() -> CircuitBreaker:
             return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
 
@@ -167,7 +167,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         decode = Pool("decode", cfg.decode, metrics, breaker)
         store = ReuseStore(cfg.reuse_ttl, max_entries=cfg.reuse_max_entries, max_bytes=cfg.reuse_max_bytes,
                            on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n))
-        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout)
+        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout,
+                            (prefill, decode))
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
             if cfg.cost_aware else None
 

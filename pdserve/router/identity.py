@@ -89,23 +89,31 @@ def _canonical(message: Any) -> bytes:
     return json.dumps([message.get("role"), _content(message.get("content")), calls]).encode()
 
 
-def _chain(messages: list[Any]) -> list[str]:
-    """Hash of every prefix of the history: digests[i] covers messages[: i + 1]."""
-    digest, out = b"", []
+def _chain(messages: list[Any], digest: bytes = b"") -> list[bytes]:
+    """Hash of every prefix of the history: digests[i] covers messages[: i + 1] (after `digest`'s)."""
+    out = []
     for message in messages:
         digest = hashlib.sha256(digest + _canonical(message)).digest()
-        out.append(digest.hex())
+        out.append(digest)
     return out
 
 
 def history_keys(tenant_id: str, messages: list[Any]) -> list[Key]:
     """Candidate keys for an automatic match, longest history first: every prefix ending with an
     assistant message could be a reply this router returned."""
+    return history(tenant_id, messages)[0]
+
+
+def history(tenant_id: str, messages: list[Any]) -> tuple[list[Key], bytes]:
+    """history_keys, and the digest of the whole history (for reply_key: one hash more, not a pass again)."""
     digests = _chain(messages)
-    return [(tenant_id, "auto:" + digests[i]) for i in range(len(messages) - 1, -1, -1)
+    keys = [(tenant_id, "auto:" + digests[i].hex()) for i in range(len(messages) - 1, -1, -1)
             if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"]
+    return keys, digests[-1] if digests else b""
 
 
-def reply_key(tenant_id: str, messages: list[Any], reply: dict[str, Any]) -> Key:
-    """The key under which a finished turn is stored: its history plus the reply returned."""
-    return tenant_id, "auto:" + _chain([*messages, reply])[-1]
+def reply_key(tenant_id: str, messages: list[Any], reply: dict[str, Any], digest: bytes | None = None) -> Key:
+    """The key under which a finished turn is stored: its history (or `digest`, history's) plus the reply."""
+    if digest is None:
+        digest = _chain(messages)[-1] if messages else b""
+    return tenant_id, "auto:" + _chain([reply], digest)[-1].hex()

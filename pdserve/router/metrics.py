@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -21,6 +23,11 @@ class RouterMetrics:
                                    "Backend calls the router could not make for want of its own resources "
                                    "(pool_wait: no pooled connection free in time; resources: EMFILE, ENOMEM...). "
                                    "Never counted against a backend.", ["reason"], registry=r)
+        self.connections_dropped = Counter("pdserve_router_connections_dropped",
+                                           "Client connections the router refused or closed on its own: full "
+                                           "(at the cap, every connection busy), evicted (an idle one or an "
+                                           "unfinished head closed to make room), head_timeout.", ["reason"],
+                                           registry=r)
         self.degraded = Counter("pdserve_router_degraded_requests",
                                 "Requests served whole by one server, without KV transfer, because no server "
                                 "of the other role was usable.", ["served_by"], registry=r)
@@ -53,6 +60,13 @@ class RouterMetrics:
         self.prefill_tokens_local = Counter("pdserve_router_prefill_tokens_local_cached",
                                             "Prompt tokens P took from its own prefix cache (not pulled from D).",
                                             registry=r)
+        self.prefill_without_kv = Counter("pdserve_router_prefill_without_kv_params",
+                                          "Prefills answered without kv_transfer_params (the server is not "
+                                          "running NixlConnector): each was served again whole on decode.",
+                                          ["backend"], registry=r)
+        self.content_failures = Counter("pdserve_router_content_failures",
+                                        "Requests that failed with a 5xx on every server tried: the request is "
+                                        "the common factor, so no breaker counted them.", ["route"], registry=r)
         self.read_retries = Counter("pdserve_router_prefill_retries",
                                     "Prefill retried without D's blocks after a failed attempt with them.", registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to first token seen by the client.",
@@ -75,3 +89,8 @@ class RouterMetrics:
         self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
                                        "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
                                        "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)
+        # prometheus_client's labels() validates and locks on every call (~7 us, 15 calls a request); the
+        # label sets here are bounded (routes, statuses, backends), so each child is looked up once.
+        for metric in vars(self).values():
+            if getattr(metric, "_labelnames", ()):
+                metric.labels = functools.lru_cache(maxsize=4096)(metric.labels)

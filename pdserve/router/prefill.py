@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from pdserve.router import affinity
-from pdserve.router.backends import Backend, Pool
+from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
@@ -36,6 +36,7 @@ class PrefillLeg:
         self.costs = costs
         self.metrics = metrics
         self.block_size: int | None = None   # P's KV block size, read once from its /metrics
+        self.warned: set[str] = set()        # prefill servers said to run without NixlConnector
 
     # -- what may P read? --------------------------------------------------------------------------
     async def decide(self, keys: list[Key], route: str, body: dict[str, Any]) -> Decision:
@@ -61,7 +62,8 @@ class PrefillLeg:
         if tok is None or backend is None:
             return None
         try:
-            status, data = await self.upstream.post_json(self.pool, backend, "/tokenize", tok, {})
+            # The client's content again: a failure here says nothing sure about P (its prefill follows).
+            status, data = await self.upstream.post_json(self.pool, backend, "/tokenize", tok, {}, blame=False)
         except UpstreamError:
             return None
         tokens = data.get("tokens") if status == 200 else None
@@ -76,8 +78,8 @@ class PrefillLeg:
         return self.block_size
 
     # -- prefill -----------------------------------------------------------------------------------
-    async def run(self, route: str, body: dict[str, Any], headers: dict[str, str],
-                  decision: Decision | None, anchor: str | None = None) -> tuple[dict[str, Any], int | None]:
+    async def run(self, route: str, body: dict[str, Any], headers: dict[str, str], decision: Decision | None,
+                  anchor: str | None = None, suspects: Suspects | None = None) -> tuple[dict[str, Any], int | None]:
         """P's kv_transfer_params for D, and the tokens P pulled from D (None when P does not say). Records the reuse outcome: a hit only when P really read D's
         blocks; otherwise the reason (the decision's, pull_slower, or read_failed). `anchor` (set only under
         the `affinity` policy) pins the conversation to one prefill server."""
@@ -96,7 +98,7 @@ class PrefillLeg:
                                                                                              use.holder):
                     use, outcome = None, Decision(MISS, "pull_slower", holder=use.holder)
                 try:
-                    answer = await self._once(backend, route, body, headers, use)
+                    answer = await self._once(backend, route, body, headers, use, suspects)
                     served = True
                     return answer
                 except UpstreamError as err:
@@ -108,7 +110,7 @@ class PrefillLeg:
                         self.metrics.read_retries.inc()
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            answer = await self._once(backend, route, body, headers, None)
+                            answer = await self._once(backend, route, body, headers, None, suspects)
                             served = True
                             return answer
                         except UpstreamError as again:
@@ -129,7 +131,7 @@ class PrefillLeg:
                          ",".join(tried), outcome.result, outcome.reason, outcome.tokens)
 
     async def _once(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str],
-                    use: Decision | None) -> tuple[dict[str, Any], int | None]:
+                    use: Decision | None, suspects: Suspects | None = None) -> tuple[dict[str, Any], int | None]:
         p_body = {**body, "max_tokens": 1, "stream": False,
                   "kv_transfer_params": use.params if use else {"do_remote_decode": True,
                                                                 "do_remote_prefill": False}}
@@ -140,17 +142,29 @@ class PrefillLeg:
         started = time.perf_counter()
         # With D's blocks offered, a failure may be D's (blocks gone) as much as P's: not P's breaker.
         status, data = await self.upstream.post_json(self.pool, backend, route, p_body, headers,
-                                                     blame=use is None)
+                                                     blame=use is None, suspects=suspects, valid=has_kv_params)
         if status != 200:
             raise UpstreamError(status, data, backend.name)
         params = data.get("kv_transfer_params")
         counts = pop_counts(params) if isinstance(params, dict) else None   # never forwarded to D
         if not isinstance(params, dict):
+            self._misconfigured(backend)
             raise UpstreamError(502, error_body(
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
         self._learn(backend, use, time.perf_counter() - started, data, counts)
         return params, counts[0] if counts is not None else None
+
+    def _misconfigured(self, backend: Backend) -> None:
+        """P answered a prefill without handles: it runs without NixlConnector, so every request it gets is
+        computed again whole on D. A failure of P's (its breaker counts it, see has_kv_params), counted,
+        and said once per server, loudly: nothing else would show that every request runs twice."""
+        self.metrics.prefill_without_kv.labels(backend.name).inc()
+        if backend.name not in self.warned:
+            self.warned.add(backend.name)
+            log.error("prefill server %s answers prefills without kv_transfer_params: it is not running "
+                      "NixlConnector (vllm --kv-transfer-config), so its requests are served again whole on a "
+                      "decode server; counted in pdserve_router_prefill_without_kv_params_total", backend.name)
 
     def _learn(self, backend: Backend, use: Decision | None, seconds: float, data: dict[str, Any],
                counts: tuple[int, int] | None) -> None:
@@ -172,6 +186,10 @@ class PrefillLeg:
             self.metrics.cost.labels("recompute", backend.name, "").set(self.costs.recompute[backend.name])
         if holder and (backend.name, holder) in self.costs.pull:
             self.metrics.cost.labels("pull", backend.name, holder).set(self.costs.pull[(backend.name, holder)])
+
+
+def has_kv_params(data: dict[str, Any]) -> bool:
+    return isinstance(data.get("kv_transfer_params"), dict)
 
 
 def pop_counts(params: dict[str, Any]) -> tuple[int, int] | None:

@@ -147,7 +147,7 @@ class StreamRelay:
     def __init__(self, collector: SequenceCollector, keep_lines: bool):
         self.collector = collector
         self.keep_lines = keep_lines
-        self.lines: list[bytes] = []
+        self.blocks: list[bytes] = []  # what D sent, split into lines only if the reply is wanted
         self.done = False              # D sent its final `data: [DONE]`
         self._partial = b""
 
@@ -167,7 +167,7 @@ class StreamRelay:
         if b"data: [DONE]" in block:
             self.done = True
         if self.keep_lines:
-            self.lines.extend(line for line in block.split(b"\n") if line.startswith(b"data: {"))
+            self.blocks.append(block)
         if not any(marker in block for marker in ROUTER_ONLY_MARKERS):
             return block
         return b"".join(self.collector.scrub_sse_line(line, collect_reply=False)
@@ -175,4 +175,5 @@ class StreamRelay:
 
     def finish(self) -> None:
         if self.keep_lines and self.collector.kv_params is not None:
-            self.collector.collect_reply_from(self.lines)
+            self.collector.collect_reply_from([line for line in b"".join(self.blocks).split(b"\n")
+                                               if line.startswith(b"data: {")])

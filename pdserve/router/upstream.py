@@ -1,8 +1,9 @@
 """Requests to backends: JSON in, JSON out, with load accounting, circuit-breaker outcomes and metrics.
 
 What counts against a backend's breaker: no connection, a timeout, or a 5xx that is not vLLM's answer to
-invalid input. The router's own shortages (out of file descriptors or memory, no pooled connection free
-within upstream_pool_timeout) and the client's bad input never do.
+invalid input, the last only once another server has served the same request (see Suspects). The
+router's own shortages (out of file descriptors or memory, no pooled connection free within
+upstream_pool_timeout) and the client's bad input never do.
 """
 
 from __future__ import annotations
@@ -10,36 +11,16 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from pdserve.router.backends import Backend, Pool
+from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
 
 ROUTER_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-class PoolWait:
-    """Per-request trace context: True while the request waits for a free pooled connection."""
-    queued = False
-
-
-def pool_trace() -> aiohttp.TraceConfig:
-    trace = aiohttp.TraceConfig()
-
-    async def queued(session: Any, ctx: Any, params: Any) -> None:
-        if isinstance(ctx.trace_request_ctx, PoolWait):
-            ctx.trace_request_ctx.queued = True
-
-    async def dequeued(session: Any, ctx: Any, params: Any) -> None:
-        if isinstance(ctx.trace_request_ctx, PoolWait):
-            ctx.trace_request_ctx.queued = False
-
-    trace.on_connection_queued_start.append(queued)
-    trace.on_connection_queued_end.append(dequeued)
-    return trace
-
-
 def router_resource_error(err: BaseException) -> bool:
     os_error = getattr(err, "os_error", err)
     return isinstance(os_error, OSError) and os_error.errno in ROUTER_ERRNOS
@@ -47,8 +28,9 @@ def router_resource_error(err: BaseException) -> bool:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, request_timeout: float,
-                 api_key: str | None = None, pool_timeout: float | None = None):
+                 api_key: str | None = None, pool_timeout: float | None = None, pools: tuple[Pool, ...] = ()):
         self.session = session
+        self.pools = pools
         self.metrics = metrics
         self.request_timeout = request_timeout
         # `connect` bounds the wait for a pooled connection plus the TCP connect.
@@ -59,9 +41,22 @@ class Upstream:
     def count(self, backend: Backend, route: str, ok: bool) -> None:
         self.metrics.backend_requests.labels(backend.name, route, "ok" if ok else "error").inc()
 
-    def failure(self, backend: Backend, route: str, err: BaseException, wait: PoolWait) -> tuple[bool | None, UpstreamError]:
+    def waited_for_the_pool(self, backend: Backend, err: BaseException) -> bool:
+        """Did the request time out waiting for a pooled connection (the router's shortage)? aiohttp's
+        connect timeout covers that wait and the TCP connect alike; more requests outstanding than pooled
+        connections allowed means ours was waiting. (A trace callback told exactly, but aiohttp then fires
+        every trace signal of every request: 14k for 1000 requests.)"""
+        if not isinstance(err, aiohttp.ConnectionTimeoutError):
+            return False
+        connector = self.session.connector
+        per_host = getattr(connector, "limit_per_host", 0)
+        total = getattr(connector, "limit", 0)
+        return bool((per_host and backend.in_flight > per_host) or
+                    (total and sum(b.in_flight for pool in self.pools for b in pool.backends) > total))
+
+    def failure(self, backend: Backend, route: str, err: BaseException) -> tuple[bool | None, UpstreamError]:
         """A request that got no HTTP answer: (breaker verdict, the error for the client)."""
-        if isinstance(err, asyncio.TimeoutError) and wait.queued:
+        if self.waited_for_the_pool(backend, err):
             self.metrics.router_busy.labels("pool_wait").inc()
             return None, UpstreamError(503, error_body(f"router busy: no connection to {backend.name} free in "
                                                        "time; retry", "server_error", 503), backend.name, True,
@@ -79,15 +74,18 @@ class Upstream:
                                                 isinstance(err, aiohttp.ClientConnectorError))
 
     async def post_json(self, pool: Pool, backend: Backend, route: str, body: dict[str, Any],
-                        headers: dict[str, str], blame: bool = True) -> tuple[int, dict[str, Any]]:
+                        headers: dict[str, str], blame: bool = True, suspects: Suspects | None = None,
+                        valid: Callable[[dict[str, Any]], bool] | None = None) -> tuple[int, dict[str, Any]]:
         """POST and parse; the backend's own failures count against its breaker unless `blame` is False.
-        Raises UpstreamError when there is no HTTP answer at all."""
+        With `suspects` (the request's), a 5xx answer is held there until another server serves the
+        request or it fails everywhere (see Suspects), and a success settles the held ones. A 200 that
+        `valid` refuses is the backend's failure (it answered, but not as configured). Raises
+        UpstreamError when there is no HTTP answer at all."""
         ok: bool | None = None    # stays None when the client went away (cancelled): no verdict on the backend
         trial = pool.acquire(backend)
-        wait = PoolWait()
         try:
             async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
-                                         timeout=self.timeout, trace_request_ctx=wait) as resp:
+                                         timeout=self.timeout) as resp:
                 status = resp.status
                 try:
                     data = await resp.json(content_type=None)
@@ -97,11 +95,18 @@ class Upstream:
                 if not isinstance(data, dict):
                     status, data = 502, error_body(f"backend {backend.name} sent an unexpected body",
                                                    "server_error", 502)
-                ok = not backend_at_fault(status, data)
-                self.count(backend, route, status == 200)
+                at_fault = backend_at_fault(status, data) or (status == 200 and valid is not None
+                                                              and not valid(data))
+                self.count(backend, route, status == 200 and not at_fault)
+                if at_fault and status >= 500 and suspects is not None and blame:
+                    suspects.hold(pool, backend)          # ok stays None: no verdict yet
+                else:
+                    ok = not at_fault
+                if status == 200 and ok and suspects is not None:
+                    suspects.served()
                 return status, data
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
-            ok, error = self.failure(backend, route, err, wait)
+            ok, error = self.failure(backend, route, err)
             raise error from None
         finally:
             pool.release(backend, ok if blame else None, trial)

@@ -67,12 +67,31 @@ class FakeVLLM:
         p = body.get("prompt")
         return p if isinstance(p, list) else tokenize_text(str(p))
 
+    def content_fault(self, raw: bytes, body: dict) -> str | None:
+        """What a backend build that crashes on some content would say (a 500 InternalServerError, not a 400):
+        a lone surrogate, a body over --max-body bytes, or a body holding the --fail-on text."""
+        if self.args.fail_on_surrogate:
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError as err:
+                return str(err)
+        if self.args.max_body and len(raw) > self.args.max_body:
+            return "request too large"
+        if self.args.fail_on and self.args.fail_on in raw.decode(errors="replace"):
+            return "EngineCore encountered an issue"
+        return None
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
         if self.args.record:
             peer = request.transport.get_extra_info("peername") if request.transport else None
             self.received.append({"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()},
                                   "body": body, "peer": peer[1] if peer else None})
+        fault = self.content_fault(raw, body)
+        if fault:
+            return web.json_response({"error": {"message": fault, "type": "InternalServerError", "param": None,
+                                                "code": 500}}, status=500)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -87,6 +106,8 @@ class FakeVLLM:
             # What a client sees of a server killed mid-request: the connection closes, no answer.
             request.transport.abort()
             raise asyncio.CancelledError
+        if self.args.status != 200 and self.args.plain_error:   # e.g. a proxy's or a crashed server's page
+            return web.Response(status=self.args.status, text="Internal Server Error")
         if self.args.status != 200:
             kind = self.args.error_type or ("BadRequestError" if self.args.status < 500 else "InternalServerError")
             return web.json_response({"error": {"message": "fake failure", "type": kind,
@@ -143,7 +164,7 @@ class FakeVLLM:
                 resp["prompt_token_ids"] = prompt
             else:
                 choice["prompt_token_ids"] = prompt
-        if params:
+        if params and not self.args.no_kv_params:
             resp["kv_transfer_params"] = params
         return web.json_response(resp)
 
@@ -225,7 +246,7 @@ async def vllm_api_key(request: web.Request, handler):
 
 def build_app(args: argparse.Namespace) -> web.Application:
     fake = FakeVLLM(args)
-    app = web.Application(middlewares=[vllm_api_key])
+    app = web.Application(middlewares=[vllm_api_key], client_max_size=64 * 1024 * 1024)
     app[FAKE] = fake
     app.router.add_post("/v1/chat/completions", fake.completions)
     app.router.add_post("/v1/completions", fake.completions)
@@ -251,6 +272,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bad-sse", action="store_true", help="a malformed SSE line mid-stream, then no [DONE]")
     p.add_argument("--no-record", dest="record", action="store_false", help="keep no request bodies (benchmarks)")
     p.add_argument("--no-kv-in", action="store_true", help="as decode, never count P's blocks as read (broken NIXL)")
+    p.add_argument("--plain-error", action="store_true", help="--status answers as text/plain, not JSON")
+    p.add_argument("--no-kv-params", action="store_true", help="answer without kv_transfer_params (no NIXL)")
+    p.add_argument("--fail-on-surrogate", action="store_true", help="500 for a lone surrogate in the body")
+    p.add_argument("--fail-on", default="", help="500 for a body holding this text")
+    p.add_argument("--max-body", type=int, default=0, help="500 for a body over this many bytes")
     p.add_argument("--status", type=int, default=200, help="answer every completion with this status")
     p.add_argument("--delay", type=float, default=0.0, help="seconds before answering")
     p.add_argument("--token-delay", type=float, default=0.0)

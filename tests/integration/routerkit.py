@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from pdserve.router.app import build_app, server_limits
+from pdserve.router.app import METRICS, build_app, server_limits
 from pdserve.router.config import RouterConfig
 from pdserve.router.limits import GuardedRunner
 from tests.fakes.fake_vllm import build_app as build_fake
@@ -64,7 +64,7 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
     cfg = RouterConfig.from_dict({"prefill": p_cfg, "decode": d_cfg, "model": "fake", "health_interval": 0.1,
                                   "kv_recompute_threshold": 4, **router_overrides})
     router = build_app(cfg, api_key=api_key)
-    runner, url = await _serve(router, GuardedRunner, max_connections=cfg.max_connections,
+    runner, url = await _serve(router, GuardedRunner, max_connections=cfg.max_connections, metrics=router[METRICS],
                                header_timeout=cfg.header_timeout, **server_limits(cfg))
     runners.append(runner)
     session = aiohttp.ClientSession()

@@ -107,3 +107,42 @@ def test_formatter_keeps_tracebacks_on_one_line():
                                    exc_info=__import__("sys").exc_info())
     line = formatter.format(record)
     assert "\n" not in line and line.startswith("on /p\\nCRITICAL forged | Traceback")
+
+
+async def test_a_lone_surrogate_is_a_400_that_never_reaches_a_backend_and_a_failed_turn():
+    json_ct = {"Content-Type": "application/json"}
+    async with deployment() as dep:
+        for content in (rb"a\ud800b", rb"\udfff", rb"x\uD83D"):
+            status, data = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "'
+                                      + content + b'"}]}', json_ct)
+            assert _is_openai_4xx(status, data) and data["error"]["param"] == "messages", data
+        assert not dep.prefill[0][FAKE].received and not dep.decode[0][FAKE].received
+        assert 'pdserve_router_turns_total{outcome="failed"} 3.0' in await dep.metrics()
+        # A pair (an escaped emoji) and an escaped backslash before "ud800" are valid text.
+        for content in (rb"\ud83d\ude00", rb"\\ud800"):
+            status, _ = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "'
+                                   + content + b'"}]}', json_ct)
+            assert status == 200
+
+
+async def test_a_huge_body_is_parsed_checked_and_hashed_off_the_event_loop(monkeypatch):
+    """Issue 25, point 4: the pure-Python passes over a 13 MB body stalled every other client for seconds."""
+    import threading
+    from pdserve.router import identity, inputs
+    threads = {}
+
+    def spy(name, real):
+        def wrapped(*args):
+            threads[name] = threading.current_thread() is threading.main_thread()
+            return real(*args)
+        return wrapped
+
+    monkeypatch.setattr(inputs, "checked", spy("checked", inputs.checked))
+    monkeypatch.setattr(identity, "history", spy("history", identity.history))
+    async with deployment() as dep:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}] * 30_000, "max_tokens": 1}
+        assert (await dep.post(CHAT, body))[0] == 200
+        assert threads == {"checked": False, "history": False}
+        threads.clear()
+        assert (await dep.post(CHAT, {"model": "fake", "messages": MSG, "max_tokens": 1}))[0] == 200
+        assert threads == {"checked": True, "history": True}      # small ones stay on the loop: no hop

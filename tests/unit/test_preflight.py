@@ -73,3 +73,11 @@ def test_a_model_without_chat_template_is_refused_before_start(tmp_path):
                                                 with_("model", str(tmp_path))))) == []
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     assert levels(check_chat_template(bare)) == [("ok", "chat_template")]
+
+
+
+def test_open_file_limit_hint_names_the_settings_that_help():
+    from pdserve.checks.preflight import check_open_files
+    [low] = check_open_files(parse_spec(GOOD), (1024, 1024))
+    assert "split 960" in low.message, low.message
+    assert "router.upstream_max_connections to at most 960" in low.hint and "LimitNOFILE=" in low.hint

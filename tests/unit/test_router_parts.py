@@ -173,3 +173,14 @@ pdserve_router_degraded{missing="decode"} 1.0
 pdserve_router_degraded{missing="prefill"} 0.0
 """)
     assert r["degraded_requests"] == {"prefill": 4, "decode": 1} and r["degraded_missing"] == ["decode"]
+
+
+def test_fd_budget_splits_a_low_limit_between_clients_and_the_upstream_pool():
+    import pytest
+    from pdserve.router.limits import FD_RESERVE, TooFewDescriptors, fd_budget
+    assert fd_budget(1_048_576, 4096, 1024) == (4096, 1024)          # fits: as configured
+    clients, upstream = fd_budget(1024, 4096, 1024)
+    assert clients + upstream == 1024 - FD_RESERVE and clients >= upstream >= 300, (clients, upstream)
+    assert fd_budget(1024, 4096, 100) == (1024 - FD_RESERVE - 100, 100)   # a small pool stays as it is
+    with pytest.raises(TooFewDescriptors, match="open-file limit 100 is too low"):
+        fd_budget(100, 4096, 1024)
