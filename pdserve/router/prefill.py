@@ -44,6 +44,10 @@ class PrefillLeg:
         self.metrics.entries_live.set(len(self.store))
         if entry is None:
             return Decision(MISS, why)
+        if entry.num_tokens < max(1, self.cfg.kv_recompute_threshold):
+            # Too little to pull whatever the new prompt is: no /tokenize (its cost grows with the prompt,
+            # docs/gpu.md) for a turn that recomputes anyway.
+            return Decision(MISS, "below_threshold", holder=entry.decode)
         holder = self.decode.by_name(entry.decode)
         new_prompt = await self._prompt_ids(route, body) if entry.sequence is not None else None
         decision = decide(entry, holder_healthy=bool(holder and holder.healthy),

@@ -51,6 +51,7 @@ class FakeVLLM:
         self.cancelled = 0                  # streams cut off by the other side (client went away)
         self.computed_tokens = 0            # like ...{source="local_compute"}
         self.in_flight = self.max_in_flight = 0
+        self.tokenized = 0                  # /tokenize calls
         self.xfer_bytes = self.xfer_seconds = 0.0   # like vllm:nixl_bytes_transferred / nixl_xfer_time_seconds
         self.xfer_count = 0
 
@@ -208,6 +209,7 @@ class FakeVLLM:
         await out.write_eof()
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        self.tokenized += 1
         body = await request.json()
         return web.json_response({"tokens": self.prompt_ids("", body), "count": 0, "max_model_len": 8192})
 

@@ -199,3 +199,16 @@ async def test_a_hit_p_rejects_is_not_counted_as_a_hit():
         m = await dep.metrics()
         assert 'result="hit"' not in m
         assert 'pdserve_router_reuse_decisions_total{reason="prefill_failed",result="miss"} 1.0' in m
+
+
+async def test_an_entry_below_the_threshold_costs_no_tokenize():
+    async with deployment(kv_recompute_threshold=10_000) as dep:
+        first = chat("alpha " * 40, conversation_id="small")
+        status, data = await dep.post(CHAT, first)
+        assert status == 200
+        history = first["messages"] + [data["choices"][0]["message"]]
+        status, _ = await dep.post(CHAT, chat("beta", history, conversation_id="small"))
+        assert status == 200
+        assert dep.prefill[0][FAKE].tokenized == 0          # D holds < 10k tokens: nothing to check
+        assert 'pdserve_router_reuse_decisions_total{reason="below_threshold",result="miss"} 1.0' in await dep.metrics()
+        assert "remote_block_ids" not in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
