@@ -112,6 +112,28 @@ def process_gpus(visible: str | None) -> list[str]:
     return physical_gpus(visible.split(","), os.environ.get("CUDA_VISIBLE_DEVICES")) if visible else []
 
 
+@dataclass(frozen=True)
+class GpuFree:
+    index: int
+    total_mib: int
+    free_mib: int
+
+
+def gpu_free_memory(devices: list[str], run: Callable[[list[str]], str | None] | None = None) -> list[GpuFree] | None:
+    """Total and free memory of the GPUs among `devices` (nvidia-smi indices or UUIDs); None without
+    nvidia-smi."""
+    out = (run or _nvidia_smi)(["--query-gpu=index,uuid,memory.total,memory.free", "--format=csv,noheader,nounits"])
+    if out is None:
+        return None
+    wanted, gpus = set(devices), []
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 4 and fields[0].isdigit() and fields[2].isdigit() and fields[3].isdigit() \
+                and (fields[0] in wanted or fields[1] in wanted):
+            gpus.append(GpuFree(int(fields[0]), int(fields[2]), int(fields[3])))
+    return gpus
+
+
 def gpus_still_holding(devices: list[str], settle_s: float, run: Callable[[list[str]], str | None] | None = None,
                        sleep: Callable[[float], None] = time.sleep, step: float = 0.5) -> list[GpuLeft] | None:
     """gpus_holding_memory, asked again every `step` s until nothing is held or settle_s has passed: the

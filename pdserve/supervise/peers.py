@@ -2,9 +2,10 @@
 
 On an H200, P kept a crashed D's KV cache (its CUDA-IPC import) with no process listed on D's GPU, and
 every restart of D died for want of memory until P restarted. Two signs lead to that reset: the dead
-server's GPUs still hold memory once its whole tree is gone (asked of nvidia-smi on the executor, before
-the restart, so the doomed starts are never made), or it failed to start twice in a row (a GPU that
-cannot be checked: shared with a peer, on another host, no nvidia-smi). The dead server then starts only
+server's GPUs still hold memory once its whole tree is gone, or, on a GPU it shares with a peer, less is
+free than its own share of it (vLLM refuses to start on less); both asked of nvidia-smi on the executor,
+before the restart, so the doomed starts are never made. Else, it failed to start twice in a row (a GPU
+that cannot be checked: on another host, no nvidia-smi). The dead server then starts only
 once the peers reset for it have been stopped and started again: their stop is what frees its memory.
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from pdserve.observe.resources import gpus_still_holding, process_gpus
+from pdserve.observe.resources import gpu_free_memory, gpus_still_holding, process_gpus
 from pdserve.plan.records import LOCAL_HOST, ProcessPlan
 from pdserve.supervise.process import ManagedProcess
 
@@ -36,19 +37,58 @@ def memory_held_by_nobody(dead: ProcessPlan, others: list[ProcessPlan], settle_s
                           run: Callable[[list[str]], str | None] | None = None,
                           sleep: Callable[[float], None] = time.sleep) -> bool | None:
     """True when the GPUs of a server whose tree is gone still hold memory after settle_s with no process
-    listed on them; False when they emptied; None when it cannot be told here (another host, no pinned
-    GPUs, a GPU shared with another server, someone's process on it, no nvidia-smi)."""
+    listed on them (on a GPU shared with a peer: less than the dead server's share is free); False when
+    they emptied; None when it cannot be told here (another host, no pinned GPUs, someone's process on
+    it, no nvidia-smi, a shared GPU without a known share)."""
     mine = _gpus(dead)
     if dead.host_name != LOCAL_HOST or not mine:
         return None
     if any(o.host_name == dead.host_name and mine & _gpus(o) for o in others):
-        return None                  # the peer's own memory is there too: nothing to tell apart
+        return _share_not_free(dead, sorted(mine), settle_s, run, sleep)   # the peer's own memory is there too
     left = gpus_still_holding(sorted(mine), settle_s, run=run, sleep=sleep, step=1.0)
     if left is None:
         return None
     if not left:
         return False
     return None if any(g.pids for g in left) else True    # someone's process: not a leak to name
+
+
+def _share_not_free(dead: ProcessPlan, gpus: list[str], settle_s: float,
+                    run: Callable[[list[str]], str | None] | None, sleep: Callable[[float], None]) -> bool | None:
+    share = gpu_memory_utilization(dead.argv)
+    if share is None:
+        return None
+    waited = 0.0
+    while True:
+        free = gpu_free_memory(gpus, run=run)
+        if not free:
+            return None
+        short = [g for g in free if g.free_mib < share * g.total_mib]
+        if not short:
+            return False
+        if waited >= settle_s:
+            log.info("GPU %s: %d of %d MiB free, %s needs %.0f%% to start", short[0].index, short[0].free_mib,
+                     short[0].total_mib, dead.name, 100 * share)
+            return True
+        sleep(1.0)
+        waited += 1.0
+
+
+def gpu_memory_utilization(argv: list[str]) -> float | None:
+    """The --gpu-memory-utilization a server was started with (the planner sets it on shared GPUs)."""
+    flag = "--gpu-memory-utilization"
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 @dataclass

@@ -98,3 +98,20 @@ def test_a_gpu_check_that_cannot_tell_says_none():
     assert memory_held_by_nobody(_server("decode-0", "1", "gpu-b"), [], settle_s=0, run=smi(GPUS)) is None
     assert memory_held_by_nobody(_server("decode-0", ""), [], settle_s=0, run=smi(GPUS)) is None
     assert memory_held_by_nobody(d, [], settle_s=0, run=lambda args: None) is None             # no nvidia-smi
+
+
+def test_on_a_shared_gpu_a_dead_server_whose_share_is_not_free_resets_its_peer():
+    """On one H200, P kept a killed D's 64 GiB mapped (CUDA-IPC GET zero-copy): D's restarts found 24 of
+    140 GiB free for a 0.46 share and failed twice before the peer was reset."""
+    from pdserve.supervise.peers import memory_held_by_nobody
+    d = ProcessPlan("decode-0", "decode", ["vllm", "--gpu-memory-utilization", "0.46"],
+                    {"CUDA_VISIBLE_DEVICES": "0"}, "127.0.0.1", 1, "http://127.0.0.1:1/health")
+    p = _server("prefill-0", "0")
+    slept: list = []
+    held = "0, GPU-aaa, 143771, 24637\n"                        # the dead server's memory still mapped
+    assert memory_held_by_nobody(d, [p], settle_s=3, run=smi(held), sleep=slept.append) is True
+    assert len(slept) == 3                                      # the driver had its time to free it
+    freed = "0, GPU-aaa, 143771, 77000\n"                       # only the peer's own share in use
+    assert memory_held_by_nobody(d, [p], settle_s=3, run=smi(freed), sleep=slept.append) is False
+    unknown_share = _server("decode-0", "0")                    # no --gpu-memory-utilization: cannot tell
+    assert memory_held_by_nobody(unknown_share, [p], settle_s=0, run=smi(held)) is None
