@@ -56,7 +56,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     decided = out["reuse_hits"] + out["reuse_misses"]
     out["reuse_hit_rate"] = out["reuse_hits"] / decided if decided else None
     out["misses_by_reason"] = dict(misses)
-    out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (flow.TURN_OUTCOMES)
+    out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (pdserve.router.turn.TURN_OUTCOMES)
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role

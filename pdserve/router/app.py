@@ -20,7 +20,8 @@ from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
-from pdserve.router.flow import FAILED, TURN, Flow
+from pdserve.router.flow import Flow
+from pdserve.router.turn import FAILED, TURN
 from pdserve.router.inputs import BadInput, read_json
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg

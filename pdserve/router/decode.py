@@ -1,0 +1,187 @@
+"""The D leg: one request on a decode server (or, degraded, on whichever role is left), whole or streamed,
+relayed to the client with D's router-only fields taken out; the turn is remembered when D has finished."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.router.backends import Backend, Pool
+from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.tokens import SequenceCollector, StreamRelay
+from pdserve.router.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
+from pdserve.router.upstream import Upstream
+
+log = logging.getLogger("pdserve.router")
+
+
+class TurnEnds(Protocol):
+    """What the D leg reports back to the flow."""
+
+    def end(self, turn: Turn, outcome: str) -> None: ...
+
+    def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None: ...
+
+
+class DecodeLeg:
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, flow: TurnEnds):
+        self.upstream = upstream
+        self.metrics = metrics
+        self.flow = flow
+
+    async def on_a_server(self, turn: Turn, pool: Pool, prefer: str | None,
+                           attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Run `attempt` on the chosen server; another one is tried only when no connection was made
+        at all (otherwise D may have read P's blocks, and a second D could not)."""
+        tried: set[str] = set()
+        last: UpstreamError | None = None
+        while True:
+            backend = pool.pick(exclude=tried, prefer=prefer)
+            if backend is None:
+                if last is not None and last.routers_own:
+                    raise last               # the router's shortage, not a missing server
+                raise UpstreamError(503, error_body(f"no {pool.role} server available", "server_error", 503))
+            tried.add(backend.name)
+            try:
+                return await attempt(backend)
+            except UpstreamError as err:
+                if not err.never_sent:
+                    raise
+                last = err
+
+    async def whole(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
+                           collector: SequenceCollector, track: bool) -> web.Response:
+        d_started = time.perf_counter()
+        status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
+                                                     suspects=turn.suspects)
+        collector.scrub(data)   # D's kv_transfer_params never reach the client
+        if backend_at_fault(status, data):
+            raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
+        if status == 200:
+            self.flow.remember(turn, backend, collector, track)
+            self.metrics.ttft.labels("false").observe(time.perf_counter() - turn.started)
+        return json_answer(turn, data, status, 1000 * (time.perf_counter() - d_started))
+
+    async def stream(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend,
+                           body: dict[str, Any], collector: SequenceCollector, track: bool) -> web.StreamResponse:
+        """Relay D's stream. Raises UpstreamError only before anything reached the client.
+
+        The turn is remembered the moment D has finished its answer (its final handles, or [DONE]),
+        before the client gets the end of the stream: a client may hang up as soon as it has [DONE]
+        (the openai client does), which cancels this handler while D's body is still ending."""
+        trial = pool.acquire(backend)
+        ok: bool | None = None    # None: the client went away, which says nothing about D
+        out: web.StreamResponse | None = None
+        relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
+        try:
+            async with self.upstream.session.post(backend.url + turn.route, json=body,
+                                                  headers={**turn.headers, **self.upstream.auth},
+                                                  timeout=self.upstream.timeout) as resp:
+                if resp.status != 200 or resp.content_type != "text/event-stream":
+                    ok, status, data = await self._not_a_stream(backend, resp)
+                    self.upstream.count(backend, turn.route, False)
+                    if not ok and status >= 500 and resp.status != 200:
+                        ok = None                     # an answer: whose fault is for a second opinion
+                        turn.suspects.hold(pool, backend)
+                    if ok is not True:
+                        raise UpstreamError(status, data, backend.name)   # nothing sent: may go elsewhere
+                    return json_answer(turn, data, status)
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  **headers(turn)})
+                await _to_client(out.prepare(request))
+                first = True
+                async for data in resp.content.iter_any():
+                    chunk = relay.feed(data)
+                    if ok is None and (relay.done or collector.kv_params is not None):
+                        ok = self._finished(turn, backend, relay, track)
+                    if chunk:
+                        try:                  # _to_client inline: a coroutine less per chunk
+                            await out.write(chunk)
+                        except ConnectionError as err:
+                            raise ClientGone() from err
+                        if first:
+                            first = False
+                            self.metrics.ttft.labels("true").observe(time.perf_counter() - turn.started)
+                tail = relay.close()
+                if ok is None and relay.done:
+                    ok = self._finished(turn, backend, relay, track)
+                if tail:
+                    await _to_client(out.write(tail))
+                if not relay.done:
+                    raise ValueError("the stream ended without [DONE]")
+            await _to_client(out.write_eof())
+            return out
+        except ClientGone:
+            self.flow.end(turn, CLIENT_GONE)       # no-op when it had its whole answer
+            return out                        # type: ignore[return-value] - only raised once out exists
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
+            if out is None:
+                ok, error = self.upstream.failure(backend, turn.route, err)
+                raise error from None
+            ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
+            return out
+        except Exception as err:  # noqa: BLE001 - D sent what the relay cannot handle: its fault, not a 500
+            if out is None:
+                raise
+            ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
+            return out
+        finally:
+            pool.release(backend, ok, trial)
+
+    def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> bool:
+        """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
+        relay.finish()
+        self.upstream.count(backend, turn.route, True)
+        turn.suspects.served()
+        self.flow.remember(turn, backend, relay.collector, track)
+        return True
+
+    async def _not_a_stream(self, backend: Backend, resp: aiohttp.ClientResponse) -> tuple[bool, int, dict[str, Any]]:
+        """D answered a streamed request with an error or with something that is not SSE:
+        (breaker verdict, status, body) for the client, before anything was sent."""
+        try:
+            data = await resp.json(content_type=None)
+        except (ValueError, aiohttp.ClientError):
+            data = None
+        if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
+            return False, 502, error_body(f"{backend.role} server {backend.name} answered a streamed request with "
+                                          f"{resp.content_type or 'no content type'}", "server_error", 502)
+        if not isinstance(data, dict):   # as post_json answers it: the router's 502, not the backend's status
+            return False, 502, error_body(f"{backend.role} server {backend.name} sent a non-JSON body (HTTP "
+                                          f"{resp.status})", "server_error", 502)
+        return not backend_at_fault(resp.status, data), resp.status, data
+
+    async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException,
+                             finished: bool | None, done_sent: bool) -> bool | None:
+        """Bytes already reached the client: never retry or restart the stream. If D had finished its
+        answer, only its last bytes were lost: end the stream as D would have. Otherwise end it with an
+        error event and [DONE], and the turn failed. Returns the breaker verdict."""
+        if not finished:
+            self.upstream.count(backend, turn.route, False)
+            self.flow.end(turn, FAILED)
+            log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
+                        type(err).__name__)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            if not finished:
+                await out.write(sse_error(f"{backend.role} server {backend.name} failed mid-stream: "
+                                          f"{type(err).__name__}"))
+            if not done_sent:
+                await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        return finished or False
+
+
+async def _to_client(write: Awaitable[Any]) -> Any:
+    """A write to the client; its failure means the client left (ClientGone), not that D failed."""
+    try:
+        return await write
+    except ConnectionError as err:   # aiohttp's ClientConnectionResetError included
+        raise ClientGone() from err

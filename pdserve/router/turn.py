@@ -1,0 +1,79 @@
+"""One client request as the router follows it (a turn), how it ends, and what the client is told about it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.router.backends import Suspects
+from pdserve.router.identity import Key
+
+# The tokens of this turn's prompt that P read from D's KV instead of computing (a count, no handles).
+PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+
+
+@dataclass
+class Turn:
+    route: str
+    body: dict[str, Any]
+    request_id: str
+    reply_id: str                      # X-Request-Id returned to the client
+    tenant: str
+    explicit: Key | None               # conversation_id / X-Session-ID
+    messages: list[Any] | None         # chat history, for automatic detection
+    started: float = field(default_factory=time.perf_counter)
+    decide_ms: float | None = None     # the reuse decision (Server-Timing, like the legs)
+    prefill_ms: float | None = None    # reported to the client in Server-Timing
+    pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
+    degraded: bool = False             # served whole by one role
+    outcome: str | None = None         # set once, by Flow.end
+    suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
+    history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id}
+
+    @property
+    def answered(self) -> bool:
+        """The client has (or is being sent) a whole answer: what it does next is no cancellation."""
+        return self.outcome in ANSWERED
+
+
+# Every turn ends in exactly one of these (pdserve_router_turns_total{outcome}).
+STORED = "stored"              # answered; D's handles kept for the conversation's next turn
+UNAVAILABLE = "unavailable"    # answered; D reported no handles (bidirectional transfer off on D, or a version
+                               #   that streams none without pdserve.engine.entry)
+UNTRACKED = "untracked"        # answered; nothing to remember (no conversation identity, or reuse off)
+DEGRADED = "degraded"          # answered whole by one role, no KV transfer
+CLIENT_GONE = "client_gone"    # the client left before the answer was complete; D's request was dropped
+FAILED = "failed"              # an error answer, or a stream a backend broke
+ANSWERED = (STORED, UNAVAILABLE, UNTRACKED, DEGRADED)
+TURN_OUTCOMES = (*ANSWERED, CLIENT_GONE, FAILED)
+TURN = web.RequestKey("turn", Turn)
+
+
+class ClientGone(Exception):
+    """A write to the client failed: it went away. Never counted against a backend."""
+
+
+
+
+def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
+    """X-Request-Id, Server-Timing with the P leg (and D leg) durations, and the tokens P pulled from D:
+    for benchmarks, tracing and scripts/reuse_check.py."""
+    out = {"X-Request-Id": turn.reply_id}
+    timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("decide", turn.decide_ms), ("prefill", turn.prefill_ms),
+                                                     ("decode", decode_ms)) if ms is not None]
+    if timing:
+        out["Server-Timing"] = ", ".join(timing)
+    if turn.pulled is not None:
+        out[PULLED_HEADER] = str(turn.pulled)
+    return out
+
+
+def json_answer(turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers(turn, decode_ms))
