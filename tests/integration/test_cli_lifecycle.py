@@ -98,24 +98,28 @@ def test_up_restart_down_leaves_nothing(tmp_path, home):
     path, cfg = write_config(tmp_path, "life", server_args=["--spawn-child"])
     up = pdserve("up", str(path))
     assert up.returncode == 0, up.stderr
-    assert up.stdout.strip() == f"http://127.0.0.1:{cfg['router']['port']}/v1"
-    st = status_json("life")
-    assert st["phase"] == "running" and {p["state"] for p in st["processes"]} == {"ready"}
-    again = pdserve("up", str(path))
-    assert again.returncode == 0 and "config is unchanged: nothing to do" in again.stderr, again.stderr
+    try:
+        assert up.stdout.strip() == f"http://127.0.0.1:{cfg['router']['port']}/v1"
+        st = status_json("life")
+        assert st["phase"] == "running" and {p["state"] for p in st["processes"]} == {"ready"}
+        again = pdserve("up", str(path))
+        assert again.returncode == 0 and "config is unchanged: nothing to do" in again.stderr, again.stderr
 
-    # SIGKILL the decode API server: the supervisor kills its orphaned child and restarts it.
-    decode = next(p for p in st["processes"] if p["name"] == "decode-0")
-    children = psutil.Process(decode["pid"]).children(recursive=True)
-    assert children, "the fake server should have a child like vLLM's EngineCore"
-    os.kill(decode["pid"], signal.SIGKILL)
-    wait_for(lambda: next(p for p in status_json("life")["processes"] if p["name"] == "decode-0")
-             ["restarts"] == 1, what="decode restart")
-    wait_for(lambda: all(p["state"] == "ready" for p in status_json("life")["processes"]), what="ready again")
-    # A zombie is dead (it holds no memory, port or GPU); reaping it is its new parent's business, and where
-    # PID 1 does not reap orphans (some containers) it stays a zombie.
-    alive = [(c.pid, c.status()) for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"the killed server's child outlived it: {alive}"
+        # SIGKILL the decode API server: the supervisor kills its orphaned child and restarts it.
+        decode = next(p for p in st["processes"] if p["name"] == "decode-0")
+        children = psutil.Process(decode["pid"]).children(recursive=True)
+        assert children, "the fake server should have a child like vLLM's EngineCore"
+        os.kill(decode["pid"], signal.SIGKILL)
+        wait_for(lambda: next(p for p in status_json("life")["processes"] if p["name"] == "decode-0")
+                 ["restarts"] == 1, what="decode restart")
+        wait_for(lambda: all(p["state"] == "ready" for p in status_json("life")["processes"]), what="ready again")
+        # A zombie is dead (it holds no memory, port or GPU); reaping it is its new parent's business, and where
+        # PID 1 does not reap orphans (some containers) it stays a zombie.
+        alive = [(c.pid, c.status()) for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"the killed server's child outlived it: {alive}"
+    except BaseException:
+        pdserve("down", "life")       # a failed check must not leave the cluster running
+        raise
 
     down = pdserve("down", "life")
     assert down.returncode == 0, down.stderr
