@@ -128,8 +128,8 @@ def gpus_still_holding(devices: list[str], settle_s: float, run: Callable[[list[
 def gpus_holding_memory(devices: list[str], threshold_mib: int = GPU_LEFT_THRESHOLD_MIB,
                         run: Callable[[list[str]], str | None] = _nvidia_smi) -> list[GpuLeft] | None:
     """GPUs among `devices` (nvidia-smi indices or UUIDs) whose used memory is above threshold_mib; None
-    when nvidia-smi is absent or fails. Whole-GPU used memory rather than per-process: the leak seen on an
-    H200 (a dead decode server's KV cache kept by P's CUDA-IPC import) belongs to no listed process."""
+    when nvidia-smi is absent or fails. Whole-GPU used memory rather than per-process: a dead decode
+    server's KV cache kept by P's CUDA-IPC import belongs to no listed process."""
     gpus = run(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
     if gpus is None:
         return None

@@ -181,8 +181,8 @@ class Supervisor:
                     if proc.crash_looping:
                         proc.give_up(now)
                     else:
-                        # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff
-                        # ran out while P was being reset, and both then started on the GPU at once
+                        # a restart waits like a first start: on a shared GPU, D's backoff may run out while
+                        # P is being reset, and both would then start on the GPU at once
                         self._start_when_due(proc, restart=True)
                 case Notice.IDLE:
                     if self.phase == Phase.STARTING:
