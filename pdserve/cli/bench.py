@@ -23,12 +23,13 @@ NAME = "bench"
 def command(
     config: Path = typer.Argument(None, help="cluster.yaml (default: configs/bench-cpu.yaml)"),
     arms: str = typer.Option("on,off,prefix-cache", "--arms", help="Comma-separated arms to run."),
-    conversations: int = typer.Option(2, "--conversations", min=1),
+    conversations: int = typer.Option(2, "--conversations", min=1, help="Conversations in the generated workload."),
     turns: int = typer.Option(8, "--turns", min=1, help="User turns per conversation (generated workload)."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Conversations at once (1 gives exact "
                                                                     "per-request P metrics)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Reply length per turn."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated workload (and of a --workload "
+                                              "generate_conversations config)."),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Conversations run (not recorded) before measuring "
                                                          "each arm: a fresh server's first requests include "
                                                          "one-time costs (kernel compilation, NIXL handshakes)."),

@@ -4,9 +4,8 @@ pdserve runs this module instead of `vllm.entrypoints.openai.api_server` wheneve
 plan/build.py): with `bidirectional_kv_xfer`, the reuse patches of engine/patches.py (streamed turns return
 D's block handles; P reports the tokens it pulled from D apart from its own prefix cache); and three fixes
 for servers that share a host's CPU cores, when a server has its own `cpus:` or
-`kv_transfer.nixl_progress_delay_us` is above 0. Measured on this project's
-2-core machine (1P1D, the "mid" model), without them a 6.6k-token prefill took 208 s instead of 7.7 s,
-and P's KV leases expired before D could read them:
+`kv_transfer.nixl_progress_delay_us` is above 0. Without them, servers on a few shared cores
+prefill many times slower and P's KV leases expire before D can read them (docs/operations.md):
 
 - Cores (VLLM_CPU_OMP_THREADS_BIND, a plain list like "0" or "2,3"): the whole server (API server,
   engine core, workers) is pinned to them, so a neighbour's busy threads cannot land on them.

@@ -1,9 +1,9 @@
 """Processes on this machine, each the leader of its own session (and so of its own process group).
 
 A server's tree is every live process whose process group or session is the leader's pid, plus whatever
-carries its marker variable: vLLM's API server can die (OOM killer, kill -9) while its EngineCore and
-workers, retitled and reparented to init, hold memory and ports; they keep the dead leader's group.
-The kernel does not reuse a pid while a group or session still names it, so a group id is a safe identity.
+carries its marker variable (observe/proctree.py, which `status --watch` samples too): vLLM's API server
+can die (OOM killer, kill -9) while its EngineCore and workers, retitled and reparented to init, hold
+memory and ports; they keep the dead leader's group.
 """
 
 from __future__ import annotations
@@ -18,96 +18,20 @@ import psutil
 
 from pdserve.errors import PdserveError
 from pdserve.launchers.base import Handle, HostHealth, LauncherKind
+from pdserve.observe import proctree
 from pdserve.observe.logfiles import last_lines
+from pdserve.observe.proctree import same_process
 from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ProcessPlan
 
 
-def same_process(pid: int | None, start_time: float | None) -> psutil.Process | None:
-    """The live process with this pid AND start time; None for a dead, zombie or recycled pid."""
-    if not pid:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if start_time is not None and abs(proc.create_time() - start_time) > 0.01:
-            return None
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def _pid_taken_by_another(pid: int, start_time: float | None) -> bool:
-    try:
-        return start_time is not None and abs(psutil.Process(pid).create_time() - start_time) > 0.01
-    except psutil.Error:
-        return False
-
-
-def _has_marker(pid: int, marker: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{MARKER_ENV}={marker}\0".encode() in f.read() + b"\0"
-    except OSError:
-        return False
-
-
-def _group_and_session(pid: int) -> tuple[int, int] | None:
-    """(process group, session) from /proc/PID/stat; the command name may hold spaces and parentheses."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[2]), int(fields[3])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def tree_members(wanted: dict[int, str]) -> dict[int, list[psutil.Process]]:
-    """Live, non-zombie processes per leader pid: those in its process group or session, and those whose
-    environment carries the leader's marker (leader pid -> marker), in one /proc scan."""
-    wanted = {pid: marker for pid, marker in wanted.items() if pid}
-    needles = {f"{MARKER_ENV}={m}\0".encode(): pid for pid, m in wanted.items() if m}
-    found: dict[int, list[psutil.Process]] = {pid: [] for pid in wanted}
-    me = os.getpid()
-    for pid in psutil.pids():
-        if pid == me:
-            continue
-        owners = set()
-        ids = _group_and_session(pid)
-        if ids:
-            owners.update(o for o in ids if o in found)
-        if needles:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = f.read() + b"\0"
-                owners.update(owner for needle, owner in needles.items() if needle in env)
-            except OSError:
-                pass
-        if not owners:
-            continue
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            continue
-        for owner in owners:
-            found[owner].append(proc)
-    return found
+def environ_mark(marker: str) -> str:
+    """The environment entry that marks a process of this handle's tree ("" when it has no marker)."""
+    return f"{MARKER_ENV}={marker}" if marker else ""
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:
     """Live processes whose environment carries this marker (children inherit it)."""
-    found = []
-    for pid in psutil.pids():
-        if _has_marker(pid, marker):
-            try:
-                proc = psutil.Process(pid)
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except psutil.Error:
-                continue
-    return found
+    return proctree.marked_processes(f"{MARKER_ENV}={marker}")
 
 
 class LocalLauncher:
@@ -152,13 +76,7 @@ class LocalLauncher:
         return self._reap(handle)
 
     def _tree(self, handle: Handle) -> list[psutil.Process]:
-        pid = handle.pid or 0
-        members = tree_members({pid: handle.marker}).get(pid, [])
-        if pid and _pid_taken_by_another(pid, handle.start_time):
-            # The kernel reuses a pid only once no group or session names it: our group is gone, and
-            # what now has that group is another's. Only the marker proves a process ours.
-            members = [p for p in members if _has_marker(p.pid, handle.marker)]
-        return members
+        return proctree.process_tree(handle.pid, handle.start_time, environ_mark(handle.marker))
 
     def tree_alive(self, handle: Handle) -> int:
         self._reap(handle)
@@ -177,7 +95,7 @@ class LocalLauncher:
 
     def adopt(self, handle: Handle) -> Handle | None:
         proc = same_process(handle.pid, handle.start_time)
-        if proc is None or not _has_marker(proc.pid, handle.marker):
+        if proc is None or not proctree.has_mark(proc.pid, f"{MARKER_ENV}={handle.marker}"):
             return None
         return handle
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from pdserve.observe.proctree import process_tree
+
 
 @dataclass(frozen=True)
 class TreeUsage:
@@ -25,14 +27,13 @@ class TreeSampler:
     def __init__(self) -> None:
         self._seen: dict[tuple[int, float], psutil.Process] = {}
 
-    def sample(self, pid: int | None, gpu_by_pid: dict[int, int] | None = None) -> TreeUsage:
-        """The usage of pid's tree; all None if it is gone. gpu_by_pid comes from `gpu_memory_by_pid()`."""
-        if not pid:
-            return TreeUsage(None, None, None)
-        try:
-            root = psutil.Process(pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.Error:
+    def sample(self, pid: int | None, gpu_by_pid: dict[int, int] | None = None, start_time: float | None = None,
+               mark: str = "") -> TreeUsage:
+        """The usage of the tree of the leader started as (pid, start_time) with this mark, as stop and
+        `down` find it (proctree.process_tree); all None if nothing of it is left. gpu_by_pid comes from
+        `gpu_memory_by_pid()`."""
+        tree = process_tree(pid, start_time, mark)
+        if not tree:
             return TreeUsage(None, None, None)
         cpu, rss = 0.0, 0
         for proc in tree:
@@ -150,8 +151,8 @@ def gpus_still_holding(devices: list[str], settle_s: float, run: Callable[[list[
 def gpus_holding_memory(devices: list[str], threshold_mib: int = GPU_LEFT_THRESHOLD_MIB,
                         run: Callable[[list[str]], str | None] = _nvidia_smi) -> list[GpuLeft] | None:
     """GPUs among `devices` (nvidia-smi indices or UUIDs) whose used memory is above threshold_mib; None
-    when nvidia-smi is absent or fails. Whole-GPU used memory rather than per-process: the leak seen on an
-    H200 (a dead decode server's KV cache kept by P's CUDA-IPC import) belongs to no listed process."""
+    when nvidia-smi is absent or fails. Whole-GPU used memory rather than per-process: a dead decode
+    server's KV cache kept by P's CUDA-IPC import belongs to no listed process."""
     gpus = run(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
     if gpus is None:
         return None

@@ -19,6 +19,8 @@ from pdserve.checks.findings import Finding
 from pdserve.checks.preflight import machine_findings
 from pdserve.errors import NotRunningError, UsageError
 from pdserve.launchers import LauncherKind, launcher_for_handle
+from pdserve.launchers.base import Handle
+from pdserve.launchers.local import environ_mark
 from pdserve.observe.logfiles import follow, last_lines
 from pdserve.observe.resources import TreeSampler, TreeUsage, gpu_memory_by_pid
 from pdserve.orchestrate import cluster
@@ -181,8 +183,16 @@ class Usage:
     def sample(self, st: dict[str, Any]) -> dict[str, TreeUsage]:
         gpu_by_pid = gpu_memory_by_pid()
         self.gpus_seen = gpu_by_pid is not None
-        return {p["name"]: self._trees.sample(p["pid"] if p["alive"] else None, gpu_by_pid)
+        state = ClusterDir(st["name"]).read_state()
+        handles = {name: proc.handle for name, proc in state.processes.items()} if state else {}
+        return {p["name"]: self._sample(handles.get(p["name"]) if p["alive"] else None, gpu_by_pid)
                 for p in st["processes"]}
+
+    def _sample(self, handle: Handle | None, gpu_by_pid: dict[int, int] | None) -> TreeUsage:
+        """The tree as the launchers find it: the leader's group and session, and its marker."""
+        if handle is None:
+            return self._trees.sample(None)
+        return self._trees.sample(handle.pid, gpu_by_pid, handle.start_time, environ_mark(handle.marker))
 
 
 # -- restart ---------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """What NIXL's transport needs that its defaults do not give: environment pdserve sets for every server,
 each with the reason `pdserve plan` prints. The user's own env (host or role) always wins.
 
-UCX turns CUDA-IPC GET zero-copy off on GPUs it sees no active NVLink on (UCX PR #7566: concurrent reads
-were slow on some PCIe systems), and NIXL's READ is a GET. P and D on one GPU, or on PCIe-only GPUs (L4,
-L40S, A10), then move KV through UCX's TCP software emulation. NIXL itself sets it from a later release on
-(NIXL PR #2208, vLLM issue #52607); NIXL, like pdserve, leaves a variable the environment already has.
+UCX turns CUDA-IPC GET zero-copy off on GPUs it sees no active NVLink on, and NIXL's READ is a GET. P and
+D on one GPU, or on PCIe-only GPUs (L4, L40S, A10), then move KV through UCX's TCP software emulation.
+Later NIXL releases set it too and, like pdserve, leave a variable the environment already has (history
+in docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Cost-aware reuse: learn whether pulling D's blocks is faster than recomputing them.
 
-vLLM's only guard is a static token threshold, but a pull can be far slower than recompute (an H200 with
-NIXL's transport fallen back to TCP pulled 20k tokens in 6.8 s where recompute took 0.72 s). So the router
-learns, from the P legs it times itself:
+vLLM's only guard is a static token threshold, but a pull can be far slower than recompute (a NIXL
+transport fallen back to TCP; figures in docs/router.md, "Cost-aware reuse"). So the router learns, from
+the P legs it times itself:
 
 - recompute cost per token, per prefill server: P-leg seconds / tokens P computed, on turns without a pull;
 - pull cost per token, per (prefill, decode) pair: (P-leg seconds - recompute estimate for the tokens P

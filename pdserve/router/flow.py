@@ -68,7 +68,7 @@ class Flow:
             return [turn.explicit]
         keys: list[Key] = []
         if turn.messages and len(turn.messages) > OFF_LOOP_MESSAGES:
-            # Hashing a long history is pure Python (380k messages: seconds): off the event loop.
+            # Hashing a long history is pure Python and slow: off the event loop.
             keys, turn.history_digest = await asyncio.to_thread(identity.history, turn.tenant, turn.messages)
         elif turn.messages:
             keys, turn.history_digest = identity.history(turn.tenant, turn.messages)
@@ -119,7 +119,7 @@ class Flow:
             # The router's view may be a probe interval old (a server restarted since): ask again first.
             await asyncio.gather(*(self.recheck(pool) for pool in missing))
             missing = [pool for pool in missing if not pool.any_usable()]
-        if missing != self.missing:    # a gauge set per request and role was a tenth of the P leg's cost
+        if missing != self.missing:    # set the gauges on a change only: per request they cost CPU (docs/router.md)
             self.missing = missing
             for pool in (self.decode, self.prefill.pool):
                 self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)

@@ -38,7 +38,7 @@ def raise_fd_limit() -> tuple[int, int]:
 
 
 # Below these the router refuses to start: a handful of connections would serve almost nobody, and
-# silently (the old cap fell to 1, and each new client evicted the last).
+# silently (each new client evicting the last).
 MIN_CLIENT_CONNECTIONS = 32
 MIN_UPSTREAM_CONNECTIONS = 16
 

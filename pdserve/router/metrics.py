@@ -89,7 +89,7 @@ class RouterMetrics:
         self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
                                        "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
                                        "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)
-        # prometheus_client's labels() validates and locks on every call (~7 us, 15 calls a request); the
+        # prometheus_client's labels() validates and locks on every call, many times a request; the
         # label sets here are bounded (routes, statuses, backends), so each child is looked up once.
         for metric in vars(self).values():
             if getattr(metric, "_labelnames", ()):

@@ -148,7 +148,7 @@ def kv_problems(spec: ClusterSpec) -> list[str]:
     on_gpus = spec.prefill.gpus is not None or spec.decode.gpus is not None
     if on_gpus and kv.bidirectional_kv_xfer and kv.kv_buffer_device == "cpu":
         problems.append("kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported "
-                        "(vLLM reads D->P only from device buffers; a real run hung); use cuda")
+                        "(vLLM reads D->P only from device buffers); use cuda")
     for role_name in ROLES:
         limit = _max_model_len(getattr(spec, role_name).vllm_args)
         if kv.bidirectional_kv_xfer and limit is not None and kv.kv_recompute_threshold >= limit:

@@ -55,8 +55,8 @@ class RoleSpec(Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for these servers.")
 
 
-# GB/s below which GPU KV transfers mean an emulated transport: on one H200, UCX's TCP emulation ran at
-# 0.6 GB/s against 86-314 GB/s over CUDA IPC; PCIe Gen4 x16 alone carries ~25 (docs/gpu.md).
+# GB/s below which GPU KV transfers mean an emulated transport: far below any real GPU path, far above
+# UCX's TCP emulation (docs/gpu.md, "Where the code's GPU settings come from").
 GPU_TRANSFER_FLOOR_GBPS = 5.0
 
 

@@ -1,12 +1,13 @@
 """Peers that may hold a dead server's GPU memory, and when to restart them.
 
-On an H200, P kept a crashed D's KV cache (its CUDA-IPC import) with no process listed on D's GPU, and
-every restart of D died for want of memory until P restarted. Two signs lead to that reset: the dead
-server's GPUs still hold memory once its whole tree is gone, or, on a GPU it shares with a peer, less is
-free than its own share of it (vLLM refuses to start on less); both asked of nvidia-smi on the executor,
-before the restart, so the doomed starts are never made. Else, it failed to start twice in a row (a GPU
-that cannot be checked: on another host, no nvidia-smi). The dead server then starts only
-once the peers reset for it have been stopped and started again: their stop is what frees its memory.
+A P that imported a crashed D's KV cache over CUDA IPC keeps that memory, listed under no process on D's
+GPU, and every restart of D dies for want of memory until P restarts (docs/operations.md). Two signs lead
+to that reset: the dead server's GPUs still hold memory once its whole tree is gone, or, on a GPU it shares
+with a peer, less is free than its own share of it (vLLM refuses to start on less); both asked of
+nvidia-smi on the executor, before the restart, so the doomed starts are never made. Else, it failed to
+start twice in a row (a GPU that cannot be checked: on another host, no nvidia-smi). The dead server then
+starts only once the peers reset for it have been stopped and started again: their stop is what frees its
+memory.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState,
 from pdserve.supervise.canary import CanaryGate
 from pdserve.supervise.peers import PeerReset
 from pdserve.supervise.process import ORPHAN_GRACE, Exited, ManagedProcess, Notice, Stopped
-from pdserve.supervise.restarts import RestartQueue, take_requests
+from pdserve.supervise.restarts import RestartQueue, reload_plan, take_requests
 from pdserve.supervise.services import Services
 
 log = logging.getLogger("pdserve.supervisor")
@@ -181,8 +181,8 @@ class Supervisor:
                     if proc.crash_looping:
                         proc.give_up(now)
                     else:
-                        # a restart waits like a first start: on a shared GPU (seen on an H200) D's backoff
-                        # ran out while P was being reset, and both then started on the GPU at once
+                        # a restart waits like a first start: on a shared GPU, D's backoff may run out while
+                        # P is being reset, and both would then start on the GPU at once
                         self._start_when_due(proc, restart=True)
                 case Notice.IDLE:
                     if self.phase == Phase.STARTING:
@@ -262,38 +262,15 @@ class Supervisor:
         for request in take_requests(self.cdir):
             if request.get("stop_timeout"):
                 self.stop_timeout = float(request["stop_timeout"])
-            if request.get("reload"):
-                self._reload_plan()
-            names = [n for n in request.get("restart") or [] if any(p.name == n for p in self.procs)]
-            if names:
-                log.info("restart requested for %s", ", ".join(names))
-            self.restarts.add(names)
-
-    def _reload_plan(self) -> None:
-        """`up` with a changed config wrote a new plan: the next start of each process uses it."""
-        data = self.cdir.read_plan()
-        if not data:
-            return
-        new = ClusterPlan.from_dict(data)
-        self.plan = new
-        self.policy = SupervisorSpec.model_validate(new.supervisor)
-        self.stop_timeout = self.policy.stop_timeout
-        for proc in self.procs:
-            proc.plan = new.by_name(proc.name)
-            proc.policy = self.policy
-        log.info("reloaded the plan")
+            if request.get("reload") and (reloaded := reload_plan(self.cdir, self.procs)):
+                self.plan, self.policy = reloaded
+                self.stop_timeout = self.policy.stop_timeout
+            self.restarts.request(request.get("restart") or [], self.procs)
 
     def _restart_next(self) -> None:
-        proc = self.restarts.next(self.by_name)
-        if proc is None:
-            return
-        if proc.state == ProcState.STOPPING:
-            proc.teardown.restart = True
-        elif proc.state.has_process or proc.handle is not None:
-            self._begin_stop(proc, ProcState.STOPPED, "restart requested", restart=True)
-        else:
-            proc.restarts += 1
-            self._start(proc, self.clock.monotonic())
+        self.restarts.start_next(
+            self.by_name, stop=lambda p: self._begin_stop(p, ProcState.STOPPED, "restart requested", restart=True),
+            start=lambda p: self._start(p, self.clock.monotonic()))
 
     # -- state file --------------------------------------------------------------------------------
     def state(self) -> ClusterState:

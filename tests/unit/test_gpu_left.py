@@ -101,8 +101,8 @@ def test_a_gpu_check_that_cannot_tell_says_none():
 
 
 def test_on_a_shared_gpu_a_dead_server_whose_share_is_not_free_resets_its_peer():
-    """On one H200, P kept a killed D's 64 GiB mapped (CUDA-IPC GET zero-copy): D's restarts found 24 of
-    140 GiB free for a 0.46 share and failed twice before the peer was reset."""
+    """With CUDA-IPC GET zero-copy the peer maps the dead server's KV cache: its restart finds less free
+    than its share and fails (docs/gpu.md), so the peer is reset before that start."""
     from pdserve.supervise.peers import memory_held_by_nobody
     d = ProcessPlan("decode-0", "decode", ["vllm", "--gpu-memory-utilization", "0.46"],
                     {"CUDA_VISIBLE_DEVICES": "0"}, "127.0.0.1", 1, "http://127.0.0.1:1/health")
