@@ -111,9 +111,10 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
     """The P->D turn; with `prefill_urls` (reuse on) a second turn that P should pull from D. A measured
     rate below `floor_gbps` (0: no floor) fails as slow."""
     headers = {"Content-Type": "application/json", **auth_headers(api_key)}
-    conversation = f"pdserve-canary-{uuid.uuid4().hex}"
+    # No conversation id: the first turn then has no entry to look up (a named conversation would count a
+    # no_entry miss), and the second is found by its history, as an unmodified client's is.
     messages = [{"role": "user", "content": canary_text()}]
-    body = {"model": model, "max_tokens": 2, "messages": messages, "conversation_id": conversation}
+    body = {"model": model, "max_tokens": 2, "messages": messages}
     readings = lambda urls: [reading(u) for u in urls]  # noqa: E731
     before = readings(decode_urls)
     try:

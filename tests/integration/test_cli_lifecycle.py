@@ -427,6 +427,10 @@ def test_doctor_checks_the_machine_and_the_running_cluster(tmp_path, home):
     assert idle.returncode == 0 and "live checks skipped" in idle.stdout and "ok   ports:" in idle.stdout
     assert pdserve("up", str(path)).returncode == 0
     try:
+        router = status_json("doc")["router"]
+        # The start-up canary's second turn found its first by history and pulled it; the first looked up
+        # nothing, so no miss is recorded for a conversation no client had.
+        assert router["reuse_hits"] == 1 and router["misses_by_reason"] == {}, router
         live = pdserve("doctor", str(path))
         assert live.returncode == 0, live.stdout
         assert "ok   canary: canary moved P->D" in live.stdout and ", D->P " in live.stdout, live.stdout
