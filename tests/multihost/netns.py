@@ -123,6 +123,18 @@ def _wait_port(address: str, port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"sshd on {address}:22 did not come up")
 
 
+def _wait_pid_file(path: Path, timeout: float = 10.0) -> int:
+    """sshd listens before it writes its pid file: on a loaded machine the port answers first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def teardown(rig: Rig) -> None:
     for host in rig.hosts:
         for pid in host.pids():           # whatever still runs in the namespace: servers, sshd sessions
@@ -162,7 +174,7 @@ def make_rig(workdir: Path, names: tuple[str, ...] = ("pdmha", "pdmhb")) -> Rig:
             subprocess.Popen(["ip", "netns", "exec", name, SSHD, "-f", str(cfg)],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()
             _wait_port(host.address, 22)
-            host.sshd_pid = int((workdir / name / "sshd.pid").read_text())
+            host.sshd_pid = _wait_pid_file(workdir / name / "sshd.pid")
         return rig
     except BaseException:
         teardown(rig)
