@@ -6,9 +6,10 @@ from collections import Counter
 from typing import Any
 
 from pdserve.observe.promtext import Samples, parse, scrape
+from pdserve.router import metric_names as names
 
-BACKEND_GAUGES = {"pdserve_router_backend_healthy": "healthy", "pdserve_router_backend_breaker_open": "breaker_open",
-                  "pdserve_router_backend_in_flight": "in_flight"}
+BACKEND_GAUGES = {names.BACKEND_HEALTHY: "healthy", names.BACKEND_BREAKER_OPEN: "breaker_open",
+                  names.BACKEND_IN_FLIGHT: "in_flight"}
 
 
 def read_router(router_url: str, api_key: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
@@ -23,8 +24,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
 
 def summarize(samples: Samples) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
-                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0,
-}
+                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0}
     misses: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
@@ -32,24 +32,24 @@ def summarize(samples: Samples) -> dict[str, Any]:
     backends: dict[str, dict[str, Any]] = {}
     for (name, label_set), value in samples.items():
         labels = dict(label_set)
-        if name == "pdserve_router_turns_total":
+        if name == names.TURNS + "_total":
             out["turns"] += value
             outcomes[labels.get("outcome", "")] += int(value)
-        elif name == "pdserve_router_reuse_decisions_total":
+        elif name == names.REUSE_DECISIONS + "_total":
             if labels.get("result") == "hit":
                 out["reuse_hits"] += value
             else:
                 out["reuse_misses"] += value
                 misses[labels.get("reason", "")] += int(value)
-        elif name == "pdserve_router_reuse_tokens_offered_total":
+        elif name == names.REUSE_TOKENS_OFFERED + "_total":
             out["reuse_tokens_offered"] += value
-        elif name == "pdserve_router_reuse_tokens_pulled_total":
+        elif name == names.REUSE_TOKENS_PULLED + "_total":
             out["reuse_tokens_pulled"] += value
-        elif name == "pdserve_router_prefill_tokens_local_cached_total":
+        elif name == names.PREFILL_TOKENS_LOCAL + "_total":
             out["prefill_tokens_local_cached"] += value
-        elif name == "pdserve_router_degraded_requests_total":
+        elif name == names.DEGRADED_REQUESTS + "_total":
             degraded_served[labels.get("served_by", "")] += int(value)
-        elif name == "pdserve_router_degraded" and value:
+        elif name == names.DEGRADED_NOW and value:
             missing_roles.append(labels.get("missing", ""))
         elif name in BACKEND_GAUGES:
             backends.setdefault(labels.get("backend", ""), {})[BACKEND_GAUGES[name]] = int(value)

@@ -6,6 +6,8 @@ import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.router import metric_names as names
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -28,16 +30,16 @@ class RouterMetrics:
                                            "(at the cap, every connection busy), evicted (an idle one or an "
                                            "unfinished head closed to make room), head_timeout.", ["reason"],
                                            registry=r)
-        self.degraded = Counter("pdserve_router_degraded_requests",
+        self.degraded = Counter(names.DEGRADED_REQUESTS,
                                 "Requests served whole by one server, without KV transfer, because no server "
                                 "of the other role was usable.", ["served_by"], registry=r)
-        self.degraded_now = Gauge("pdserve_router_degraded",
+        self.degraded_now = Gauge(names.DEGRADED_NOW,
                                   "1 while no server of this role is usable (the last request found none).",
                                   ["missing"], registry=r)
         self.backend_requests = Counter("pdserve_router_backend_requests",
                                         "Requests sent to backends by backend, route and outcome (ok, error).",
                                         ["backend", "route", "outcome"], registry=r)
-        self.turns = Counter("pdserve_router_turns",
+        self.turns = Counter(names.TURNS,
                              "Completion requests by how they ended, exactly one outcome each: stored (D's handles "
                              "kept for the next turn), unavailable (D reported none), untracked (no conversation "
                              "identity), degraded (served by one role), client_gone (the client left before the "
@@ -47,17 +49,17 @@ class RouterMetrics:
                                 "How requests were tied to a conversation: explicit (conversation_id or "
                                 "X-Session-ID), history (automatic detection looked for an earlier turn), none.",
                                 ["source"], registry=r)
-        self.reuse = Counter("pdserve_router_reuse_decisions",
+        self.reuse = Counter(names.REUSE_DECISIONS,
                              "Reuse outcome per turn that continues a conversation: hit (P read D's blocks) or "
                              "miss and why.",
                              ["result", "reason"], registry=r)
-        self.reuse_tokens_offered = Counter("pdserve_router_reuse_tokens_offered",
+        self.reuse_tokens_offered = Counter(names.REUSE_TOKENS_OFFERED,
                                             "Tokens of D's KV offered to P (D's remote_num_tokens).", registry=r)
-        self.reuse_tokens_pulled = Counter("pdserve_router_reuse_tokens_pulled",
+        self.reuse_tokens_pulled = Counter(names.REUSE_TOKENS_PULLED,
                                            "Prompt tokens P loaded from D's KV (P's connector count, added by "
                                            "pdserve.engine.entry; P's own prefix-cache hits are not in it).",
                                            registry=r)
-        self.prefill_tokens_local = Counter("pdserve_router_prefill_tokens_local_cached",
+        self.prefill_tokens_local = Counter(names.PREFILL_TOKENS_LOCAL,
                                             "Prompt tokens P took from its own prefix cache (not pulled from D).",
                                             registry=r)
         self.prefill_without_kv = Counter("pdserve_router_prefill_without_kv_params",
@@ -73,11 +75,11 @@ class RouterMetrics:
                               ["stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("pdserve_router_request_seconds", "End-to-end request latency.",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("pdserve_router_backend_in_flight", "Outstanding requests per backend.",
+        self.in_flight = Gauge(names.BACKEND_IN_FLIGHT, "Outstanding requests per backend.",
                                ["backend"], registry=r)
-        self.healthy = Gauge("pdserve_router_backend_healthy", "1 when the backend answers its health probe.",
+        self.healthy = Gauge(names.BACKEND_HEALTHY, "1 when the backend answers its health probe.",
                              ["backend", "role"], registry=r)
-        self.breaker_open = Gauge("pdserve_router_backend_breaker_open",
+        self.breaker_open = Gauge(names.BACKEND_BREAKER_OPEN,
                                   "1 while the backend's circuit breaker is open or half-open.",
                                   ["backend", "role"], registry=r)
         self.cost = Gauge("pdserve_router_cost_seconds_per_token",

@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[2] / "pdserve"
 ALLOWED = {
     "errors": set(),
     "engine": {"router"},                    # router.wire: the keys the entry's patches add for the router
-    "observe": {"errors"},
+    "observe": {"errors", "router"},         # router.metric_names: the names status reads back
     "spec": {"errors", "engine", "router"},  # engine: built-in model names; router: the one source of its defaults
     "plan": {"spec", "engine", "errors"},
     "launchers": {"plan", "spec", "observe", "errors"},   # spec: the launcher names (LauncherKind)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import psutil
@@ -43,7 +44,13 @@ def test_reparented_processes_of_the_group_and_the_marker_are_sampled():
         grandchildren = [int(leader.stdout.readline()) for _ in range(2)]
         in_group, detached = grandchildren
         assert os.getpgid(in_group) == leader.pid and os.getsid(detached) == detached
-        assert not {in_group, detached} & {c.pid for c in psutil.Process(leader.pid).children(recursive=True)}
+
+        def descendants() -> set[int]:
+            return {c.pid for c in psutil.Process(leader.pid).children(recursive=True)}
+        deadline = time.monotonic() + 10      # they print before their parent has exited: wait for that
+        while {in_group, detached} & descendants() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not {in_group, detached} & descendants()
         start = psutil.Process(leader.pid).create_time()
         usage = TreeSampler().sample(leader.pid, {in_group: 1, detached: 10, leader.pid: 100},
                                      start_time=start, mark=environ_mark(marker))
