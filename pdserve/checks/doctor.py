@@ -6,21 +6,10 @@ from __future__ import annotations
 
 from pdserve.plan.records import ClusterPlan
 from pdserve.checks.findings import Finding
-from pdserve.observe.promtext import api_key_of, scrape, total
+from pdserve.observe import transfer
+from pdserve.observe.promtext import api_key_of
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
-
-
-def transfer_rate(url: str) -> tuple[float, float, float] | None:
-    """(bytes per second, transfers, bytes) of the KV this server read over NIXL; None if unknown."""
-    samples = scrape(url)
-    if samples is None:
-        return None
-    sent = total(samples, "vllm:nixl_bytes_transferred_sum")
-    took, count = total(samples, "vllm:nixl_xfer_time_seconds_sum"), total(samples, "vllm:nixl_xfer_time_seconds_count")
-    if not count:
-        return None
-    return (sent / took if took > 0 else 0.0), count, sent
 
 
 def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
@@ -41,14 +30,13 @@ def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
     for proc in plan.processes:
         if proc.role == "router":
             continue
-        rate = transfer_rate(proc.url)
-        direction = "P->D reads" if proc.role == "decode" else "D->P reads"
-        if rate is None:
+        rate = transfer.read(proc.url)
+        direction = f"{transfer.DIRECTION[proc.role]} reads"
+        if rate is None or rate.gbps is None:
             out.append(Finding("ok", f"{proc.name} transfers", f"no {direction} recorded yet"))
             continue
-        per_s, n, total = rate
-        gbps = per_s / 1e9
-        message = f"{direction}: {n:.0f} transfers, {total / 1e6:.1f} MB at {gbps:.2f} GB/s"
+        gbps = rate.gbps
+        message = f"{direction}: {rate.reads:.0f} transfers, {rate.moved / 1e6:.1f} MB at {gbps:.2f} GB/s"
         if min_gbps is not None and gbps < min_gbps:
             out.append(Finding("warn", f"{proc.name} transfers", message + f", below the expected {min_gbps:g} GB/s",
                                "a rate far below the link usually means UCX fell back to TCP: check "

@@ -43,8 +43,8 @@ def main(version: bool = typer.Option(False, "--version", callback=version_callb
 
 
 def register() -> None:
-    from pdserve.cli import bench, doctor, down, logs, plan, restart, schema, status, up
-    for module in (up, status, down, restart, logs, plan, doctor, bench, schema):
+    from pdserve.cli import bench, dashboard, doctor, down, logs, plan, restart, schema, scrape_config, status, up
+    for module in (up, status, down, restart, logs, plan, doctor, bench, schema, dashboard, scrape_config):
         app.command(module.NAME, help=module.__doc__)(handle_errors(module.command))
 
 

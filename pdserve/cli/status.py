@@ -127,7 +127,15 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
             served = ", ".join(f"{n} on {role}" for role, n in sorted((r.get("degraded_requests") or {}).items()))
             parts.append(Text(f"degraded mode (requests served whole on one role): {now}; "
                               f"served so far: {served or 'none'}"))
+    if st.get("transfers"):
+        rates = "; ".join(f"{direction} {_rate(t)}" for direction, t in sorted(st["transfers"].items()))
+        parts.append(Text(f"KV transfers (bytes over transfer time, servers' NIXL totals): {rates}"))
     return Group(*parts)
+
+
+def _rate(t: dict) -> str:
+    gbps = f"{t['gbps']:.2f} GB/s" if t.get("gbps") is not None else "-"
+    return f"{gbps} ({t['reads']:.0f} reads, {t['bytes'] / 1e6:.1f} MB)"
 
 
 def _warnings(st: dict) -> None:

@@ -24,6 +24,7 @@ from pdserve.launchers.stop import stop_tree
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
+from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
 from pdserve.observe.routerstats import read_router
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
@@ -400,7 +401,10 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "processes": processes,
         "router": read_router(router_url, api_key_of(plan.router_config) if plan else None)
         if running and router_url else None,
+        "transfers": transfer.by_direction([(p.role, transfer.read(p.url, 2.0)) for p in plan.processes
+                                            if p.role != "router"]) if running and plan else None,
         "state_dir": str(cdir.root),
+        "scrape_targets": str(cdir.targets_path),
     }
 
 

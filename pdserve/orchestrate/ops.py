@@ -21,6 +21,7 @@ from pdserve.errors import NotRunningError, UsageError
 from pdserve.launchers import LauncherKind, launcher_for_handle
 from pdserve.launchers.base import Handle
 from pdserve.launchers.local import environ_mark
+from pdserve.observe import dashboard as grafana
 from pdserve.observe.logfiles import follow, last_lines
 from pdserve.observe.resources import TreeSampler, TreeUsage, gpu_memory_by_pid
 from pdserve.orchestrate import cluster
@@ -33,7 +34,7 @@ from pdserve.state.records import ClusterState, ProcState
 
 __all__ = ["STARTUP_TIMEOUT_S", "ClusterState", "ProcState", "StartFailed", "StopReport", "UpInterrupted", "UpResult", "PlanResult", "Usage",
            "up", "stay_attached", "down", "status", "cluster_names", "restart", "logs", "follow_log", "plan",
-           "doctor", "schema", "stored_plan", "is_running", "processes_of"]
+           "doctor", "schema", "dashboard", "scrape_config", "stored_plan", "is_running", "processes_of"]
 
 Note = Callable[[str], None]
 OnState = Callable[[ClusterState | None], None]
@@ -294,6 +295,19 @@ def doctor(config: str | Path | None = None, min_gbps: float | None = None) -> l
 def schema() -> dict[str, Any]:
     """The JSON Schema of cluster.yaml, generated from the config models."""
     return ClusterSpec.model_json_schema()
+
+
+# -- dashboard and scrape-config -------------------------------------------------------------------
+
+def dashboard() -> dict[str, Any]:
+    """The Grafana dashboard pdserve ships (JSON to import: Dashboards > New > Import)."""
+    return grafana.dashboard()
+
+
+def scrape_config(interval: str = "15s") -> str:
+    """A Prometheus config that scrapes every cluster through the target files its supervisor writes
+    ($PDSERVE_HOME/prometheus/<cluster>.json)."""
+    return grafana.scrape_config(ClusterDir("-").targets_path.parent, interval)
 
 
 # -- what bench reads of a cluster -----------------------------------------------------------------

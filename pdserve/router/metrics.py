@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pdserve.router import metric_names as names
 
@@ -91,6 +91,14 @@ class RouterMetrics:
         self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
                                        "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
                                        "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)
+        # process_start_time_seconds and friends: the dashboard counts restarts by the start time's changes.
+        ProcessCollector(registry=r)
+        # Series that exist before their first event, so a dashboard shows 0 rather than no data.
+        for stream in ("true", "false"):
+            self.ttft.labels(stream)
+        for role in ("prefill", "decode"):
+            self.degraded.labels(role)
+            self.degraded_now.labels(role)
         # prometheus_client's labels() validates and locks on every call, many times a request; the
         # label sets here are bounded (routes, statuses, backends), so each child is looked up once.
         for metric in vars(self).values():

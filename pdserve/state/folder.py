@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.state import targets
 from pdserve.state.records import ClusterState
 
 
@@ -52,6 +53,8 @@ class ClusterDir:
     logs_dir = property(lambda self: self.root / "logs")
     supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log")
     requests_dir = property(lambda self: self.root / "requests")   # commands for the running supervisor
+    # Prometheus file-based discovery: one file per cluster in one folder, so one glob finds them all.
+    targets_path = property(lambda self: self.root.parent.parent / "prometheus" / f"{self.name}.json")
 
     def log_path(self, process: str) -> Path:
         return self.logs_dir / f"{process}.log"
@@ -68,6 +71,13 @@ class ClusterDir:
         """The one writer of state.json (atomic)."""
         state.updated_at = time.time()
         write_json_atomic(self.state_path, state.to_dict())
+        self.write_targets(state)
+
+    def write_targets(self, state: ClusterState) -> None:
+        """The cluster's scrape targets (state/targets.py), rewritten only when they change."""
+        want = targets.scrape_targets(state)
+        if want != read_json(self.targets_path):
+            write_json_atomic(self.targets_path, want)
 
     def read_plan(self) -> dict[str, Any] | None:
         return read_json(self.plan_path)

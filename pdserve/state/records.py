@@ -59,11 +59,14 @@ class ProcessRecord:
     started_at: float | None = None      # wall clock, for the uptime shown to people
     restarts: int = 0
     message: str = ""
+    host_name: str = ""       # the spec's host it runs on ("local": this machine)
+    url: str = ""             # where the router (and a scraper on this machine) reaches it
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "state": self.state.value, "host": self.host,
                 "port": self.port, "handle": self.handle.to_dict() if self.handle else None,
-                "started_at": self.started_at, "restarts": self.restarts, "message": self.message}
+                "started_at": self.started_at, "restarts": self.restarts, "message": self.message,
+                "host_name": self.host_name, "url": self.url}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ProcessRecord":
@@ -71,7 +74,8 @@ class ProcessRecord:
         return cls(name=data["name"], role=data["role"], state=ProcState(data["state"]), host=data["host"],
                    port=int(data["port"]), handle=Handle.from_dict(handle) if handle else None,
                    started_at=data.get("started_at"), restarts=int(data.get("restarts") or 0),
-                   message=data.get("message") or "")
+                   message=data.get("message") or "", host_name=data.get("host_name") or "",
+                   url=data.get("url") or "")
 
     @classmethod
     def from_v1(cls, name: str, data: dict[str, Any], log_path: str) -> "ProcessRecord":

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from pdserve.observe import transfer
 from pdserve.observe.promtext import Samples, api_key_of, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
 from pdserve.supervise.process import ManagedProcess
@@ -32,9 +33,6 @@ CANARY_TRIES = 3
 CANARY_PAUSE = 2.0
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
-XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
-XFER_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
-XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 
 # Long enough to fill at least one KV block on every backend (CPU blocks are 128 tokens).
 CANARY_TEXT = "pdserve canary: " + " ".join(f"check {i}" for i in range(160))
@@ -63,7 +61,8 @@ def reading(url: str) -> Reading | None:
     if samples is None:
         return None
     tokens = total(samples, BY_SOURCE, source="external_kv_transfer") if has(samples, BY_SOURCE) else None
-    return Reading(tokens, total(samples, XFER_BYTES), total(samples, XFER_SECONDS), total(samples, XFER_COUNT))
+    moved = transfer.from_samples(samples)
+    return Reading(tokens, moved.moved, moved.seconds, moved.reads)
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class Leg:
 
     @property
     def gbps(self) -> float | None:
-        return self.moved / self.seconds / 1e9 if self.reads and self.seconds > 0 else None
+        return transfer.Transfers(self.moved, self.seconds, self.reads).gbps
 
     def describe(self, direction: str) -> str:
         rate = f" at {self.gbps:.2f} GB/s ({self.moved / 1e6:.1f} MB in {1000 * self.seconds:.1f} ms)" \

@@ -122,7 +122,8 @@ class ManagedProcess:
     def record(self) -> ProcessRecord:
         return ProcessRecord(name=self.name, role=self.role, state=self.state, host=self.plan.host,
                              port=self.plan.port, handle=self.handle, started_at=self.started_at,
-                             restarts=self.restarts, message=self.message)
+                             restarts=self.restarts, message=self.message, host_name=self.plan.host_name,
+                             url=self.plan.url)
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self, now: float, services: Prober) -> list[Event]:

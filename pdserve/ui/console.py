@@ -31,5 +31,11 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def print_text(text: str) -> None:
+    """Text as is (a config file), no markup or wrapping."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def is_tty() -> bool:
     return err.is_terminal
