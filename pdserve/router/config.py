@@ -50,6 +50,9 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     drain_timeout: float = 15.0        # on SIGTERM: stop accepting, let in-flight requests finish this long
+    otlp_endpoint: str | None = None   # OTLP/HTTP traces URL (e.g. http://127.0.0.1:4318/v1/traces); None: no tracing
+    trace_sample_ratio: float = 1.0    # share of requests traced (a client's sampled traceparent is followed)
+    json_logs: bool = False            # one JSON line per completion request (request id, trace id, outcome...)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from pdserve.router import tracing
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
 from pdserve.router.metrics import RouterMetrics
@@ -50,6 +51,7 @@ class DecodeLeg:
                     raise last               # the router's shortage, not a missing server
                 raise UpstreamError(503, error_body(f"no {pool.role} server available", "server_error", 503))
             tried.add(backend.name)
+            tracing.note(generated_on=backend.name, generate_tries=len(tried))
             try:
                 return await attempt(backend)
             except UpstreamError as err:

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.router import affinity, identity
+from pdserve.router import affinity, identity, tracing
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode import DecodeLeg
@@ -65,6 +65,7 @@ class Flow:
     async def _lookup_keys(self, turn: Turn) -> list[Key]:
         if turn.explicit is not None:
             self.metrics.identity.labels("explicit").inc()
+            tracing.note(identity="explicit")
             return [turn.explicit]
         keys: list[Key] = []
         if turn.messages and len(turn.messages) > OFF_LOOP_MESSAGES:
@@ -73,6 +74,7 @@ class Flow:
         elif turn.messages:
             keys, turn.history_digest = identity.history(turn.tenant, turn.messages)
         self.metrics.identity.labels("history" if keys else "none").inc()
+        tracing.note(identity="history" if keys else "none")
         return keys
 
     # -- entry -------------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ class Flow:
         remember nothing."""
         log.warning("%s: degraded: served whole by a %s server (%s)", turn.request_id, pool.role, why)
         self.metrics.degraded.labels(pool.role).inc()
+        tracing.note(degraded_to=pool.role, degraded_reason=why)
         turn.degraded = True
         collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
         return await self._serve(request, turn, pool, None, turn.body, collector, False)
@@ -192,6 +195,8 @@ class Flow:
         key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply,
                                                   turn.history_digest)
         self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
+        tracing.note(conversation=tracing.key_hash(key), decode_tokens=len(collector.generated),
+                     tokens_kept_on_decode=d_params.get("remote_num_tokens"))
         log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,
                  d_params.get("remote_num_tokens"))
         self.end(turn, STORED)

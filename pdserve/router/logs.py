@@ -41,3 +41,12 @@ def configure(level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
+
+
+def json_request_lines(name: str = "pdserve.router.requests") -> None:
+    """The per-request JSON lines (router/tracing.py) go out bare, one JSON object a line, for log shippers."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger(name)
+    logger.handlers[:] = [handler]
+    logger.propagate = False

@@ -9,7 +9,7 @@ import re
 import time
 from typing import Any
 
-from pdserve.router import affinity
+from pdserve.router import affinity, tracing
 from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
@@ -112,6 +112,7 @@ class PrefillLeg:
                         log.warning("prefill with D's blocks failed on %s (%s); retrying without them",
                                     backend.name, err)
                         self.metrics.read_retries.inc()
+                        tracing.note(prefill_read_retry=True)
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
                             answer = await self._once(backend, route, body, headers, None, suspects)
@@ -124,11 +125,13 @@ class PrefillLeg:
                             or len(tried) >= len(self.pool.backends)):
                         raise err from None
         finally:
+            tracing.note(prefill_servers=",".join(tried))
             if outcome is not None and outcome.result == HIT and not served:
                 # P refused or failed the request: nothing was read, so it is no hit.
                 outcome = Decision(MISS, "prefill_failed", holder=outcome.holder)
             if outcome is not None:
                 self.metrics.reuse.labels(outcome.result, outcome.reason).inc()
+                tracing.note(reuse=outcome.result, reuse_reason=outcome.reason, tokens_offered=outcome.tokens)
                 if outcome.result == HIT:
                     self.metrics.reuse_tokens_offered.inc(outcome.tokens)
                 log.info("%s: prefill on %s, reuse %s (%s, %d tokens offered)", headers.get("X-Request-Id"),

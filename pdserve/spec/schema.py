@@ -143,6 +143,21 @@ class RouterSpec(Strict):
                                description="Largest request body accepted, in MiB.")
 
 
+class ObservabilitySpec(Strict):
+    """Traces and request logs (docs/operations.md); metrics need nothing here (`pdserve scrape-config`)."""
+    otlp_endpoint: str | None = router_field(
+        "otlp_endpoint", "OTLP/HTTP (protobuf) traces URL, e.g. http://127.0.0.1:4318/v1/traces (an OpenTelemetry "
+        "Collector, Jaeger, Tempo). The router makes one trace per request and passes W3C traceparent on; the "
+        "vLLM servers get --otlp-traces-endpoint with it, so their spans join the router's. Needs the `otel` "
+        "extra. Unset: no tracing, and OpenTelemetry is not even imported.", pattern=r"^https?://\S+$")
+    trace_sample_ratio: float = router_field(
+        "trace_sample_ratio", "Share of requests traced (parent-based: a client's sampled traceparent is "
+        "followed).", ge=0, le=1)
+    json_logs: bool = router_field(
+        "json_logs", "One JSON line per completion request in the router's log: request id, trace id, "
+        "conversation key hash, outcome, reuse decision, servers.")
+
+
 class SupervisorSpec(Strict):
     startup_timeout: float = Field(STARTUP_TIMEOUT_S, gt=0, description="Seconds a server may take to answer /health.")
     health_interval: float = Field(2.0, gt=0)
@@ -211,6 +226,7 @@ class ClusterSpec(Strict):
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     supervisor: SupervisorSpec = Field(default_factory=SupervisorSpec)
+    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
 
     @property
     def nixl_progress_delay_us(self) -> int:

@@ -1,0 +1,100 @@
+"""OpenTelemetry for the router, imported only when `otlp_endpoint` is set (opentelemetry-sdk and
+opentelemetry-exporter-otlp-proto-http: the `otel` extra).
+
+One trace per completion request: a SERVER span `pdserve.request` (continuing a client's W3C
+`traceparent` if it sent one) with the request's facts as `pdserve.*` attributes (router/tracing.py), and
+one CLIENT span per backend call, made by an aiohttp TraceConfig on the upstream session: every call
+through Upstream and the streamed D leg alike, named by the backend's role, carrying `traceparent` to the
+vLLM server so that its own spans (`--otlp-traces-endpoint`) join the same trace. A client span ends when
+the backend's response head arrives: its length is the time to the backend's first byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import context, propagate, trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.tracing import ATTRIBUTE_PREFIX
+
+SERVICE = "pdserve-router"
+
+
+class Tracer:
+    def __init__(self, cfg: RouterConfig, exporter: Any = None):
+        assert cfg.otlp_endpoint
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": SERVICE, "pdserve.cluster": cfg.cluster}),
+            sampler=ParentBased(TraceIdRatioBased(cfg.trace_sample_ratio)))
+        self.provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=cfg.otlp_endpoint),
+                                                            schedule_delay_millis=1000))
+        self.tracer = self.provider.get_tracer("pdserve.router")
+        # backend URL -> (name, role), to name the client spans
+        self.backends = {b.url: (b.name, role) for role, group in (("prefill", cfg.prefill), ("decode", cfg.decode))
+                         for b in group}
+
+    # -- the request's span (router/tracing.py's middleware) ---------------------------------------
+    def start(self, request: web.Request) -> tuple[Any, Any]:
+        parent = propagate.extract(request.headers)
+        span = self.tracer.start_span("pdserve.request", context=parent, kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": request.method, "url.path": request.path})
+        return span, context.attach(trace.set_span_in_context(span, parent))
+
+    def finish(self, handle: tuple[Any, Any], facts: dict[str, Any], status: int) -> str | None:
+        span, token = handle
+        context.detach(token)
+        span.set_attribute("http.response.status_code", status)
+        for key, value in facts.items():
+            span.set_attribute(ATTRIBUTE_PREFIX + key, value if isinstance(value, (bool, int, float, str)) else str(value))
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+        ctx = span.get_span_context()
+        return trace.format_trace_id(ctx.trace_id) if ctx.is_valid and ctx.trace_flags.sampled else None
+
+    # -- backend calls -----------------------------------------------------------------------------
+    def trace_config(self) -> aiohttp.TraceConfig:
+        config = aiohttp.TraceConfig()
+        config.on_request_start.append(self._client_start)
+        config.on_request_end.append(self._client_end)
+        config.on_request_exception.append(self._client_failed)
+        return config
+
+    async def _client_start(self, _session, ctx, params: aiohttp.TraceRequestStartParams) -> None:
+        if not trace.get_current_span().get_span_context().is_valid:
+            ctx.span = None                  # a health probe or a canary: no request to hang it on
+            return
+        base = f"{params.url.scheme}://{params.url.host}:{params.url.port}"
+        name, role = self.backends.get(base, (base, "backend"))
+        span = self.tracer.start_span(f"{role} {params.url.path}", kind=SpanKind.CLIENT, attributes={
+            "http.request.method": params.method, "url.full": str(params.url), "server.address": params.url.host or "",
+            "server.port": params.url.port or 0, ATTRIBUTE_PREFIX + "backend": name, ATTRIBUTE_PREFIX + "role": role})
+        propagate.inject(params.headers, context=trace.set_span_in_context(span))
+        ctx.span = span
+
+    async def _client_end(self, _session, ctx, params: aiohttp.TraceRequestEndParams) -> None:
+        span = getattr(ctx, "span", None)
+        if span is not None:
+            span.set_attribute("http.response.status_code", params.response.status)
+            if params.response.status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
+
+    async def _client_failed(self, _session, ctx, params: aiohttp.TraceRequestExceptionParams) -> None:
+        span = getattr(ctx, "span", None)
+        if span is not None:
+            span.record_exception(params.exception)
+            span.set_status(Status(StatusCode.ERROR, type(params.exception).__name__))
+            span.end()
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()      # flushes what is queued
