@@ -19,7 +19,9 @@ Usage: .venv/bin/python scripts/bench_router.py [--duration 5] [--out bench-rout
 package is exported to a temporary folder and run on core 0 against the same backend; printed side by side:
 the router's CPU seconds (user + system) for N JSON requests and N streams (16 clients), and the longest
 `/health` answer while one 13 MB body of 380k small messages is served (how long a huge body stalls the
-event loop for every other client).
+event loop for every other client). With `--tracing`, each revision runs twice: tracing off, and on
+(`otlp_endpoint` set, every request sampled, spans exported over OTLP/HTTP to a sink beside the backend):
+the router's CPU then includes its exporter thread.
 """
 
 
@@ -76,10 +78,15 @@ def run_backend(port: int) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def traces(request: web.Request) -> web.Response:    # an OTLP/HTTP sink for --tracing
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
     app = web.Application(client_max_size=64 * 1024 * 1024)   # the huge-body case of --cpu reaches it
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", lambda r: health(r))
+    app.router.add_post("/v1/traces", traces)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
@@ -314,7 +321,7 @@ async def huge_body_stall(url: str) -> tuple[float, float, int]:
     return worst, took, status
 
 
-async def compare_cpu(revs: list[str], n: int) -> list[dict]:
+async def compare_cpu(revs: list[str], n: int, tracing: bool = False) -> list[dict]:
     os.sched_setaffinity(0, LOAD_CORE)
     backend_port = free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
@@ -322,14 +329,15 @@ async def compare_cpu(revs: list[str], n: int) -> list[dict]:
     rows = []
     try:
         await wait_up(backend_url)
-        for rev in revs:
+        for rev, traced in [(r, t) for r in revs for t in ((False, True) if tracing else (False,))]:
             with tempfile.TemporaryDirectory() as tmp:
                 export_revision(rev, Path(tmp))
                 port = free_port()
                 cfg = Path(tmp) / "router.json"
                 cfg.write_text(json.dumps({"prefill": [{"name": "prefill-0", "url": backend_url}],
                                            "decode": [{"name": "decode-0", "url": backend_url}],
-                                           "model": "m", "port": port}))
+                                           "model": "m", "port": port,
+                                           **({"otlp_endpoint": backend_url + "/v1/traces"} if traced else {})}))
                 router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(cfg)], cwd=tmp,
                                           env={**os.environ, "PYTHONPATH": tmp}, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL,
@@ -345,9 +353,10 @@ async def compare_cpu(revs: list[str], n: int) -> list[dict]:
                 finally:
                     router.terminate()
                     router.wait(10)
-            rows.append({"rev": rev, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu, "health_stall_s": stall,
+            rev_label = f"{rev}+trace" if traced else rev
+            rows.append({"rev": rev_label, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu, "health_stall_s": stall,
                          "huge_body_s": took, "huge_body_status": status})
-            print(f"  {rev}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s, "
+            print(f"  {rev_label}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s, "
                   f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s)",
                   file=sys.stderr)
     finally:
@@ -366,9 +375,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench-router.json", help="where to write the full results")
     ap.add_argument("--cpu", nargs="+", metavar="REV", help="compare the router's CPU per request of revisions")
     ap.add_argument("-n", type=int, default=1000, help="requests per kind with --cpu")
+    ap.add_argument("--tracing", action="store_true", help="with --cpu: each revision with tracing off and on")
     args = ap.parse_args()
     if args.cpu:
-        rows = asyncio.run(compare_cpu(args.cpu, args.n))
+        rows = asyncio.run(compare_cpu(args.cpu, args.n, args.tracing))
         print(f"{'revision':12s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
               f"{'/health stall s':>16s} {'13 MB body s':>13s}")
         for r in rows:

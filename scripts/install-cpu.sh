@@ -26,7 +26,7 @@ else
   echo "install-cpu: torch from the PyTorch CPU index" >&2
   "${pip[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-"${pip[@]}" install -q -e "$here[cpu,test,bench]"
+"${pip[@]}" install -q -e "$here[cpu,test,bench,otel]"
 # torchvision/torchaudio/torchcodec from PyPI are CUDA builds that fail to import beside torch+cpu.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$venv/bin/python" -c "import vllm, nixl, torch; print('install-cpu: vllm', vllm.__version__, 'torch', torch.__version__)" >&2

