@@ -114,3 +114,39 @@ def test_scrape_config_reads_the_targets_folder(tmp_path):
     cfg = yaml.safe_load(text)
     assert cfg["global"]["scrape_interval"] == "2s"
     assert cfg["scrape_configs"][0]["file_sd_configs"][0]["files"] == [f"{tmp_path}/prometheus/*.json"]
+
+
+def test_tracing_reaches_the_router_config_and_every_vllm_server():
+    from pdserve.router.config import RouterConfig
+    from tests.unit.test_plan import arg, plan_of
+    from tests.unit.test_spec import GOOD, with_
+    off = plan_of(GOOD)
+    assert all("--otlp-traces-endpoint" not in p.argv for p in off.processes)
+    assert off.router_config["otlp_endpoint"] is None and off.router_config["json_logs"] is False
+    url = "http://10.0.0.9:4318/v1/traces"
+    on = plan_of(with_("observability", {"otlp_endpoint": url, "trace_sample_ratio": 0.25, "json_logs": True}))
+    for name in ("prefill-0", "decode-0"):
+        p = on.by_name(name)
+        assert arg(p.argv, "--otlp-traces-endpoint") == url
+        assert p.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert p.env["OTEL_SERVICE_NAME"] == f"vllm-{name}"
+    cfg = RouterConfig.from_dict(on.router_config)
+    assert (cfg.otlp_endpoint, cfg.trace_sample_ratio, cfg.json_logs) == (url, 0.25, True)
+    mine = plan_of(with_("observability", {"otlp_endpoint": url})
+                   | {"decode": {**GOOD["decode"], "vllm_args": ["--otlp-traces-endpoint=http://other:4318/v1/traces"]}})
+    assert mine.by_name("decode-0").argv.count("--otlp-traces-endpoint=http://other:4318/v1/traces") == 1
+    assert "--otlp-traces-endpoint" not in mine.by_name("decode-0").argv
+
+
+def test_bad_observability_settings_name_the_field():
+    import pytest
+
+    from pdserve.errors import ConfigError
+    from pdserve.spec.load import parse_spec
+    from tests.unit.test_spec import with_
+    for value, field in (({"otlp_endpoint": "localhost:4318"}, "observability.otlp_endpoint"),
+                         ({"trace_sample_ratio": 2}, "observability.trace_sample_ratio"),
+                         ({"tracing": True}, "observability.tracing")):
+        with pytest.raises(ConfigError) as exc:
+            parse_spec(with_("observability", value))
+        assert field in str(exc.value)
