@@ -18,6 +18,7 @@ import pytest
 
 from pdserve.observe import dashboard
 from tests.e2e.vllmkit import converse, long_user_turn, pdserve, up
+from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import free_ports, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -109,3 +110,10 @@ def test_every_dashboard_query_returns_data_after_a_conversation(rig):
     assert {r["metric"]["stream"] for r in ttft if r["value"][1] not in ("NaN", "0")} == {"true", "false"}
     misses = query(rig["prom"], f'pdserve_router_reuse_decisions_total{{cluster="{NAME}",result="miss"}}')
     assert {r["metric"]["reason"] for r in misses} >= {"no_entry"}
+    # `status` shows the same per-direction rate as the dashboard's "since start" queries (one source)
+    st = status_of(NAME)
+    for direction, legend in (("D->P", "D->P since start"), ("P->D", "P->D since start")):
+        shown = st["transfers"][direction]["gbps"]
+        dashboard_gbps = values[("KV transfer rate per direction (GB/s)", legend)][0]
+        assert shown > 0 and abs(shown - dashboard_gbps) / shown < 0.05, (direction, shown, dashboard_gbps)
+    assert st["scrape_targets"].endswith(f"prometheus/{NAME}.json")
