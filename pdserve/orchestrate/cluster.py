@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,11 +402,24 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "processes": processes,
         "router": read_router(router_url, api_key_of(plan.router_config) if plan else None)
         if running and router_url else None,
-        "transfers": transfer.by_direction([(p.role, transfer.read(p.url, 2.0)) for p in plan.processes
-                                            if p.role != "router"]) if running and plan else None,
+        "transfers": _transfers(plan, state) if running and plan else None,
         "state_dir": str(cdir.root),
         "scrape_targets": str(cdir.targets_path),
     }
+
+
+TRANSFER_READ_TIMEOUT = 0.5   # per server, all at once: a hung server must not hold `status` up
+
+
+def _transfers(plan: ClusterPlan, state: ClusterState) -> dict[str, dict]:
+    """Each direction's KV transfer rate over the ready servers' lives (observe/transfer.py)."""
+    servers = [p for p in plan.processes if p.role != "router" and (rec := state.processes.get(p.name))
+               and rec.state == ProcState.READY]
+    if not servers:
+        return {}
+    with ThreadPoolExecutor(len(servers)) as pool:
+        reads = list(pool.map(lambda p: transfer.read(p.url, TRANSFER_READ_TIMEOUT), servers))
+    return transfer.by_direction([(p.role, got) for p, got in zip(servers, reads)])
 
 
 def stop_timeout_of(cdir: ClusterDir) -> float:
