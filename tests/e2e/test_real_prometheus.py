@@ -117,3 +117,22 @@ def test_every_dashboard_query_returns_data_after_a_conversation(rig):
         dashboard_gbps = values[("KV transfer rate per direction (GB/s)", legend)][0]
         assert shown > 0 and abs(shown - dashboard_gbps) / shown < 0.05, (direction, shown, dashboard_gbps)
     assert st["scrape_targets"].endswith(f"prometheus/{NAME}.json")
+
+
+def test_restart_panel_counts_a_restart_and_the_target_stays_current(rig):
+    restarts = next(e for t, _l, e in dashboard.queries() if t.startswith("Restarts"))
+    before = {r["metric"]["process"]: float(r["value"][1])
+              for r in query(rig["prom"], dashboard.instantiate(restarts, NAME))}
+    assert set(before) == {"prefill-0", "decode-0", "router"}, before   # vLLM exports its start time too
+    res = pdserve("restart", NAME, "decode-0")
+    assert res.returncode == 0, res.stderr
+    targets = json.loads((rig["cluster"]["home"] / "prometheus" / f"{NAME}.json").read_text())
+    assert sorted(g["labels"]["process"] for g in targets) == ["decode-0", "prefill-0", "router"]
+
+    def counted() -> bool:
+        after = {r["metric"]["process"]: float(r["value"][1])
+                 for r in query(rig["prom"], dashboard.instantiate(restarts, NAME))}
+        return after.get("decode-0") == before["decode-0"] + 1 and after["prefill-0"] == before["prefill-0"]
+
+    wait_for(counted, 30, "the restart on the dashboard")
+    assert _all_up(rig["prom"])
