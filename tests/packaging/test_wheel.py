@@ -1,5 +1,6 @@
 """The built wheel is complete: installed alone into a fresh venv (no source tree on the path), it plans
-the embedded default config and prints the schema. The wheel once shipped without its configs."""
+the embedded default config, prints the schema and the Grafana dashboard. The wheel once shipped without its
+configs."""
 
 from __future__ import annotations
 
@@ -44,3 +45,6 @@ def test_wheel_in_a_fresh_venv_plans_the_default_and_prints_the_schema(tmp_path)
     assert [p["name"] for p in processes] == ["prefill-0", "decode-0", "router"]
     schema = run("schema")
     assert schema.returncode == 0 and "prefill" in json.loads(schema.stdout)["properties"]
+    board = run("dashboard")          # the Grafana dashboard is package data too
+    assert board.returncode == 0, board.stderr
+    assert len(json.loads(board.stdout)["panels"]) >= 10
