@@ -69,7 +69,9 @@ class DecodeLeg:
             raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
         if status == 200:
             self.flow.remember(turn, backend, collector, track)
-            self.metrics.ttft.labels("false").observe(time.perf_counter() - turn.started)
+            ttft = time.perf_counter() - turn.started
+            self.metrics.ttft.labels("false").observe(ttft)
+            tracing.note(ttft_ms=round(1000 * ttft, 1))
         return json_answer(turn, data, status, 1000 * (time.perf_counter() - d_started))
 
     async def stream(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend,
@@ -111,7 +113,9 @@ class DecodeLeg:
                             raise ClientGone() from err
                         if first:
                             first = False
-                            self.metrics.ttft.labels("true").observe(time.perf_counter() - turn.started)
+                            ttft = time.perf_counter() - turn.started
+                            self.metrics.ttft.labels("true").observe(ttft)
+                            tracing.note(ttft_ms=round(1000 * ttft, 1))
                 tail = relay.close()
                 if ok is None and relay.done:
                     ok = self._finished(turn, backend, relay, track)

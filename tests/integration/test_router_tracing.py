@@ -54,6 +54,7 @@ async def test_span_tree_of_a_miss_then_a_hit_and_traceparent_reaches_the_backen
     assert a["pdserve.outcome"] == "stored" and a["pdserve.prefill_servers"] == "prefill-0"
     assert a["pdserve.generated_on"] == "decode-0" and a["pdserve.generate_tries"] == 1
     assert a["pdserve.conversation"] and a["pdserve.degraded"] is False
+    assert 0 < a["pdserve.ttft_ms"] <= (miss.end_ns - miss.start_ns) / 1e6
     b = hit.attributes
     assert (b["pdserve.reuse"], b["pdserve.outcome"]) == ("hit", "stored")
     assert b["pdserve.tokens_offered"] > 0 and b["pdserve.tokens_pulled"] > 0
@@ -108,3 +109,18 @@ def test_tracing_off_imports_no_opentelemetry():
             "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('opentelemetry')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+async def test_a_streamed_turn_has_its_trace_and_first_token_time():
+    receiver = await Receiver().start()
+    try:
+        async with deployment(decode_args=(["--stream-kv-params"],), otlp_endpoint=receiver.url) as dep:
+            status, lines = await dep.stream(CHAT, turn("conv-s", 1))
+            assert status == 200 and lines[-1].strip() == b"data: [DONE]"
+    finally:
+        await receiver.stop()
+    (root,) = receiver.roots()
+    assert root.attributes["pdserve.stream"] is True and root.attributes["pdserve.outcome"] == "stored"
+    assert 0 < root.attributes["pdserve.ttft_ms"] <= (root.end_ns - root.start_ns) / 1e6
+    legs = sorted(s.attributes["pdserve.role"] for s in receiver.trace(root.trace_id) if s.parent_id == root.span_id)
+    assert legs == ["decode", "prefill"]
