@@ -29,7 +29,7 @@ from pdserve.orchestrate.cluster import StartFailed, StopReport
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.load import DEFAULT_CONFIG
 from pdserve.spec.schema import STARTUP_TIMEOUT_S, ClusterSpec
-from pdserve.state.folder import ClusterDir, list_clusters
+from pdserve.state.folder import ClusterDir, list_clusters, targets_dir
 from pdserve.state.records import ClusterState, ProcState
 
 __all__ = ["STARTUP_TIMEOUT_S", "ClusterState", "ProcState", "StartFailed", "StopReport", "UpInterrupted", "UpResult", "PlanResult", "Usage",
@@ -307,7 +307,7 @@ def dashboard() -> dict[str, Any]:
 def scrape_config(interval: str = "15s") -> str:
     """A Prometheus config that scrapes every cluster through the target files its supervisor writes
     ($PDSERVE_HOME/prometheus/<cluster>.json)."""
-    return grafana.scrape_config(ClusterDir("-").targets_path.parent, interval)
+    return grafana.scrape_config(targets_dir(), interval)
 
 
 # -- what bench reads of a cluster -----------------------------------------------------------------

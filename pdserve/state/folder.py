@@ -21,6 +21,11 @@ def models_dir() -> Path:
     return pdserve_home() / "models"
 
 
+def targets_dir(home: Path | None = None) -> Path:
+    """Prometheus file-based discovery: one file per cluster in one folder, so one glob finds them all."""
+    return (home or pdserve_home()) / "prometheus"
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Readers never see a half-written file: write a sibling, then rename over."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,8 +58,7 @@ class ClusterDir:
     logs_dir = property(lambda self: self.root / "logs")
     supervisor_log = property(lambda self: self.root / "logs" / "supervisor.log")
     requests_dir = property(lambda self: self.root / "requests")   # commands for the running supervisor
-    # Prometheus file-based discovery: one file per cluster in one folder, so one glob finds them all.
-    targets_path = property(lambda self: self.root.parent.parent / "prometheus" / f"{self.name}.json")
+    targets_path = property(lambda self: targets_dir(self.root.parent.parent) / f"{self.name}.json")
 
     def log_path(self, process: str) -> Path:
         return self.logs_dir / f"{process}.log"
