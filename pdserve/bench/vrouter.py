@@ -57,8 +57,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def argv(exe: str, port: int, prefill: list[str], decode: list[str]) -> list[str]:
-    args = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+def argv(exe: str, port: int, prefill: list[str], decode: list[str], metrics_port: int) -> list[str]:
+    # Its metrics exporter binds 29000 unless told otherwise: two runs at once (or anything on 29000) collide.
+    args = [exe, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port),
+            "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--prefill-policy", PREFILL_POLICY, "--decode-policy", DECODE_POLICY,
             "--request-timeout-secs", "600", "--log-level", "warning"]   # 600 s: pdserve's request_timeout
     for url in prefill:
@@ -76,7 +78,7 @@ def running(prefill: list[str], decode: list[str], log_path: Path, ready_timeout
         raise PdserveError("arm vllm-router: the vllm-router package is not installed",
                            hint="pip install 'pdserve[bench]' (or pip install vllm-router)")
     port = _free_port()
-    cmd = argv(exe, port, prefill, decode)
+    cmd = argv(exe, port, prefill, decode, _free_port())
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -4,12 +4,19 @@ arm's servers, carries the workload, is recorded in results.json and is gone aft
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
 
 from pdserve.bench import vrouter
 from tests.integration.test_cli_lifecycle import all_markers, home, pdserve, write_config  # noqa: F401
+
+FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_vllm.py"
 
 pytestmark = pytest.mark.skipif(vrouter.executable() is None, reason="vllm-router not installed (bench extra)")
 
@@ -38,3 +45,39 @@ def test_bench_runs_vllm_router_and_affinity_arms_and_stops_vllm_router(tmp_path
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if "vllm-router" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]
     assert all_markers(home, "vr-affinity") == [] and all_markers(home, "vr-vllm-router") == []
+
+
+
+@pytest.fixture
+def fake_backends(tmp_path):
+    """One fake prefill and one fake decode server (vllm-router is ready only once its workers answer)."""
+    procs, urls = [], []
+    for _ in range(2):
+        port = vrouter._free_port()
+        procs.append(subprocess.Popen([sys.executable, str(FAKE), "--model", "fake-model", "--host", "127.0.0.1",
+                                       "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for url in urls:
+            for _ in range(200):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        yield urls
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_two_vllm_routers_run_side_by_side(tmp_path, fake_backends):
+    """Each gets its own metrics port: with vllm-router's default (29000) the second one could not start while
+    the first ran (two bench runs at once, or anything else on 29000)."""
+    prefill, decode = fake_backends
+    with vrouter.running([prefill], [decode], tmp_path / "a.log") as first, \
+            vrouter.running([prefill], [decode], tmp_path / "b.log") as second:
+        assert first.url != second.url
+        ports = {r.argv[r.argv.index("--prometheus-port") + 1] for r in (first, second)}
+        assert len(ports) == 2 and "29000" not in ports
