@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.router import admission
 from pdserve.router.backends import Backend, HealthProber, Pool
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
@@ -142,10 +143,13 @@ def server_limits(cfg: RouterConfig) -> dict[str, Any]:
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     key = api_key_from_env(cfg) if api_key is None else api_key
-    # Without a key, no key middleware: every layer is a coroutine more on every request.
-    app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[count_requests, openai_errors, *([require_api_key] if key else [])])
     metrics = RouterMetrics()
+    # Without a key, no key middleware, and without limits no admission: each is a coroutine more per request.
+    limits = admission.Limits.from_config(cfg)
+    admit = [admission.middleware(admission.Admission(limits, metrics), COMPLETION_ROUTES,
+                                  metrics.turns.labels(FAILED).inc)] if limits.enabled else []
+    app = web.Application(client_max_size=cfg.max_body_bytes,
+                          middlewares=[count_requests, openai_errors, *([require_api_key] if key else []), *admit])
     app[CONFIG] = cfg
     app[METRICS] = metrics
     app[API_KEY] = key
@@ -160,7 +164,9 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
         connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
                                          limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
-        session = aiohttp.ClientSession(connector=connector)
+        # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
+        # filtering the jar was work on every backend call).
+        session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
         def breaker() -> CircuitBreaker:
             return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
 

@@ -50,6 +50,13 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     drain_timeout: float = 15.0        # on SIGTERM: stop accepting, let in-flight requests finish this long
+    # Admission (admission.py); 0 is unlimited, and with every limit 0 admission is off.
+    max_in_flight: int = 0             # completion requests in flight in all; past it they queue
+    queue_size: int = 0                # ... this many at most (then 503)
+    queue_timeout: float = 5.0         # ... each this long at most (then 503)
+    tenant_max_in_flight: int = 0      # per tenant (API key), queued ones included (then 429)
+    tenant_rate: float = 0.0           # per tenant, requests per second (token bucket; then 429)
+    tenant_burst: int = 0              # the bucket's size; 0: max(1, ceil(tenant_rate))
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":
