@@ -197,8 +197,20 @@ def snapshot(proc: psutil.Process | None) -> dict[str, float]:
         if p is not None:
             t = p.cpu_times()
             out[who + "_cpu_s"] = t.user + t.system
-            out[who + "_preempted"] = p.num_ctx_switches().involuntary
+            out[who + "_preempted"] = preemptions(p.pid)
     return out
+
+
+def preemptions(pid: int) -> int:
+    """Involuntary context switches of all the process's threads (psutil counts the main thread only)."""
+    n = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            n += int(next(line for line in (task / "status").read_text().splitlines()
+                          if line.startswith("nonvoluntary_ctxt_switches")).split()[1])
+        except (OSError, StopIteration):
+            pass
+    return n
 
 
 async def load(target: str, clients: int, stream: bool, direct: bool, duration: float,
@@ -224,28 +236,26 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-async def measure(name: str, target: str, proc: psutil.Process | None, args) -> list[dict]:
-    rows = []
-    for stream in (False, True) if args.stream else (False,):
-        for clients in args.clients:
-            lat, used = await load(target, clients, stream, name == "direct", args.duration, proc)
-            n = len(lat)
-            rows.append({"proxy": name, "stream": stream, "clients": clients, "requests": n,
-                         "rps": n / args.duration, "p50_ms": 1000 * pct(lat, 50),
-                         "p99_ms": 1000 * pct(lat, 99),
-                         "proxy_cpu_percent": 100 * used["proxy_cpu_s"] / args.duration if proc else None,
-                         "proxy_cpu_us_per_request": 1e6 * used["proxy_cpu_s"] / n if proc else None,
-                         "proxy_preempted_per_s": used["proxy_preempted"] / args.duration if proc else None,
-                         "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration})
-            r = rows[-1]
-            print(f"  {name:11s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
-                  f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  load cpu {r['load_cpu_percent']:.0f}%"
-                  + (f"  proxy cpu {r['proxy_cpu_percent']:.0f}%, {r['proxy_cpu_us_per_request']:.0f} us/req, "
-                     f"preempted {r['proxy_preempted_per_s']:.0f}/s" if proc else ""), file=sys.stderr)
-    return rows
+async def measure(name: str, target: str, proc: psutil.Process | None, stream: bool, clients: int, args) -> dict:
+    lat, used = await load(target, clients, stream, name == "direct", args.duration, proc)
+    n = len(lat)
+    r = {"proxy": name, "stream": stream, "clients": clients, "requests": n,
+         "rps": n / args.duration, "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99),
+         "proxy_cpu_percent": 100 * used["proxy_cpu_s"] / args.duration if proc else None,
+         "proxy_cpu_us_per_request": 1e6 * used["proxy_cpu_s"] / n if proc else None,
+         "proxy_preempted_per_s": used["proxy_preempted"] / args.duration if proc else None,
+         "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration}
+    print(f"  {name:11s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
+          f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  load cpu {r['load_cpu_percent']:.0f}%"
+          + (f"  proxy cpu {r['proxy_cpu_percent']:.0f}%, {r['proxy_cpu_us_per_request']:.0f} us/req, "
+             f"preempted {r['proxy_preempted_per_s']:.0f}/s" if proc else ""), file=sys.stderr)
+    return r
 
 
-ARMS = ("direct", "pdserve", "baseline", "vllm-router")
+ARMS = ("direct", "pdserve", "pdserve-admission", "baseline", "vllm-router")
+# Every admission check on (per-tenant rate and in-flight cap, global cap with a queue), none binding:
+# what admission costs a request that it lets through.
+ADMISSION_ON = {"tenant_rate": 1e9, "tenant_max_in_flight": 100_000, "max_in_flight": 100_000, "queue_size": 100}
 
 
 def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict
@@ -254,11 +264,11 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict
     if name == "direct":
         return backend_url, None, None
     port = free_port()
-    if name == "pdserve":
+    if name.startswith("pdserve"):
         cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"prefill": [{"name": "prefill-0", "url": backend_url}],
                    "decode": [{"name": "decode-0", "url": decode_url}], "model": "m", "port": port,
-                   **router_cfg}, cfg_file)
+                   **router_cfg, **(ADMISSION_ON if name == "pdserve-admission" else {})}, cfg_file)
         cfg_file.close()
         return (f"http://127.0.0.1:{port}",
                 spawn([sys.executable, "-m", "pdserve.router", "--config", cfg_file.name], PROXY_CORE), cfg_file.name)
@@ -291,10 +301,14 @@ async def main_async(args) -> dict:
             await wait_up(url)
         await asyncio.sleep(2.5)   # the router's first health probe marks the backend healthy
         rows = []
+        # Arms interleaved cell by cell: a neighbour's load on this shared box hits them alike.
         for run in range(args.runs):
-            for name, url, proc in arms:
-                for row in await measure(name, url, psutil.Process(proc.pid) if proc else None, args):
-                    rows.append({**row, "run": run})
+            for stream in (False, True) if args.stream else (False,):
+                for clients in args.clients:
+                    for name, url, proc in arms:
+                        row = await measure(name, url, psutil.Process(proc.pid) if proc else None, stream,
+                                            clients, args)
+                        rows.append({**row, "run": run})
     finally:
         for p in procs:
             p.terminate()

@@ -6,8 +6,10 @@ pdserve_router_turns_total and pdserve_router_requests_total agree)."""
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 
 import aiohttp
+import pytest
 
 from pdserve.observe.routerstats import parse_metrics
 from tests.integration.routerkit import deployment
@@ -117,3 +119,19 @@ async def test_admission_is_off_by_default():
         text = await dep.metrics()
         assert "pdserve_router_admission_total{" not in text      # no outcome counted: no admission at all
         assert parse_metrics(text)["admission"] == {}
+
+
+async def test_the_canary_waits_out_a_retry_after_instead_of_failing():
+    """The supervisor's canary is a request like any other: refused by admission, it asks again after
+    Retry-After (within its timeout) rather than reporting a broken deployment."""
+    from pdserve.supervise import canary
+    async with deployment(tenant_rate=1.0, tenant_burst=1) as dep:
+        headers = {"Content-Type": "application/json"}
+        await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 30)
+        started = asyncio.get_running_loop().time()
+        reply = await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 30)   # 429, Retry-After 1, then 200
+        assert reply["choices"] and asyncio.get_running_loop().time() - started >= 0.9
+        with pytest.raises(urllib.error.HTTPError) as refused:                      # no time left to wait: the 429
+            await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 0.5)
+        assert refused.value.code == 429
+        assert parse_metrics(await dep.metrics())["admission"] == {"admitted": 2, "rejected_tenant_rate": 2}
