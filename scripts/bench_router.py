@@ -193,6 +193,8 @@ def snapshot(proc: psutil.Process | None) -> dict[str, float]:
     """CPU seconds and involuntary context switches (another process took the core) of the proxy and of
     this load generator (the backend shares its core)."""
     out = {}
+    for core, t in enumerate(psutil.cpu_times(percpu=True)):     # the whole machine, neighbours included
+        out[f"core{core}_busy_s"] = sum(t) - t.idle - getattr(t, "iowait", 0.0)
     for who, p in (("proxy", proc), ("load", psutil.Process())):
         if p is not None:
             t = p.cpu_times()
@@ -244,7 +246,8 @@ async def measure(name: str, target: str, proc: psutil.Process | None, stream: b
          "proxy_cpu_percent": 100 * used["proxy_cpu_s"] / args.duration if proc else None,
          "proxy_cpu_us_per_request": 1e6 * used["proxy_cpu_s"] / n if proc else None,
          "proxy_preempted_per_s": used["proxy_preempted"] / args.duration if proc else None,
-         "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration}
+         "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration,
+         "cores_busy_percent": [round(100 * v / args.duration) for k, v in sorted(used.items()) if k.startswith("core")]}
     print(f"  {name:11s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
           f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  load cpu {r['load_cpu_percent']:.0f}%"
           + (f"  proxy cpu {r['proxy_cpu_percent']:.0f}%, {r['proxy_cpu_us_per_request']:.0f} us/req, "
@@ -475,12 +478,12 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1))
     if "summary" not in result:
         print(f"{'run':>3s} {'arm':12s} {'stream':6s} {'clients':>7s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "
-              f"{'cpu %':>6s} {'us/req':>7s} {'preempt/s':>9s} {'load cpu %':>10s}")
+              f"{'cpu %':>6s} {'us/req':>7s} {'preempt/s':>9s} {'load cpu %':>10s}  cores busy %")
         for r in result["rows"]:
             print(f"{r['run']:3d} {r['proxy']:12s} {str(r['stream']):6s} {r['clients']:7d} {r['rps']:7.0f} "
                   f"{r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {r['proxy_cpu_percent'] or 0:6.0f} "
                   f"{r['proxy_cpu_us_per_request'] or 0:7.0f} {r['proxy_preempted_per_s'] or 0:9.0f} "
-                  f"{r['load_cpu_percent']:10.0f}")
+                  f"{r['load_cpu_percent']:10.0f}  {'/'.join(map(str, r['cores_busy_percent']))}")
         return
     print(f"{'stream':7s} {'added p50 ms':>13s} {'added p99 ms':>13s} {'rps@64':>8s} "
           f"{'baseline added p50':>19s} {'baseline rps@64':>16s} {'ratio':>6s}")
