@@ -7,13 +7,19 @@ tokens) requests at 1 and 64 concurrent clients:
 - direct:   the load generator does both legs itself against the backend (no proxy at all);
 - pdserve:  the real router process (`python -m pdserve.router`);
 - baseline: vLLM's reference proxy design (FastAPI + httpx, as in vLLM's disaggregated-serving example
-            proxies), written below with the same two legs.
+            proxies), written below with the same two legs;
+- vllm-router: vLLM's Rust router (PyPI `vllm-router`, the bench extra) in its P-D mode, started with the
+            same arguments as `pdserve bench`'s vllm-router arm (pdserve/bench/vrouter.py).
 
 Added latency = proxy p50/p99 minus direct p50/p99 at 1 client. Throughput = requests per second at 64
 clients. The proxy under test runs alone on core 0; the backend and the load generator share core 1, and
 the proxy's CPU use is printed so a run where the proxy was not the bottleneck is visible.
 
 Usage: .venv/bin/python scripts/bench_router.py [--duration 5] [--out bench-router.json]
+       [--arms pdserve vllm-router] [--runs N] [--clients 1 64] [--no-stream]
+
+`--runs N` repeats the measurement N times, the arms interleaved in each run (a noisy neighbour hits both
+alike), and prints every run's figures, not only a mean.
 
 `--cpu REV [REV ...]` compares router revisions instead (`.` is the working tree): each one's `pdserve`
 package is exported to a temporary folder and run on core 0 against the same backend; printed side by side:
@@ -87,7 +93,15 @@ def run_backend(port: int) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", lambda r: health(r))
     app.router.add_post("/v1/traces", traces)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+    async def serve() -> None:
+        # Two ports, one as P and one as D: vllm-router takes one URL as one worker of one role.
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        for p in (port, port + 1):
+            await web.TCPSite(runner, "127.0.0.1", p).start()
+        await asyncio.Event().wait()
+    run(serve())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,10 +141,33 @@ def run_baseline(port: int, backend: str) -> None:
 # Load generation
 
 
+def run(main):
+    """The backend and the load generator share one core: on uvloop (as the router is) they need about a
+    third less of it, so the proxy under test, not the load side, is what saturates first."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A free port whose next port is free too (the backend's P and D ports)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
 
 
 def spawn(argv: list[str], cores: set[int], env: dict | None = None) -> subprocess.Popen:
@@ -170,7 +207,35 @@ async def one_request(session: aiohttp.ClientSession, target: str, stream: bool,
             await r.read()
 
 
-async def load(target: str, clients: int, stream: bool, direct: bool, duration: float) -> list[float]:
+def snapshot(proc: psutil.Process | None) -> dict[str, float]:
+    """CPU seconds and involuntary context switches (another process took the core) of the proxy and of
+    this load generator (the backend shares its core)."""
+    out = {}
+    for core, t in enumerate(psutil.cpu_times(percpu=True)):     # the whole machine, neighbours included
+        out[f"core{core}_busy_s"] = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+    for who, p in (("proxy", proc), ("load", psutil.Process())):
+        if p is not None:
+            t = p.cpu_times()
+            out[who + "_cpu_s"] = t.user + t.system
+            out[who + "_preempted"] = preemptions(p.pid)
+    return out
+
+
+def preemptions(pid: int) -> int:
+    """Involuntary context switches of all the process's threads (psutil counts the main thread only)."""
+    n = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            n += int(next(line for line in (task / "status").read_text().splitlines()
+                          if line.startswith("nonvoluntary_ctxt_switches")).split()[1])
+        except (OSError, StopIteration):
+            pass
+    return n
+
+
+async def load(target: str, clients: int, stream: bool, direct: bool, duration: float,
+               proc: psutil.Process | None = None) -> tuple[list[float], dict[str, float]]:
+    """Latencies of the measured phase, and what the proxy and the load generator used during it."""
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -181,60 +246,99 @@ async def load(target: str, clients: int, stream: bool, direct: bool, duration: 
                 if record:
                     latencies.append(time.perf_counter() - t)
         await asyncio.gather(*(worker(time.monotonic() + 0.5, False) for _ in range(clients)))   # warm up
+        before = snapshot(proc)
         await asyncio.gather(*(worker(time.monotonic() + duration, True) for _ in range(clients)))
-    return latencies
+        after = snapshot(proc)
+    return latencies, {k: after[k] - before[k] for k in before}
 
 
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-async def measure(name: str, target: str, proc: psutil.Process | None, args) -> list[dict]:
-    rows = []
-    for stream in (False, True):
-        for clients in (1, 64):
-            if proc:
-                proc.cpu_percent()
-            lat = await load(target, clients, stream, name == "direct", args.duration)
-            cpu = proc.cpu_percent() if proc else None
-            rows.append({"proxy": name, "stream": stream, "clients": clients, "requests": len(lat),
-                         "rps": len(lat) / args.duration, "p50_ms": 1000 * pct(lat, 50),
-                         "p99_ms": 1000 * pct(lat, 99), "proxy_cpu_percent": cpu})
-            print(f"  {name:8s} stream={str(stream):5s} clients={clients:2d}: {rows[-1]['rps']:7.0f} req/s  "
-                  f"p50 {rows[-1]['p50_ms']:6.2f} ms  p99 {rows[-1]['p99_ms']:6.2f} ms"
-                  + (f"  proxy cpu {cpu:.0f}%" if cpu is not None else ""), file=sys.stderr)
-    return rows
+async def measure(name: str, target: str, proc: psutil.Process | None, stream: bool, clients: int, args) -> dict:
+    lat, used = await load(target, clients, stream, name == "direct", args.duration, proc)
+    n = len(lat)
+    r = {"proxy": name, "stream": stream, "clients": clients, "requests": n,
+         "rps": n / args.duration, "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99),
+         "proxy_cpu_percent": 100 * used["proxy_cpu_s"] / args.duration if proc else None,
+         "proxy_cpu_us_per_request": 1e6 * used["proxy_cpu_s"] / n if proc else None,
+         "proxy_preempted_per_s": used["proxy_preempted"] / args.duration if proc else None,
+         "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration,
+         "cores_busy_percent": [round(100 * v / args.duration) for k, v in sorted(used.items()) if k.startswith("core")]}
+    print(f"  {name:11s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
+          f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  load cpu {r['load_cpu_percent']:.0f}%"
+          + (f"  proxy cpu {r['proxy_cpu_percent']:.0f}%, {r['proxy_cpu_us_per_request']:.0f} us/req, "
+             f"preempted {r['proxy_preempted_per_s']:.0f}/s" if proc else ""), file=sys.stderr)
+    return r
+
+
+ARMS = ("direct", "pdserve", "pdserve-admission", "baseline", "vllm-router")
+# Every admission check on (per-tenant rate and in-flight cap, global cap with a queue), none binding:
+# what admission costs a request that it lets through.
+ADMISSION_ON = {"tenant_rate": 1e9, "tenant_max_in_flight": 100_000, "max_in_flight": 100_000, "queue_size": 100}
+
+
+def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict
+              ) -> tuple[str, subprocess.Popen | None, str | None]:
+    """(url, process, its config file) of one arm, started on the proxy core."""
+    if name == "direct":
+        return backend_url, None, None
+    port = free_port()
+    if name.startswith("pdserve"):
+        cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump({"prefill": [{"name": "prefill-0", "url": backend_url}],
+                   "decode": [{"name": "decode-0", "url": decode_url}], "model": "m", "port": port,
+                   **router_cfg, **(ADMISSION_ON if name == "pdserve-admission" else {})}, cfg_file)
+        cfg_file.close()
+        return (f"http://127.0.0.1:{port}",
+                spawn([sys.executable, "-m", "pdserve.router", "--config", cfg_file.name], PROXY_CORE), cfg_file.name)
+    if name == "baseline":
+        me = [sys.executable, str(Path(__file__).resolve())]
+        return f"http://127.0.0.1:{port}", spawn([*me, "--serve-baseline", str(port), backend_url], PROXY_CORE), None
+    from pdserve.bench import vrouter
+    exe = vrouter.executable()
+    if exe is None:
+        raise SystemExit("error: arm vllm-router: the vllm-router package is not installed (pip install vllm-router)")
+    return (f"http://127.0.0.1:{port}", spawn(vrouter.argv(exe, port, [backend_url], [decode_url], free_port()), PROXY_CORE,
+                                               {"NO_COLOR": "1"}), None)
 
 
 async def main_async(args) -> dict:
     os.sched_setaffinity(0, LOAD_CORE)
     me = [sys.executable, str(Path(__file__).resolve())]
-    backend_port, router_port, baseline_port = free_port(), free_port(), free_port()
-    backend_url = f"http://127.0.0.1:{backend_port}"
+    backend_port = free_port_pair()
+    backend_url, decode_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{backend_port + 1}"
     procs = [spawn([*me, "--serve-backend", str(backend_port)], LOAD_CORE)]
-    cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    json.dump({"prefill": [{"name": "prefill-0", "url": backend_url}], "decode": [{"name": "decode-0", "url": backend_url}],
-               "model": "m", "port": router_port}, cfg_file)
-    cfg_file.close()
-    router = spawn([sys.executable, "-m", "pdserve.router", "--config", cfg_file.name], PROXY_CORE)
-    baseline = spawn([*me, "--serve-baseline", str(baseline_port), backend_url], PROXY_CORE)
-    procs += [router, baseline]
+    arms: list[tuple[str, str, subprocess.Popen | None]] = []
+    files: list[str] = []
     try:
-        for url in (backend_url, f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{baseline_port}"):
+        for name in args.arms:
+            url, proc, cfg = start_arm(name, backend_url, decode_url, json.loads(args.router_config))
+            arms.append((name, url, proc))
+            procs += [proc] if proc else []
+            files += [cfg] if cfg else []
+        for url in (backend_url, *(url for _, url, _ in arms)):
             await wait_up(url)
         await asyncio.sleep(2.5)   # the router's first health probe marks the backend healthy
         rows = []
-        for name, url, proc in (("direct", backend_url, None),
-                                ("pdserve", f"http://127.0.0.1:{router_port}", psutil.Process(router.pid)),
-                                ("baseline", f"http://127.0.0.1:{baseline_port}", psutil.Process(baseline.pid))):
-            rows += await measure(name, url, proc, args)
+        # Arms interleaved cell by cell: a neighbour's load on this shared box hits them alike.
+        for run in range(args.runs):
+            for stream in (False, True) if args.stream else (False,):
+                for clients in args.clients:
+                    for name, url, proc in arms:
+                        row = await measure(name, url, psutil.Process(proc.pid) if proc else None, stream,
+                                            clients, args)
+                        rows.append({**row, "run": run})
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(10)
-        os.unlink(cfg_file.name)
-    return summarize(rows)
+        for f in files:
+            os.unlink(f)
+    return summarize(rows) if {"direct", "pdserve", "baseline"} <= set(args.arms) and args.runs == 1 \
+        and args.clients == [1, 64] and args.stream else {"rows": rows}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -375,18 +479,33 @@ def main() -> None:
     ap.add_argument("--out", default="bench-router.json", help="where to write the full results")
     ap.add_argument("--cpu", nargs="+", metavar="REV", help="compare the router's CPU per request of revisions")
     ap.add_argument("-n", type=int, default=1000, help="requests per kind with --cpu")
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=["direct", "pdserve", "baseline"],
+                    help="what to measure (vllm-router needs the vllm-router package)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat the measurement, arms interleaved")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 64], help="concurrent clients per cell")
+    ap.add_argument("--no-stream", dest="stream", action="store_false", help="non-streamed requests only")
+    ap.add_argument("--router-config", default="{}", help="extra pdserve router settings, as JSON")
     ap.add_argument("--tracing", action="store_true", help="with --cpu: each revision with tracing off and on")
     args = ap.parse_args()
     if args.cpu:
-        rows = asyncio.run(compare_cpu(args.cpu, args.n, args.tracing))
+        rows = run(compare_cpu(args.cpu, args.n, args.tracing))
         print(f"{'revision':12s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
               f"{'/health stall s':>16s} {'13 MB body s':>13s}")
         for r in rows:
             print(f"{r['rev']:12s} {r['json_cpu_s']:16.2f} {r['stream_cpu_s']:19.2f} {r['health_stall_s']:16.2f} "
                   f"{r['huge_body_s']:13.2f}")
         return
-    result = asyncio.run(main_async(args))
+    result = run(main_async(args))
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if "summary" not in result:
+        print(f"{'run':>3s} {'arm':12s} {'stream':6s} {'clients':>7s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "
+              f"{'cpu %':>6s} {'us/req':>7s} {'preempt/s':>9s} {'load cpu %':>10s}  cores busy %")
+        for r in result["rows"]:
+            print(f"{r['run']:3d} {r['proxy']:12s} {str(r['stream']):6s} {r['clients']:7d} {r['rps']:7.0f} "
+                  f"{r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {r['proxy_cpu_percent'] or 0:6.0f} "
+                  f"{r['proxy_cpu_us_per_request'] or 0:7.0f} {r['proxy_preempted_per_s'] or 0:9.0f} "
+                  f"{r['load_cpu_percent']:10.0f}  {'/'.join(map(str, r['cores_busy_percent']))}")
+        return
     print(f"{'stream':7s} {'added p50 ms':>13s} {'added p99 ms':>13s} {'rps@64':>8s} "
           f"{'baseline added p50':>19s} {'baseline rps@64':>16s} {'ratio':>6s}")
     for s in result["summary"]:

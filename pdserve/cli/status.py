@@ -122,6 +122,9 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
                           f"{r.get('prefill_tokens_local_cached', 0):.0f}; misses: {misses}"))
         ended = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_outcomes") or {}).items())) or "none yet"
         parts.append(Text(f"turns by outcome: {ended}"))
+        if r.get("admission"):
+            admitted = ", ".join(f"{k} {v}" for k, v in sorted(r["admission"].items()))
+            parts.append(Text(f"admission: {admitted}; queued now {r.get('admission_queue_depth', 0)}"))
         if r.get("degraded_missing") or r.get("degraded_requests"):
             now = ", ".join(f"no usable {role} server" for role in r.get("degraded_missing") or []) or "none now"
             served = ", ".join(f"{n} on {role}" for role, n in sorted((r.get("degraded_requests") or {}).items()))

@@ -28,6 +28,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     misses: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
+    admission: Counter[str] = Counter()
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
     for (name, label_set), value in samples.items():
@@ -51,6 +52,10 @@ def summarize(samples: Samples) -> dict[str, Any]:
             degraded_served[labels.get("served_by", "")] += int(value)
         elif name == names.DEGRADED_NOW and value:
             missing_roles.append(labels.get("missing", ""))
+        elif name == names.ADMISSION + "_total":
+            admission[labels.get("outcome", "")] += int(value)
+        elif name == names.ADMISSION_QUEUE:
+            out["admission_queue_depth"] = int(value)
         elif name in BACKEND_GAUGES:
             backends.setdefault(labels.get("backend", ""), {})[BACKEND_GAUGES[name]] = int(value)
     decided = out["reuse_hits"] + out["reuse_misses"]
@@ -59,6 +64,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (pdserve.router.turn.TURN_OUTCOMES)
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
+    out["admission"] = {k: v for k, v in admission.items() if v}   # admission outcomes (empty while it is off)
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
     out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now
     return out

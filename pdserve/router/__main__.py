@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -34,6 +35,19 @@ def fit_descriptors(cfg: RouterConfig) -> RouterConfig:
                                upstream_max_per_backend=min(cfg.upstream_max_per_backend, upstream))
 
 
+# A request allocates a few hundred objects, almost none in reference cycles; with CPython's default
+# thresholds (700, 10, 10) the collector ran ~80 us per request and paused the loop up to 57 ms (a full
+# collection walking every module object). Collected more rarely, and the startup heap left out of it.
+GC_THRESHOLDS = (20_000, 20, 50)
+
+
+def quiet_gc() -> None:
+    """Freeze what startup built (imports, the app) out of the collector's walks, then collect rarely."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def serve(cfg: RouterConfig, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting connections and give in-flight requests
     (streams included) up to drain_timeout to finish, so `pdserve down` loses no answer in progress."""
@@ -45,6 +59,7 @@ async def serve(cfg: RouterConfig, host: str, port: int) -> None:
                            shutdown_timeout=cfg.drain_timeout, **server_limits(cfg))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
+    quiet_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

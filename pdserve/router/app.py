@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.router import tracing
+from pdserve.router import admission
 from pdserve.router.backends import Backend, HealthProber, Pool
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
@@ -148,10 +149,14 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         from pdserve.router.otel import Tracer
         spans = Tracer(cfg)
     observe = [tracing.middleware(spans, cfg.json_logs)] if spans is not None or cfg.json_logs else []
-    # Without a key, no key middleware: every layer is a coroutine more on every request.
-    app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[*observe, count_requests, openai_errors, *([require_api_key] if key else [])])
     metrics = RouterMetrics()
+    # Without a key, no key middleware, and without limits no admission: each is a coroutine more per request.
+    limits = admission.Limits.from_config(cfg)
+    admit = [admission.middleware(admission.Admission(limits, metrics), COMPLETION_ROUTES,
+                                  metrics.turns.labels(FAILED).inc)] if limits.enabled else []
+    app = web.Application(client_max_size=cfg.max_body_bytes,
+                          middlewares=[*observe, count_requests, openai_errors, *([require_api_key] if key else []),
+                                       *admit])
     app[CONFIG] = cfg
     app[METRICS] = metrics
     app[API_KEY] = key
@@ -166,7 +171,9 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
         connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
                                          limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
-        session = aiohttp.ClientSession(connector=connector,
+        # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
+        # filtering the jar was work on every backend call).
+        session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
                                         trace_configs=[spans.trace_config()] if spans is not None else None)
         def breaker() -> CircuitBreaker:
             return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)

@@ -53,6 +53,13 @@ class RouterConfig:
     otlp_endpoint: str | None = None   # OTLP/HTTP traces URL (e.g. http://127.0.0.1:4318/v1/traces); None: no tracing
     trace_sample_ratio: float = 1.0    # share of requests traced (a client's sampled traceparent is followed)
     json_logs: bool = False            # one JSON line per completion request (request id, trace id, outcome...)
+    # Admission (admission.py); 0 is unlimited, and with every limit 0 admission is off.
+    max_in_flight: int = 0             # completion requests in flight in all; past it they queue
+    queue_size: int = 0                # ... this many at most (then 503)
+    queue_timeout: float = 5.0         # ... each this long at most (then 503)
+    tenant_max_in_flight: int = 0      # per tenant (API key), queued ones included (then 429)
+    tenant_rate: float = 0.0           # per tenant, requests per second (token bucket; then 429)
+    tenant_burst: int = 0              # the bucket's size; 0: max(1, ceil(tenant_rate))
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

@@ -91,6 +91,16 @@ class RouterMetrics:
         self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
                                        "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
                                        "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)
+        self.admission = Counter(names.ADMISSION,
+                                 "Completion requests by admission outcome, one each (with admission on): admitted, "
+                                 "queued (served after a wait), rejected_tenant_rate and rejected_tenant_in_flight "
+                                 "(429), rejected_saturated (503, queue full), queue_timeout (503), client_gone "
+                                 "(left while queued).", ["outcome"], registry=r)
+        self.admission_queue = Gauge(names.ADMISSION_QUEUE, "Requests waiting for an admission slot now.",
+                                     registry=r)
+        self.admission_wait = Histogram("pdserve_router_admission_wait_seconds",
+                                        "Time queued requests waited for a slot (served or not).",
+                                        buckets=LATENCY_BUCKETS, registry=r)
         # process_start_time_seconds and friends: the dashboard counts restarts by the start time's changes.
         ProcessCollector(registry=r)
         # Series that exist before their first event, so a dashboard shows 0 rather than no data.

@@ -118,6 +118,11 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
     if spec.reuse_ttl >= spec.kv_transfer.decoder_kv_blocks_ttl:
         problems.append(f"router.reuse_ttl: {spec.reuse_ttl:g} must be below kv_transfer.decoder_kv_blocks_ttl "
                         f"({spec.kv_transfer.decoder_kv_blocks_ttl:g}): D frees its blocks after that")
+    if spec.router.queue_size and not spec.router.max_in_flight:
+        problems.append(f"router.queue_size: {spec.router.queue_size} needs router.max_in_flight (a queue waits "
+                        "for a free slot under that cap; without it nothing ever waits)")
+    if spec.router.tenant_burst and not spec.router.tenant_rate:
+        problems.append("router.tenant_burst: needs router.tenant_rate (the bucket refills at that rate)")
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         from pdserve.engine.models import BUILTIN_MODELS  # light module: sizes only
         kind = spec.model[len(BUILTIN_MODEL_PREFIX):]

@@ -141,6 +141,20 @@ class RouterSpec(Strict):
                                            "request.", gt=0)
     max_body_mb: float = Field(ROUTER_DEFAULTS["max_body_bytes"] / MIB, gt=0,
                                description="Largest request body accepted, in MiB.")
+    # Admission (docs/router.md "Admission"); 0 is unlimited; off by default.
+    max_in_flight: int = router_field("max_in_flight", "Completion requests in flight through the router at "
+                                      "most; past it they wait in the queue. 0: unlimited.", ge=0)
+    queue_size: int = router_field("queue_size", "Requests that may wait for a slot past max_in_flight; a full "
+                                   "queue answers 503 with Retry-After.", ge=0)
+    queue_timeout: float = router_field("queue_timeout", "Seconds a request may wait in the queue (then 503 with "
+                                        "Retry-After).", gt=0)
+    tenant_max_in_flight: int = router_field("tenant_max_in_flight", "Completion requests one tenant (API key) "
+                                             "may have in flight or queued; past it 429 with Retry-After. "
+                                             "0: unlimited.", ge=0)
+    tenant_rate: float = router_field("tenant_rate", "Requests per second one tenant may send (token bucket); "
+                                      "past it 429 with Retry-After. 0: unlimited.", ge=0)
+    tenant_burst: int = router_field("tenant_burst", "Requests a tenant may send at once above tenant_rate (the "
+                                     "bucket's size); 0: max(1, tenant_rate).", ge=0)
 
 
 class ObservabilitySpec(Strict):

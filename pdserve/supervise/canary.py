@@ -13,6 +13,7 @@ UCX's TCP emulation, slower than recomputing) fails: a deployment slower than on
 from __future__ import annotations
 
 import json
+import time
 import logging
 import urllib.error
 import urllib.request
@@ -99,9 +100,22 @@ class CanaryResult:
 
 
 def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(router_url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    """One turn; refused by the router's admission control (429/503 with Retry-After), asked again after
+    the wait it names while `timeout` allows: the canary is a request like any other (its tenant is the
+    cluster's API key, or no key), and a busy deployment is not a broken one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(router_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            wait = err.headers.get("Retry-After", "") if err.code in (429, 503) else ""
+            if not wait.isdigit() or time.monotonic() + int(wait) > deadline:
+                raise
+            err.close()
+            time.sleep(int(wait))
 
 
 def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str | None = None,
