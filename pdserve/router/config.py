@@ -50,6 +50,10 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     drain_timeout: float = 15.0        # on SIGTERM: stop accepting, let in-flight requests finish this long
+    store: str = "memory"              # where reuse entries live: memory, or redis://HOST:PORT/DB (store.py)
+    store_timeout: float = 0.25        # a store call answers within this, else the turn recomputes
+    replicas: int = 1                  # router processes sharing the store (one port, SO_REUSEPORT)
+    replica: str = ""                  # this process's name among them (X-PDServe-Router); set per process
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

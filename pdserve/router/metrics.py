@@ -91,6 +91,11 @@ class RouterMetrics:
         self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
                                        "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
                                        "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)
+        self.store_up = Gauge(names.STORE_UP, "1 while the reuse store answers (the memory store always does); "
+                              "0 while turns are served without it.", ["store"], registry=r)
+        self.store_errors = Counter(names.STORE_ERRORS, "Reuse-store calls that failed: timeout, error, or down "
+                                    "(not tried: the store was seen down less than a second ago).",
+                                    ["op", "reason"], registry=r)
         # prometheus_client's labels() validates and locks on every call, many times a request; the
         # label sets here are bounded (routes, statuses, backends), so each child is looked up once.
         for metric in vars(self).values():
