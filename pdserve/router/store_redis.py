@@ -3,8 +3,8 @@ redis-py's asyncio client. Every router replica sees the same entries, and a rou
 
 - Keys name no conversation: `pdserve:<cluster>:e:<sha256(tenant, conversation)>` (the tenant is already a
   hash of the credentials; a conversation id is hashed here too).
-- Single use: a take is one GETDEL, or one Lua script for several candidate keys (the first that exists is
-  read and deleted in the same atomic step), so two concurrent turns never both get an entry.
+- Single use: a take is one Lua script over the candidate keys: the first that exists is read and deleted
+  (GETDEL) in the same atomic step, so two concurrent turns never both get an entry.
 - Expiry in Redis: SET ... PX reuse_ttl; an expired entry is simply gone (a `no_entry` miss).
 - Bounded memory: an entry is at most MAX_ENTRY_BYTES (token ids as 4-byte ints after a JSON header); the
   whole is bounded by Redis's `maxmemory` (a managed Redis gets reuse_max_mb with `volatile-ttl`: the
@@ -52,11 +52,15 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), KEYS[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return dropped
 """
-# KEYS: candidate entries, longest history first: the first that exists, read and deleted; its index (1-based)
+# KEYS: candidate entries, longest history first: the first that exists is read and deleted, and leaves its
+# decode server's index (the value's first line names the server); ARGV: the index keys' prefix
 TAKE_FIRST = """
 for i = 1, #KEYS do
   local v = redis.call('GETDEL', KEYS[i])
-  if v then return {i, v} end
+  if v then
+    redis.call('ZREM', ARGV[1] .. string.sub(v, 1, string.find(v, '\\n', 1, true) - 1), KEYS[i])
+    return v
+  end
 end
 return false
 """
@@ -116,12 +120,8 @@ class RedisStore:
         return True
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
-        if len(keys) == 1:
-            value = await self.client.getdel(self.key(keys[0]))
-        else:
-            found = await self._take_first(keys=[self.key(k) for k in keys])
-            value = found[1] if found else None
-        if value is None:
+        value = await self._take_first(keys=[self.key(k) for k in keys], args=[self.prefix + "idx:"])
+        if not value:
             return None, "no_entry"
         entry = decode_entry(value)
         return (entry, "ok") if entry is not None else (None, "no_entry")
@@ -163,12 +163,13 @@ def encode(params: dict[str, Any], decode: str, sequence: list[int] | None) -> b
             tokens = packed.tobytes()
         except (TypeError, OverflowError):
             sequence = None    # not token ids: stored without, nothing will be verified against it
-    header = json.dumps({"p": params, "d": decode, "s": sequence is not None}, separators=(",", ":"))
-    return header.encode() + b"\n" + tokens
+    header = json.dumps({"p": params, "s": sequence is not None}, separators=(",", ":"))
+    return decode.encode() + b"\n" + header.encode() + b"\n" + tokens
 
 
 def decode_entry(value: bytes) -> ReuseEntry | None:
-    header, _, tokens = value.partition(b"\n")    # JSON escapes newlines: the first one ends the header
+    decode, _, rest = value.partition(b"\n")      # the holder; decode names have no newline (the schema's)
+    header, _, tokens = rest.partition(b"\n")     # JSON escapes newlines: the first one ends the header
     try:
         meta = json.loads(header)
         sequence = None
@@ -179,7 +180,7 @@ def decode_entry(value: bytes) -> ReuseEntry | None:
                 sequence.byteswap()
         # generation None: replicas count a backend's restarts each their own way; the engine id check and
         # drop_decode (both shared) stand for it.
-        return ReuseEntry(meta["p"], meta["d"], None, float("inf"), sequence, len(value))
+        return ReuseEntry(meta["p"], decode.decode(), None, float("inf"), sequence, len(value))
     except (ValueError, KeyError, TypeError):
         log.warning("a reuse entry in Redis could not be read: ignored")
         return None
