@@ -25,14 +25,14 @@ def transfer_rate(url: str) -> tuple[float, float, float] | None:
 
 def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
     """`min_gbps`: the floor for the canary's transfers and the servers' rates (None: the plan's own)."""
-    if not probe(plan.router.url + "/health"):
-        return [Finding("fail", "router", f"{plan.router.url} does not answer /health",
+    if not probe(plan.router_url + "/health"):
+        return [Finding("fail", "router", f"{plan.router_url} does not answer /health",
                         f"`pdserve status {plan.name}`; `pdserve logs {plan.name} router`")]
-    out = [Finding("ok", "router", f"{plan.router.url} answers")]
+    out = [Finding("ok", "router", f"{plan.router_url} answers")]
     cfg = plan.router_config
     floor = plan.transfer_floor_gbps if min_gbps is None else min_gbps
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
+    result = run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
                         prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
                         floor_gbps=floor)
     hint = "" if result.ok else ("" if result.slow else f"`pdserve logs {plan.name} decode-0` for NIXL errors")

@@ -9,7 +9,7 @@ from typing import Any
 from pdserve.spec.schema import LauncherKind
 
 # Start order of the roles (prefill, then decode, then the router); stop and restart orders derive from it.
-ROLE_ORDER = {"prefill": 0, "decode": 1, "router": 2}
+ROLE_ORDER = {"prefill": 0, "decode": 1, "store": 2, "router": 3}   # store: the managed Redis (plan/routers.py)
 
 # Host name of the machine `pdserve up` runs on: the router, and every server of a cluster without `hosts:`.
 LOCAL_HOST = "local"
@@ -90,6 +90,13 @@ class ClusterPlan:
     @property
     def router(self) -> ProcessPlan:
         return next(p for p in self.processes if p.role == "router")
+
+    @property
+    def router_url(self) -> str:
+        """Where clients reach the router: with replicas, the port they share (each also has its own)."""
+        if int(self.router_config.get("replicas", 1)) > 1:
+            return f"http://{connect_host(self.router.host)}:{self.router_config['port']}"
+        return self.router.url
 
     def by_name(self, name: str) -> ProcessPlan:
         return next(p for p in self.processes if p.name == name)
