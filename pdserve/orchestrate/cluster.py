@@ -25,7 +25,7 @@ from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
 from pdserve.observe.promtext import api_key_of
-from pdserve.observe.routerstats import read_router
+from pdserve.observe.routerstats import read_router, read_routers
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.observe.logfiles import last_lines, root_cause
@@ -398,10 +398,18 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "name": cdir.name, "phase": state.phase.value if running else "stopped", "running": running,
         "supervisor_alive": sup_alive, "error": state.error, "router_url": router_url,
         "processes": processes,
-        "router": read_router(router_url, api_key_of(plan.router_config) if plan else None)
-        if running and router_url else None,
+        "router": router_view(plan, router_url) if running and router_url else None,
         "state_dir": str(cdir.root),
     }
+
+
+def router_view(plan: ClusterPlan | None, router_url: str) -> dict[str, Any] | None:
+    """What the router reports; with replicas, each read on its own port and added up."""
+    key = api_key_of(plan.router_config) if plan else None
+    replicas = [p for p in plan.processes if p.role == "router"] if plan else []
+    if len(replicas) > 1:
+        return read_routers({p.name: p.url for p in replicas}, key)
+    return read_router(router_url, key)
 
 
 def stop_timeout_of(cdir: ClusterDir) -> float:
