@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import urllib.request
 
 import pytest
@@ -76,6 +77,25 @@ def test_replicas_share_a_managed_redis_across_a_router_kill(tmp_path, home):
         assert headers["X-PDServe-Router"] == "router-1"
         again = read_router(own["router-1"])
         assert again["turns"] == 1 and again["reuse_hits"] == 1, json.dumps(again)
+
+        # The managed Redis paused (SIGSTOP): requests are still served, status and doctor say the store is
+        # unavailable; once it resumes, both say it is back.
+        redis = next(p for p in status_json("reps")["processes"] if p["name"] == "redis")
+        doctor_ok = pdserve("doctor", str(path))
+        assert doctor_ok.returncode == 0 and "ok   router-0 store: reuse store redis answers" in doctor_ok.stdout
+        os.kill(redis["pid"], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            turn(own["router-0"], [{"role": "user", "content": "while paused"}], "paused")
+            assert time.monotonic() - started < 5
+            wait_for(lambda: "reuse store redis: UNAVAILABLE" in pdserve("status", "reps").stdout, timeout=10,
+                     what="status to show the store down")
+            doctor = pdserve("doctor", str(path))
+            assert doctor.returncode == 1 and "fail router-1 store: reuse store redis unavailable" in doctor.stdout, \
+                doctor.stdout
+        finally:
+            os.kill(redis["pid"], signal.SIGCONT)
+        wait_for(lambda: "reuse store redis: up" in pdserve("status", "reps").stdout, timeout=10, what="store back")
     except BaseException:
         pdserve("down", "reps")
         raise
