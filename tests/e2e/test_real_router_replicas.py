@@ -8,12 +8,13 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 
 from pdserve.launchers.local import marked_processes
-from tests.e2e.vllmkit import external_tokens, long_user_turn, pdserve, reuse_diagnosis, up
+from tests.e2e.vllmkit import external_tokens, pdserve, reuse_diagnosis, up
 from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import port_free
 from tests.integration.test_cli_replicas import consecutive_free
@@ -38,12 +39,18 @@ def cluster(tmp_path_factory):
 
 def turn(cluster: dict, url: str, history: list) -> tuple[str, float]:
     """One non-streamed chat turn through `url`: (the replica that answered, tokens P read from D)."""
-    history.append(long_user_turn(len(history) // 2))
+    # a third of long_user_turn's rows: six turns stay well inside --max-model-len 8192
+    history.append({"role": "user", "content": f"Turn {len(history) // 2}. " + " ".join(
+        f"row {i}: value {i * 17 % 101} status ok;" for i in range(40))})
     before = external_tokens(cluster)
     body = {"model": "tiny", "messages": history, "max_tokens": 16, "conversation_id": "alternating"}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
+    try:
+        resp = urllib.request.urlopen(req, timeout=300)
+    except urllib.error.HTTPError as err:
+        raise AssertionError(f"HTTP {err.code}: {err.read()[:500]!r}") from None
+    with resp:
         data = json.loads(resp.read())
         served = resp.headers["X-PDServe-Router"]
     assert "kv_transfer_params" not in data

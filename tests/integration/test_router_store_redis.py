@@ -161,13 +161,18 @@ async def test_redis_killed_mid_run_fails_no_request_and_reuse_resumes(redis_ser
         assert 'pdserve_router_store_up{store="redis"} 0.0' in m
         assert 'outcome="failed"' not in m
         redis_server.start()                                              # back, same port, empty
-        for _ in range(50):
-            if 'pdserve_router_store_up{store="redis"} 1.0' in await dep.metrics():
-                break
-            await asyncio.sleep(0.1)
+        await _store_back(dep)
         pre = _hits(await dep.metrics())
         await _turns(dep.url, dep.session, 3, "after", served)
         assert _hits(await dep.metrics()) == pre + 2                      # both follow-ups reused again
+
+
+async def _store_back(dep) -> None:
+    for _ in range(50):
+        if 'pdserve_router_store_up{store="redis"} 1.0' in await dep.metrics():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the router never saw the store back")
 
 
 def _hits(metrics: str) -> float:
@@ -193,10 +198,7 @@ async def test_a_paused_redis_holds_up_no_request(redis_server):
         assert 'pdserve_router_store_errors_total{op="take",reason="timeout"}' in m or \
             'pdserve_router_store_errors_total{op="put",reason="timeout"}' in m, m
         assert 'outcome="failed"' not in m
-        for _ in range(50):
-            if 'pdserve_router_store_up{store="redis"} 1.0' in await dep.metrics():
-                break
-            await asyncio.sleep(0.1)
+        await _store_back(dep)
         pre = _hits(await dep.metrics())
         await _turns(dep.url, dep.session, 2, "resumed", served)
         assert _hits(await dep.metrics()) == pre + 1
