@@ -110,8 +110,8 @@ def changed_processes(old: dict[str, Any] | None, new: ClusterPlan) -> list[str]
     names = {p.name for p in before.processes}
     changed = [p.name for p in new.processes
                if p.name not in names or before.by_name(p.name).fingerprint() != p.fingerprint()]
-    if before.router_config != new.router_config and "router" not in changed:
-        changed.append("router")
+    if before.router_config != new.router_config:    # every router replica reads it
+        changed += [p.name for p in new.processes if p.role == "router" and p.name not in changed]
     return changed + sorted(names - {p.name for p in new.processes})
 
 

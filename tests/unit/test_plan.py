@@ -277,3 +277,10 @@ def test_managed_store_is_a_supervised_loopback_redis_in_the_cluster_folder():
     one = plan_of(with_("router.store", "managed"))
     assert one.router.name == "router" and one.router_config["store"] == "redis://127.0.0.1:8001/0"
     assert plan_of(GOOD).router_config["store"] == "memory"
+
+
+def test_a_router_setting_change_restarts_every_replica():
+    from pdserve.orchestrate.cluster import changed_processes
+    base = with_("router.replicas", 2, with_("router.store", "managed"))
+    changed = changed_processes(plan_of(base).to_dict(), plan_of(with_("router.request_timeout", 5, base)))
+    assert changed == ["router-0", "router-1"]
