@@ -34,6 +34,7 @@ STORES = {
     "unix": "pdserve.router.store_redis:RedisStore",
 }
 UNAVAILABLE = "store_unavailable"   # the miss reason of a turn whose entry could not be read
+TIMEOUT = getattr(asyncio, "timeout", None)
 
 
 class ReuseStore(Protocol):
@@ -111,8 +112,8 @@ class GuardedStore:
             self.on_error(op, "down")
             return fallback
         try:
-            result = await asyncio.wait_for(call(), self.timeout)
-        except asyncio.TimeoutError:
+            result = await self._bounded(call)
+        except (asyncio.TimeoutError, TimeoutError):
             self._failed(op, "timeout", "no answer in %gs" % self.timeout)
             return fallback
         except Exception as err:  # noqa: BLE001 - any store failure means: serve without it
@@ -123,6 +124,12 @@ class GuardedStore:
             self.on_health(True)
             log.info("reuse store is back: entries are shared again")
         return result
+
+    async def _bounded(self, call: Callable[[], Any]) -> Any:
+        if TIMEOUT is None:     # Python 3.10
+            return await asyncio.wait_for(call(), self.timeout)
+        async with TIMEOUT(self.timeout):   # no task per call, unlike wait_for
+            return await call()
 
     def _failed(self, op: str, reason: str, detail: str) -> None:
         self.on_error(op, reason)

@@ -85,9 +85,9 @@ class RedisStore:
         self.on_evict = on_evict
         self.max_bytes = max_bytes
         # No retries inside the client: a failed call is answered at once (the caller recomputes) and the next
-        # call takes a fresh connection. Timeouts of its own in case a guard is missing.
-        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                              retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        # call takes a fresh connection. GuardedStore bounds every call: no socket timeout per read on top.
+        self.client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                                              health_check_interval=0)
         self._put = self.client.register_script(PUT)
         self._take_first = self.client.register_script(TAKE_FIRST)
         self._drop = self.client.register_script(DROP)
