@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pdserve.router.reuse import ReuseStore  # noqa: E402
+from pdserve.router.store_memory import MemoryTable as ReuseStore  # noqa: E402
 
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e",
           "remote_request_id": "r", "remote_host": "h", "remote_port": 1, "remote_num_tokens": 255,

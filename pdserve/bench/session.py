@@ -186,6 +186,6 @@ def restart_prefill(name: str, ep: Endpoints, note: Callable[[str], None]) -> fl
 def endpoints(name: str) -> Endpoints:
     """Where a running cluster's router and servers answer, and the key its router wants."""
     plan = ops.stored_plan(name)
-    return Endpoints(plan.router.url, [p.url for p in plan.processes if p.role == "prefill"],
+    return Endpoints(plan.router_url, [p.url for p in plan.processes if p.role == "prefill"],
                      plan.router_config.get("model", ""), api_key_of(plan.router_config),
                      [p.url for p in plan.processes if p.role == "decode"])

@@ -8,27 +8,48 @@ from pdserve.plan.records import ClusterPlan
 from pdserve.checks.findings import Finding
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
+from pdserve.observe.routerstats import read_router
 from pdserve.supervise.canary import run_canary
 from pdserve.supervise.health import probe
 
 
+def store_findings(plan: ClusterPlan) -> list[Finding]:
+    """Each router replica answers on its own port, and the shared reuse store answers each of them."""
+    routers = [p for p in plan.processes if p.role == "router"]
+    out = []
+    for proc in routers:
+        stats = read_router(proc.url, api_key_of(plan.router_config))
+        store = (stats or {}).get("store") or {}
+        if stats is None:
+            out.append(Finding("fail", proc.name, f"{proc.url} does not answer /metrics",
+                               f"`pdserve logs {plan.name} {proc.name}`"))
+        elif store.get("kind", "memory") != "memory":
+            kind = store["kind"]
+            out.append(Finding("ok", f"{proc.name} store", f"reuse store {kind} answers") if store.get("up") else
+                       Finding("fail", f"{proc.name} store", f"reuse store {kind} unavailable: turns are served by "
+                               f"recomputing ({stats.get('store_errors', 0):.0f} failed calls)",
+                               f"is the Redis of router.store running? `pdserve status {plan.name}`; "
+                               f"`pdserve logs {plan.name} {proc.name}`"))
+    return out
+
+
 def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
     """`min_gbps`: the floor for the canary's transfers and the servers' rates (None: the plan's own)."""
-    if not probe(plan.router.url + "/health"):
-        return [Finding("fail", "router", f"{plan.router.url} does not answer /health",
+    if not probe(plan.router_url + "/health"):
+        return [Finding("fail", "router", f"{plan.router_url} does not answer /health",
                         f"`pdserve status {plan.name}`; `pdserve logs {plan.name} router`")]
-    out = [Finding("ok", "router", f"{plan.router.url} answers")]
+    out = [Finding("ok", "router", f"{plan.router_url} answers"), *store_findings(plan)]
     cfg = plan.router_config
     floor = plan.transfer_floor_gbps if min_gbps is None else min_gbps
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
+    result = run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
                         prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
                         floor_gbps=floor)
     hint = "" if result.ok else ("" if result.slow else f"`pdserve logs {plan.name} decode-0` for NIXL errors")
     out.append(Finding("ok" if result.ok else "fail", "canary", result.detail, hint))
     min_gbps = floor or None
     for proc in plan.processes:
-        if proc.role == "router":
+        if proc.role not in ("prefill", "decode"):
             continue
         rate = transfer.read(proc.url)
         direction = f"{transfer.DIRECTION[proc.role]} reads"

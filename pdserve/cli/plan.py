@@ -39,7 +39,7 @@ def command(
         console.out.print("  argv: " + shlex.join(proc.argv), markup=False, highlight=False)
         for name, why in proc.defaults.items():
             console.out.print(f"  set by pdserve: {name}={proc.env[name]}: {why}", markup=False, highlight=False)
-    console.out.print(f"router URL: {plan.router.url}   state: {result.state_dir}", highlight=False)
+    console.out.print(f"router URL: {plan.router_url}   state: {result.state_dir}", highlight=False)
     for f in failed:
         console.error(f"preflight {f.check}: {f.message}", f.hint or None)
     if failed:

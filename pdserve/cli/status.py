@@ -125,6 +125,7 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
         if r.get("admission"):
             admitted = ", ".join(f"{k} {v}" for k, v in sorted(r["admission"].items()))
             parts.append(Text(f"admission: {admitted}; queued now {r.get('admission_queue_depth', 0)}"))
+        parts += _store_lines(r)
         if r.get("degraded_missing") or r.get("degraded_requests"):
             now = ", ".join(f"no usable {role} server" for role in r.get("degraded_missing") or []) or "none now"
             served = ", ".join(f"{n} on {role}" for role, n in sorted((r.get("degraded_requests") or {}).items()))
@@ -139,6 +140,23 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
 def _rate(t: dict) -> str:
     gbps = f"{t['gbps']:.2f} GB/s" if t.get("gbps") is not None else "-"
     return f"{gbps} ({t['reads']:.0f} reads, {t['bytes'] / 1e6:.1f} MB)"
+
+
+def _store_lines(r: dict) -> list[Text]:
+    """The shared reuse store's health, and each router replica's view (nothing for one router in memory)."""
+    out = []
+    store = r.get("store")
+    if store and store["kind"] != "memory":
+        if store["up"]:
+            out.append(Text(f"reuse store {store['kind']}: up; failed calls so far {r.get('store_errors', 0):.0f}"))
+        else:
+            out.append(Text(f"reuse store {store['kind']}: UNAVAILABLE: turns are served by recomputing until it "
+                            f"is back (failed calls {r.get('store_errors', 0):.0f})", style="bold red"))
+    if r.get("replicas"):
+        out.append(Text("router replicas: " + ", ".join(
+            f"{name} " + (f"{v['turns']:.0f} turns" if v["answers"] else "NOT ANSWERING")
+            for name, v in r["replicas"].items())))
+    return out
 
 
 def _warnings(st: dict) -> None:

@@ -8,6 +8,10 @@ from typing import Any
 from pdserve.observe.promtext import Samples, parse, scrape
 from pdserve.router import metric_names as names
 
+# summary fields that replicas' summaries add up (plain numbers, and counts by label)
+ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_tokens_offered", "reuse_tokens_pulled",
+         "prefill_tokens_local_cached", "store_errors")
+ADDED_BY_LABEL = ("misses_by_reason", "turn_outcomes", "degraded_requests")
 BACKEND_GAUGES = {names.BACKEND_HEALTHY: "healthy", names.BACKEND_BREAKER_OPEN: "breaker_open",
                   names.BACKEND_IN_FLIGHT: "in_flight"}
 
@@ -18,13 +22,39 @@ def read_router(router_url: str, api_key: str | None = None, timeout: float = 2.
     return summarize(samples) if samples is not None else None
 
 
+def read_routers(replicas: dict[str, str], api_key: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
+    """Router replicas (name -> own URL) read one by one: their counters added up, backend health as the
+    first that answers sees it, and each one's own view under "replicas"; None when none answers."""
+    seen = {name: read_router(url, api_key, timeout) for name, url in replicas.items()}
+    answers = [s for s in seen.values() if s is not None]
+    if not answers:
+        return None
+    out = dict(answers[0])
+    for other in answers[1:]:
+        for key in ADDED:
+            out[key] += other[key]
+        for key in ADDED_BY_LABEL:
+            out[key] = dict(Counter(out[key]) + Counter(other[key]))
+        out["degraded_missing"] = sorted(set(out["degraded_missing"]) | set(other["degraded_missing"]))
+        if other.get("store") and not other["store"]["up"]:
+            out["store"] = other["store"]
+    decided = out["reuse_hits"] + out["reuse_misses"]
+    out["reuse_hit_rate"] = out["reuse_hits"] / decided if decided else None
+    out["entries_unavailable"] = float(out["turn_outcomes"].get("unavailable", 0))
+    out["replicas"] = {name: ({"answers": False} if s is None else
+                              {"answers": True, "turns": s["turns"], "store_up": (s.get("store") or {}).get("up")})
+                       for name, s in seen.items()}
+    return out
+
+
 def parse_metrics(text: str) -> dict[str, Any]:
     return summarize(parse(text))
 
 
 def summarize(samples: Samples) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
-                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0}
+                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0, "store_errors": 0.0,
+                           "store": None}
     misses: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
@@ -56,6 +86,10 @@ def summarize(samples: Samples) -> dict[str, Any]:
             admission[labels.get("outcome", "")] += int(value)
         elif name == names.ADMISSION_QUEUE:
             out["admission_queue_depth"] = int(value)
+        elif name == names.STORE_UP:       # which store, and whether it answers (redis: down = recomputing)
+            out["store"] = {"kind": labels.get("store", ""), "up": bool(value)}
+        elif name == names.STORE_ERRORS + "_total":
+            out["store_errors"] += value
         elif name in BACKEND_GAUGES:
             backends.setdefault(labels.get("backend", ""), {})[BACKEND_GAUGES[name]] = int(value)
     decided = out["reuse_hits"] + out["reuse_misses"]

@@ -27,7 +27,7 @@ from pdserve.plan.records import ROLE_ORDER, ClusterPlan
 from pdserve.checks.preflight import machine_findings
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
-from pdserve.observe.routerstats import read_router
+from pdserve.observe.routerstats import read_router, read_routers
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import ClusterSpec
 from pdserve.observe.logfiles import last_lines, root_cause
@@ -112,8 +112,8 @@ def changed_processes(old: dict[str, Any] | None, new: ClusterPlan) -> list[str]
     names = {p.name for p in before.processes}
     changed = [p.name for p in new.processes
                if p.name not in names or before.by_name(p.name).fingerprint() != p.fingerprint()]
-    if before.router_config != new.router_config and "router" not in changed:
-        changed.append("router")
+    if before.router_config != new.router_config:    # every router replica reads it
+        changed += [p.name for p in new.processes if p.role == "router" and p.name not in changed]
     return changed + sorted(names - {p.name for p in new.processes})
 
 
@@ -400,8 +400,7 @@ def cluster_status(cdir: ClusterDir) -> dict[str, Any]:
         "name": cdir.name, "phase": state.phase.value if running else "stopped", "running": running,
         "supervisor_alive": sup_alive, "error": state.error, "router_url": router_url,
         "processes": processes,
-        "router": read_router(router_url, api_key_of(plan.router_config) if plan else None)
-        if running and router_url else None,
+        "router": router_view(plan, router_url) if running and router_url else None,
         "transfers": _transfers(plan, state) if running and plan else None,
         "state_dir": str(cdir.root),
         "scrape_targets": str(cdir.targets_path),
@@ -413,13 +412,22 @@ TRANSFER_READ_TIMEOUT = 0.5   # per server, all at once: a hung server must not 
 
 def _transfers(plan: ClusterPlan, state: ClusterState) -> dict[str, dict]:
     """Each direction's KV transfer rate over the ready servers' lives (observe/transfer.py)."""
-    servers = [p for p in plan.processes if p.role != "router" and (rec := state.processes.get(p.name))
+    servers = [p for p in plan.processes if p.role in ("prefill", "decode") and (rec := state.processes.get(p.name))
                and rec.state == ProcState.READY]
     if not servers:
         return {}
     with ThreadPoolExecutor(len(servers)) as pool:
         reads = list(pool.map(lambda p: transfer.read(p.url, TRANSFER_READ_TIMEOUT), servers))
     return transfer.by_direction([(p.role, got) for p, got in zip(servers, reads)])
+
+
+def router_view(plan: ClusterPlan | None, router_url: str) -> dict[str, Any] | None:
+    """What the router reports; with replicas, each read on its own port and added up."""
+    key = api_key_of(plan.router_config) if plan else None
+    replicas = [p for p in plan.processes if p.role == "router"] if plan else []
+    if len(replicas) > 1:
+        return read_routers({p.name: p.url for p in replicas}, key)
+    return read_router(router_url, key)
 
 
 def stop_timeout_of(cdir: ClusterDir) -> float:

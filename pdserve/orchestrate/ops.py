@@ -96,7 +96,7 @@ def up(config: str | Path | None = None, *, note: Note = _quiet,
             supervisor = cluster.supervise_until_up(cdir, bool(adopted), on_update, spec.supervisor.stop_timeout)
     except KeyboardInterrupt:
         raise UpInterrupted() from None
-    return UpResult(spec.name, plan.router.url, spec.supervisor.stop_timeout, time.monotonic() - started,
+    return UpResult(spec.name, plan.router_url, spec.supervisor.stop_timeout, time.monotonic() - started,
                     supervisor=supervisor)
 
 
@@ -104,7 +104,7 @@ def _update_running(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, conf
                     on_ready_again: Callable[[str, float], None]) -> UpResult:
     """`up` of a running cluster: restart only what the config changed, one process at a time."""
     before = cluster.apply_changes(plan, cdir, config_path)
-    result = UpResult(plan.name, plan.router.url, spec.supervisor.stop_timeout, restarted=list(before))
+    result = UpResult(plan.name, plan.router_url, spec.supervisor.stop_timeout, restarted=list(before))
     if not before:
         note(f"{plan.name} is running and its config is unchanged: nothing to do")
         return result

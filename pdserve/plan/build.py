@@ -12,6 +12,7 @@ from typing import Any
 
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
+from pdserve.plan.routers import router_plans, store_plans, store_url
 from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 from pdserve.spec.topology import platform_env, replica_host
@@ -173,7 +174,8 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "prefill": [{"name": p.name, "url": p.url} for p in servers if p.role == "prefill"],
         "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
         # every router: field passes by its own name, but the two given in MiB and the computed TTL
-        **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl"}),
+        **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl", "store_port"}),
+        "store": store_url(spec),
         "reuse_ttl": spec.reuse_ttl,
         "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
         "max_body_bytes": int(spec.router.max_body_mb * MIB),
@@ -184,17 +186,12 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),
         **spec.observability.model_dump(),
     }
-    rhost = connect_host(spec.router.host)
-    router = ProcessPlan(
-        name="router", role="router",
-        argv=[python, "-m", "pdserve.router", "--config", router_cfg_path],
-        env={MARKER_ENV: marker(cluster_dir, "router")},
-        host=spec.router.host, port=spec.router.port,
-        health_url=f"http://{rhost}:{spec.router.port}/health")
+    routers = router_plans(spec, python, router_cfg_path, lambda name: marker(cluster_dir, name))
+    stores = store_plans(spec, cluster_dir, lambda name: marker(cluster_dir, name))
     hosts = [HostPlan(name=h.name, address=h.address, ssh_host=h.ssh_host, user=h.user, port=h.port,
                       identity_file=h.identity_file, ssh_options=list(h.ssh_options), python=h.python or python)
              for h in spec.hosts or []]
-    return ClusterPlan(name=spec.name, processes=[*servers, router], router_config=router_config,
+    return ClusterPlan(name=spec.name, processes=[*servers, *stores, *routers], router_config=router_config,
                        router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
                        supervisor=spec.supervisor.model_dump(), launcher=spec.launcher, hosts=hosts,
                        launcher_settings=launcher_settings(spec),

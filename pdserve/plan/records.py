@@ -9,7 +9,7 @@ from typing import Any
 from pdserve.spec.schema import LauncherKind
 
 # Start order of the roles (prefill, then decode, then the router); stop and restart orders derive from it.
-ROLE_ORDER = {"prefill": 0, "decode": 1, "router": 2}
+ROLE_ORDER = {"prefill": 0, "decode": 1, "store": 2, "router": 3}   # store: the managed Redis (plan/routers.py)
 
 # Host name of the machine `pdserve up` runs on: the router, and every server of a cluster without `hosts:`.
 LOCAL_HOST = "local"
@@ -22,7 +22,7 @@ MARKER_ENV = "PDSERVE_PROCESS"
 @dataclass(frozen=True)
 class ProcessPlan:
     name: str                 # prefill-0, decode-0, router
-    role: str                 # prefill | decode | router
+    role: str                 # prefill | decode | router | store (the managed Redis)
     argv: list[str]
     env: dict[str, str]       # added to the inherited environment
     host: str
@@ -41,7 +41,9 @@ class ProcessPlan:
 
     @property
     def url(self) -> str:
-        return f"http://{connect_host(self.host)}:{self.port}"
+        """Where the process answers, in its health check's scheme (http, or redis for the managed store)."""
+        scheme = self.health_url.split("://", 1)[0] if "://" in (self.health_url or "") else "http"
+        return f"{scheme}://{connect_host(self.host)}:{self.port}"
 
     def fingerprint(self) -> str:
         """Stable identity of what would run: changes whenever argv or env change."""
@@ -90,6 +92,13 @@ class ClusterPlan:
     @property
     def router(self) -> ProcessPlan:
         return next(p for p in self.processes if p.role == "router")
+
+    @property
+    def router_url(self) -> str:
+        """Where clients reach the router: with replicas, the port they share (each also has its own)."""
+        if int(self.router_config.get("replicas", 1)) > 1:
+            return f"http://{connect_host(self.router.host)}:{self.router_config['port']}"
+        return self.router.url
 
     def by_name(self, name: str) -> ProcessPlan:
         return next(p for p in self.processes if p.name == name)

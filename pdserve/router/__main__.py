@@ -48,9 +48,10 @@ def quiet_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-async def serve(cfg: RouterConfig, host: str, port: int) -> None:
+async def serve(cfg: RouterConfig, host: str, port: int, own_port: int | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting connections and give in-flight requests
-    (streams included) up to drain_timeout to finish, so `pdserve down` loses no answer in progress."""
+    (streams included) up to drain_timeout to finish, so `pdserve down` loses no answer in progress.
+    A replica (`own_port` given) shares `port` with its siblings (SO_REUSEPORT) and has `own_port` alone."""
     log = logging.getLogger("pdserve.router")
     app = build_app(cfg)
     # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
@@ -58,13 +59,15 @@ async def serve(cfg: RouterConfig, host: str, port: int) -> None:
                            metrics=app[METRICS], handler_cancellation=True, access_log=None,
                            shutdown_timeout=cfg.drain_timeout, **server_limits(cfg))
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, reuse_port=own_port is not None).start()
+    if own_port is not None:
+        await web.TCPSite(runner, host, own_port).start()
     quiet_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("listening on %s:%d", host, port)
+    log.info("listening on %s:%d%s", host, port, f" (shared) and {own_port}" if own_port is not None else "")
     await stop.wait()
     log.info("draining (up to %gs)", cfg.drain_timeout)
     await runner.cleanup()
@@ -75,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="router JSON written by `pdserve up`")
     parser.add_argument("--host", help="override the bind address")
     parser.add_argument("--port", type=int, help="override the port")
+    parser.add_argument("--replica", default="", help="this replica's name (router.replicas > 1)")
+    parser.add_argument("--own-port", type=int, help="this replica's own port, beside the shared one")
     args = parser.parse_args(argv)
     logs.configure(logging.INFO)
-    cfg = fit_descriptors(RouterConfig.load(args.config))
+    cfg = fit_descriptors(dataclasses.replace(RouterConfig.load(args.config), replica=args.replica))
     if cfg.json_logs:
         logs.json_request_lines()
     loop_factory = None
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(cfg, args.host or cfg.host, args.port or cfg.port))
+        runner.run(serve(cfg, args.host or cfg.host, args.port or cfg.port, args.own_port))
     return 0
 
 

@@ -27,7 +27,7 @@ from pdserve.router.turn import FAILED, TURN
 from pdserve.router.inputs import BadInput, read_json
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
-from pdserve.router.reuse import ReuseStore
+from pdserve.router.store import open_store, scheme
 from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
@@ -38,6 +38,7 @@ CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 API_KEY = web.AppKey("api_key", str)
 OPEN_PATHS = ("/health",)
+REPLICA_HEADER = "X-PDServe-Router"   # which router replica answered (its name only, nothing of the backends)
 LINGER_SECONDS = 1.0
 
 
@@ -180,25 +181,38 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
 
         prefill = Pool("prefill", cfg.prefill, metrics, breaker)
         decode = Pool("decode", cfg.decode, metrics, breaker)
-        store = ReuseStore(cfg.reuse_ttl, max_entries=cfg.reuse_max_entries, max_bytes=cfg.reuse_max_bytes,
-                           on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n))
+        store = open_store(cfg.store, ttl=cfg.reuse_ttl, max_entries=cfg.reuse_max_entries,
+                           max_bytes=cfg.reuse_max_bytes, cluster=cfg.cluster, decodes=[d.name for d in cfg.decode],
+                           timeout=cfg.store_timeout,
+                           on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n),
+                           on_error=lambda op, reason: metrics.store_errors.labels(op, reason).inc(),
+                           on_health=lambda up: metrics.store_up.labels(scheme(cfg.store)).set(1 if up else 0))
+        if not store.remote:
+            metrics.store_up.labels(scheme(cfg.store)).set(1)
+        drops: set[asyncio.Task] = set()
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout,
                             (prefill, decode))
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
             if cfg.cost_aware else None
 
+        async def drop(backend: Backend) -> None:
+            dropped = await store.drop_decode(backend.name)
+            metrics.entries_live.set(len(store))
+            if dropped:
+                log.info("dropped %d reuse entries held by %s", dropped, backend.name)
+
         def on_down(backend: Backend) -> None:
             if backend.role == "decode":
-                dropped = store.drop_decode(backend.name)
-                metrics.entries_live.set(len(store))
-                if dropped:
-                    log.info("dropped %d reuse entries held by %s", dropped, backend.name)
+                task = asyncio.create_task(drop(backend))
+                drops.add(task)
+                task.add_done_callback(drops.discard)
 
         async def purge_forever() -> None:
-            # Expired entries also leave an idle router on time (put and take purge as they go).
+            # Expired entries also leave an idle router on time (put and take purge as they go); a shared
+            # store is checked every second (its health, and the gauges).
             while True:
-                await asyncio.sleep(min(cfg.reuse_ttl, 10.0))
-                store.purge_expired()
+                await asyncio.sleep(1.0 if store.remote else min(cfg.reuse_ttl, 10.0))
+                await store.refresh()
                 metrics.entries_live.set(len(store))
                 metrics.entries_bytes.set(store.bytes)
 
@@ -215,6 +229,11 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         await session.close()
         if spans is not None:
             await asyncio.to_thread(spans.shutdown)     # export what is queued
+        await store.close()
 
     app.cleanup_ctx.append(lifecycle)
+    if cfg.replica:
+        async def name_replica(request: web.Request, response: web.StreamResponse) -> None:
+            response.headers[REPLICA_HEADER] = cfg.replica
+        app.on_response_prepare.append(name_replica)
     return app

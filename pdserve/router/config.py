@@ -60,6 +60,10 @@ class RouterConfig:
     tenant_max_in_flight: int = 0      # per tenant (API key), queued ones included (then 429)
     tenant_rate: float = 0.0           # per tenant, requests per second (token bucket; then 429)
     tenant_burst: int = 0              # the bucket's size; 0: max(1, ceil(tenant_rate))
+    store: str = "memory"              # where reuse entries live: memory, or redis://HOST:PORT/DB (store.py)
+    store_timeout: float = 0.25        # a store call answers within this, else the turn recomputes
+    replicas: int = 1                  # router processes sharing the store (one port, SO_REUSEPORT)
+    replica: str = ""                  # this process's name among them (X-PDServe-Router); set per process
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

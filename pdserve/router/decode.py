@@ -29,7 +29,7 @@ class TurnEnds(Protocol):
 
     def end(self, turn: Turn, outcome: str) -> None: ...
 
-    def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None: ...
+    async def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None: ...
 
 
 class DecodeLeg:
@@ -68,7 +68,7 @@ class DecodeLeg:
         if backend_at_fault(status, data):
             raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
         if status == 200:
-            self.flow.remember(turn, backend, collector, track)
+            await self.flow.remember(turn, backend, collector, track)
             ttft = time.perf_counter() - turn.started
             self.metrics.ttft.labels("false").observe(ttft)
             tracing.note(ttft_ms=round(1000 * ttft, 1))
@@ -105,7 +105,7 @@ class DecodeLeg:
                 async for data in resp.content.iter_any():
                     chunk = relay.feed(data)
                     if ok is None and (relay.done or collector.kv_params is not None):
-                        ok = self._finished(turn, backend, relay, track)
+                        ok = await self._finished(turn, backend, relay, track)
                     if chunk:
                         try:                  # _to_client inline: a coroutine less per chunk
                             await out.write(chunk)
@@ -118,7 +118,7 @@ class DecodeLeg:
                             tracing.note(ttft_ms=round(1000 * ttft, 1))
                 tail = relay.close()
                 if ok is None and relay.done:
-                    ok = self._finished(turn, backend, relay, track)
+                    ok = await self._finished(turn, backend, relay, track)
                 if tail:
                     await _to_client(out.write(tail))
                 if not relay.done:
@@ -142,12 +142,12 @@ class DecodeLeg:
         finally:
             pool.release(backend, ok, trial)
 
-    def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> bool:
+    async def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> bool:
         """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
         relay.finish()
         self.upstream.count(backend, turn.route, True)
         turn.suspects.served()
-        self.flow.remember(turn, backend, relay.collector, track)
+        await self.flow.remember(turn, backend, relay.collector, track)
         return True
 
     async def _not_a_stream(self, backend: Backend, resp: aiohttp.ClientResponse) -> tuple[bool, int, dict[str, Any]]:

@@ -22,10 +22,10 @@ from pdserve.router.errors import UpstreamError, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefill import PrefillLeg
-from pdserve.router.reuse import ReuseStore
+from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import SequenceCollector
-from pdserve.router.turn import (ANSWERED, CLIENT_GONE, DEGRADED, FAILED, STORED, TURN, UNAVAILABLE, UNTRACKED,
-                                 Turn, json_answer)
+from pdserve.router.turn import (ANSWERED, CLIENT_GONE, DEGRADED, FAILED, NOT_STORED, STORED, TURN, UNAVAILABLE,
+                                 UNTRACKED, Turn, json_answer)
 from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
@@ -182,7 +182,7 @@ class Flow:
                 return await self._degraded(request, turn, fallback, _failed(err))
             return json_answer(turn, err.body, err.status)
 
-    def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None:
+    async def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None:
         """The answer is complete: keep D's handles for the next turn, and end the turn."""
         if not track:
             self.end(turn, DEGRADED if turn.degraded else UNTRACKED)
@@ -194,7 +194,9 @@ class Flow:
             return
         key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply,
                                                   turn.history_digest)
-        self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
+        if not await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence):
+            self.end(turn, NOT_STORED)     # the store is unavailable: the next turn recomputes
+            return
         tracing.note(conversation=tracing.key_hash(key), decode_tokens=len(collector.generated),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
         log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,

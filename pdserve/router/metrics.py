@@ -109,6 +109,11 @@ class RouterMetrics:
         for role in ("prefill", "decode"):
             self.degraded.labels(role)
             self.degraded_now.labels(role)
+        self.store_up = Gauge(names.STORE_UP, "1 while the reuse store answers (the memory store always does); "
+                              "0 while turns are served without it.", ["store"], registry=r)
+        self.store_errors = Counter(names.STORE_ERRORS, "Reuse-store calls that failed: timeout, error, or down "
+                                    "(not tried: the store was seen down less than a second ago).",
+                                    ["op", "reason"], registry=r)
         # prometheus_client's labels() validates and locks on every call, many times a request; the
         # label sets here are bounded (routes, statuses, backends), so each child is looked up once.
         for metric in vars(self).values():

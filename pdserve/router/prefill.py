@@ -16,7 +16,8 @@ from pdserve.router.cost import CostModel
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.reuse import HIT, MISS, Decision, ReuseStore, decide
+from pdserve.router.reuse import HIT, MISS, Decision, decide
+from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
 from pdserve.router.upstream import Upstream
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
@@ -40,7 +41,7 @@ class PrefillLeg:
 
     # -- what may P read? --------------------------------------------------------------------------
     async def decide(self, keys: list[Key], route: str, body: dict[str, Any]) -> Decision:
-        entry, why = self.store.take_first(keys)
+        entry, why = await self.store.take_first(keys)
         self.metrics.entries_live.set(len(self.store))
         if entry is None:
             return Decision(MISS, why)

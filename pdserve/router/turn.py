@@ -49,9 +49,10 @@ UNAVAILABLE = "unavailable"    # answered; D reported no handles (bidirectional 
                                #   that streams none without pdserve.engine.entry)
 UNTRACKED = "untracked"        # answered; nothing to remember (no conversation identity, or reuse off)
 DEGRADED = "degraded"          # answered whole by one role, no KV transfer
+NOT_STORED = "not_stored"      # answered; D's handles could not be kept (the shared store was unavailable)
 CLIENT_GONE = "client_gone"    # the client left before the answer was complete; D's request was dropped
 FAILED = "failed"              # an error answer, or a stream a backend broke
-ANSWERED = (STORED, UNAVAILABLE, UNTRACKED, DEGRADED)
+ANSWERED = (STORED, UNAVAILABLE, UNTRACKED, DEGRADED, NOT_STORED)
 TURN_OUTCOMES = (*ANSWERED, CLIENT_GONE, FAILED)
 TURN = web.RequestKey("turn", Turn)
 

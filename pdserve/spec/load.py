@@ -10,7 +10,8 @@ import yaml
 from pydantic import ValidationError
 
 from pdserve.errors import ConfigError
-from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
+from pdserve.router.store import MEMORY, STORES, scheme
+from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MANAGED_STORE, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
 from pdserve.spec.topology import ROLES, ROUTER_MACHINE, apply_platform, port_key, topology_problems
 # Shipped configs travel inside the package (the top-level configs/ links here), so a wheel has them.
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -66,6 +67,17 @@ def is_model_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~"))
 
 
+def store_problems(spec: ClusterSpec) -> list[str]:
+    store, replicas = spec.router.store, spec.router.replicas
+    if store != MANAGED_STORE and scheme(store) not in STORES:
+        return [f"router.store: {store!r} is not {MANAGED_STORE}, {MEMORY} or a URL of "
+                + ", ".join(f"{s}://" for s in STORES if s != MEMORY)]
+    if replicas > 1 and store == MEMORY:
+        return [f"router.replicas: {replicas} routers cannot share the memory store (each would hold its own "
+                f"part of the conversations); set router.store to {MANAGED_STORE} or redis://HOST:PORT/DB"]
+    return []
+
+
 def semantic_problems(spec: ClusterSpec) -> list[str]:
     """Checks that need the whole topology: clashes between servers, device splits, reserved flags."""
     problems: list[str] = []
@@ -81,7 +93,14 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
             ports[(host, port)] = owner
 
     # With hosts:, the router runs on the machine of `pdserve up`, apart from every host's ports.
-    claim_port(ROUTER_MACHINE if spec.hosts else spec.router.host, spec.router.port, "router", "router.port")
+    router_machine = ROUTER_MACHINE if spec.hosts else spec.router.host
+    claim_port(router_machine, spec.router.port, "router", "router.port")
+    for i in range(spec.router.replicas if spec.router.replicas > 1 else 0):
+        claim_port(router_machine, spec.router.replica_port(i), f"router[{i}]", "router.replicas")
+    if spec.router.store == MANAGED_STORE:
+        claim_port(ROUTER_MACHINE if spec.hosts else "127.0.0.1", spec.router.managed_store_port, "the managed Redis",
+                   "router.store_port")
+    problems += store_problems(spec)
     problems += topology_problems(spec)
     if problems:
         return problems     # host references must resolve before ports can be placed on hosts

@@ -16,6 +16,7 @@ RESERVED_VLLM_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config", "-
                        "--tensor-parallel-size", "-tp", "--api-key")
 
 Port = Field(ge=1, le=65535)
+MANAGED_STORE = "managed"     # router.store: pdserve runs the Redis (plan/build.py)
 STARTUP_TIMEOUT_S = 900.0     # how long a server may take to answer /health (and `restart` waits, by default)
 
 
@@ -155,6 +156,30 @@ class RouterSpec(Strict):
                                       "past it 429 with Retry-After. 0: unlimited.", ge=0)
     tenant_burst: int = router_field("tenant_burst", "Requests a tenant may send at once above tenant_rate (the "
                                      "bucket's size); 0: max(1, tenant_rate).", ge=0)
+
+    store: str = router_field(
+        "store", "Where the router keeps D's block handles between turns: 'memory' (this router process; lost "
+        "when it restarts), 'redis://HOST:PORT/DB' (a Redis you run: shared by replicas, kept across router "
+        "restarts; pdserve never starts or stops it), or 'managed' (pdserve runs the system's redis-server on "
+        "127.0.0.1:store_port, data in the cluster folder, stopped by `down`).", min_length=1)
+    store_port: int | None = Field(None, ge=1, le=65535, description="Port of the managed Redis (store: "
+                                   "managed); default the port after the routers' (router.port + 1, or + replicas "
+                                   "+ 1 with replicas).")
+    store_timeout: float = router_field("store_timeout", "Seconds a reuse-store call may take; a slower or "
+                                        "failed one serves the turn by recomputing (miss reason "
+                                        "store_unavailable).", gt=0)
+    replicas: int = router_field("replicas", "Router processes, each supervised, all on router.port (SO_REUSEPORT: "
+                                 "the kernel spreads connections over them) and each on its own port too "
+                                 "(router.port + 1 + i: health, /metrics). More than one needs a shared store.",
+                                 ge=1, le=64)
+
+    def replica_port(self, i: int) -> int:
+        """Replica i's own port (with one replica, the router's port is its own)."""
+        return self.port + 1 + i if self.replicas > 1 else self.port
+
+    @property
+    def managed_store_port(self) -> int:
+        return self.store_port or self.replica_port(self.replicas - 1) + 1
 
 
 class ObservabilitySpec(Strict):

@@ -22,9 +22,10 @@ def scrape_targets(state: ClusterState) -> list[dict[str, Any]]:
         return []
     out = []
     for name, proc in state.processes.items():
-        address = urlsplit(proc.url).netloc if proc.url else ""
-        if not address:
-            continue            # a record from a pdserve that did not keep the address
+        url = urlsplit(proc.url or "")
+        if not url.netloc or url.scheme not in ("http", "https"):
+            continue            # no address kept (an older pdserve), or no HTTP /metrics (the managed Redis)
+        address = url.netloc
         out.append({"targets": [address], "labels": {"cluster": state.cluster, "process": name,
                                                       "role": proc.role, "host": proc.host_name or "local"}})
     return out

@@ -168,7 +168,7 @@ def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
     """The canary through a planned cluster's router, checked on its servers."""
     cfg = plan.router_config
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router.url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
+    result = run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
                         timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0),
                         prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
                         floor_gbps=plan.transfer_floor_gbps)

@@ -23,7 +23,7 @@ from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.folder import ClusterDir
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
 from pdserve.supervise.canary import CanaryGate
-from pdserve.supervise.peers import PeerReset
+from pdserve.supervise.peers import SERVER_ROLES, PeerReset
 from pdserve.supervise.process import ORPHAN_GRACE, Exited, ManagedProcess, Notice, Stopped
 from pdserve.supervise.restarts import RestartQueue, reload_plan, take_requests
 from pdserve.supervise.services import Services
@@ -173,7 +173,7 @@ class Supervisor:
                     # What is left of a dead leader is orphans with nothing to finish: a short grace.
                     self._on_exit(proc, now, why, grace=min(self.stop_timeout, ORPHAN_GRACE) if orphans else None)
                 case Notice.READY:
-                    if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role != "router":
+                    if self.phase in (Phase.RUNNING, Phase.DEGRADED) and proc.role in SERVER_ROLES:
                         self._verify.add(proc.name)
                 case Notice.START_DUE:
                     if not self.peers.may_start(proc, self.procs, self.restart_queue):
@@ -274,7 +274,7 @@ class Supervisor:
 
     # -- state file --------------------------------------------------------------------------------
     def state(self) -> ClusterState:
-        return ClusterState(cluster=self.plan.name, phase=self.phase, router_url=self.plan.router.url,
+        return ClusterState(cluster=self.plan.name, phase=self.phase, router_url=self.plan.router_url,
                             processes={p.name: p.record() for p in self.procs}, supervisor=self._record,
                             error=self.error)
 

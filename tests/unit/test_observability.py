@@ -39,6 +39,19 @@ def test_targets_list_every_process_with_its_labels_and_leave_on_down(tmp_path):
     assert json.loads(cdir.targets_path.read_text()) == []
 
 
+def test_the_managed_redis_is_no_scrape_target():
+    """It speaks no HTTP, so Prometheus would show it down forever; the routers and servers stay listed."""
+    from pdserve.plan.records import ProcessPlan
+    from pdserve.state.targets import scrape_targets
+    redis = ProcessPlan(name="redis", role="store", argv=["redis-server"], env={}, host="127.0.0.1", port=8002,
+                        health_url="redis://127.0.0.1:8002")
+    assert redis.url == "redis://127.0.0.1:8002"
+    st = state()
+    st.processes["redis"] = ProcessRecord("redis", "store", ProcState.READY, "127.0.0.1", 8002,
+                                          host_name="local", url=redis.url)
+    assert [g["labels"]["process"] for g in scrape_targets(st)] == ["prefill-0", "decode-0", "router"]
+
+
 def test_targets_file_is_rewritten_only_when_it_changes(tmp_path):
     cdir = ClusterDir("c1", tmp_path)
     cdir.write_state(state())

@@ -251,3 +251,36 @@ def test_stored_plans_without_defaults_still_load():
     for proc in data["processes"]:
         del proc["defaults"]
     assert ClusterPlan.from_dict(data).by_name("prefill-0").defaults == {}
+
+
+def test_router_replicas_share_the_port_and_each_has_its_own():
+    plan = plan_of(with_("router.replicas", 3, with_("router.store", "redis://10.0.0.5:6380/2")))
+    routers = [p for p in plan.processes if p.role == "router"]
+    assert [p.name for p in routers] == ["router-0", "router-1", "router-2"]
+    assert [arg(p.argv, "--own-port") for p in routers] == ["8001", "8002", "8003"]
+    assert [arg(p.argv, "--replica") for p in routers] == ["router-0", "router-1", "router-2"]
+    assert [p.health_url for p in routers] == [f"http://127.0.0.1:{8001 + i}/health" for i in range(3)]
+    assert plan.router_url == "http://127.0.0.1:8000"            # what clients and the canary use
+    assert plan.router_config["store"] == "redis://10.0.0.5:6380/2" and plan.router_config["replicas"] == 3
+    assert not any(p.role == "store" for p in plan.processes)     # a given Redis is never started by pdserve
+    assert len({p.env[MARKER_ENV] for p in routers}) == 3
+
+
+def test_managed_store_is_a_supervised_loopback_redis_in_the_cluster_folder():
+    plan = plan_of(with_("router.replicas", 2, with_("router.store", "managed")))
+    redis = plan.by_name("redis")
+    assert redis.role == "store" and arg(redis.argv, "--bind") == "127.0.0.1" and arg(redis.argv, "--port") == "8003"
+    assert arg(redis.argv, "--dir") == "/h/clusters/t" and arg(redis.argv, "--maxmemory-policy") == "volatile-ttl"
+    assert redis.health_url == "redis://127.0.0.1:8003"
+    assert plan.router_config["store"] == "redis://127.0.0.1:8003/0"
+    assert [p.name for p in plan.stop_order()][:3] == ["router-0", "router-1", "redis"]   # routers first, then Redis
+    one = plan_of(with_("router.store", "managed"))
+    assert one.router.name == "router" and one.router_config["store"] == "redis://127.0.0.1:8001/0"
+    assert plan_of(GOOD).router_config["store"] == "memory"
+
+
+def test_a_router_setting_change_restarts_every_replica():
+    from pdserve.orchestrate.cluster import changed_processes
+    base = with_("router.replicas", 2, with_("router.store", "managed"))
+    changed = changed_processes(plan_of(base).to_dict(), plan_of(with_("router.request_timeout", 5, base)))
+    assert changed == ["router-0", "router-1"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.router.reuse import HIT, MISS, ReuseStore, common_prefix_len, decide
+from pdserve.router.reuse import HIT, MISS, common_prefix_len, decide
+from pdserve.router.store_memory import MemoryTable as ReuseStore
 
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e",
           "remote_request_id": "r", "remote_host": "h", "remote_port": 1,

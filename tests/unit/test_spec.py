@@ -68,6 +68,11 @@ BROKEN = [
     (with_("prefill.tensor_parallel_size", 2), "decode.tensor_parallel_size: 1 is below prefill's 2"),
     (with_("prefill.gpus", [0], with_("prefill.cpus", DELETE)),
      "kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported"),
+    (with_("router.replicas", 2), "router.replicas: 2 routers cannot share the memory store"),
+    (with_("router.store", "memcached://x"), "router.store: 'memcached://x' is not managed, memory or a URL of"),
+    (with_("router.replicas", 2, with_("router.store", "managed", with_("decode.port", 8002))),
+     "decode.port: 8002 is already used by router[1]"),
+    (with_("router.store", "managed", with_("decode.port", 8001)), "decode.port: 8001 is already used by the managed Redis"),
     (with_("kv_transfer.kv_recompute_threshold", 9000, with_("decode.vllm_args", ["--max-model-len", "8192"])),
      "kv_transfer.kv_recompute_threshold: 9000 is not below decode's --max-model-len 8192"),
 ]

@@ -1,0 +1,58 @@
+"""The router processes of a plan: one, or `router.replicas` sharing one port; and the managed Redis that
+`router.store: managed` asks for.
+
+Replicas share router.port through SO_REUSEPORT, so clients, load balancers and the canary keep one URL and
+the kernel spreads connections over the live replicas (a dead one's socket leaves the group at once). Each
+replica also listens on its own port (router.port + 1 + i): the supervisor's health probe, `status` and the
+tests must reach one replica, which the shared port cannot promise.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from pdserve.plan.records import MARKER_ENV, ProcessPlan, connect_host
+from pdserve.spec.schema import MANAGED_STORE, ClusterSpec
+
+REDIS_SERVER = "redis-server"
+STORE_NAME = "redis"
+STORE_ROLE = "store"
+
+
+def store_url(spec: ClusterSpec) -> str:
+    """router.store as the router reads it: `managed` becomes the managed Redis's URL."""
+    if spec.router.store == MANAGED_STORE:
+        return f"redis://127.0.0.1:{spec.router.managed_store_port}/0"
+    return spec.router.store
+
+
+def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> list[ProcessPlan]:
+    """`marker(name)`: the environment marker that finds the process's tree again (plan/records.py)."""
+    r = spec.router
+    rhost = connect_host(r.host)
+    base = [python, "-m", "pdserve.router", "--config", config_path]
+    if r.replicas == 1:
+        return [ProcessPlan(name="router", role="router", argv=base, env={MARKER_ENV: marker("router")},
+                            host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health")]
+    out = []
+    for i in range(r.replicas):
+        name, own = f"router-{i}", r.replica_port(i)
+        out.append(ProcessPlan(name=name, role="router", argv=[*base, "--replica", name, "--own-port", str(own)],
+                               env={MARKER_ENV: marker(name)}, host=r.host, port=own,
+                               health_url=f"http://{rhost}:{own}/health"))
+    return out
+
+
+def store_plans(spec: ClusterSpec, cluster_dir, marker) -> list[ProcessPlan]:
+    """The managed Redis: loopback only, the cluster folder as its working directory, memory bounded by
+    reuse_max_mb (entries nearest their expiry evicted first), nothing written there (an entry is worth
+    at most reuse_ttl seconds, and D's blocks may be gone after a restart anyway)."""
+    if spec.router.store != MANAGED_STORE:
+        return []
+    port = spec.router.managed_store_port
+    argv = [shutil.which(REDIS_SERVER) or REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port),
+            "--protected-mode", "yes", "--dir", str(cluster_dir), "--save", "", "--appendonly", "no",
+            "--maxmemory", f"{max(1, int(spec.router.reuse_max_mb))}mb", "--maxmemory-policy", "volatile-ttl",
+            "--daemonize", "no", "--logfile", ""]
+    return [ProcessPlan(name=STORE_NAME, role=STORE_ROLE, argv=argv, env={MARKER_ENV: marker(STORE_NAME)},
+                        host="127.0.0.1", port=port, health_url=f"redis://127.0.0.1:{port}")]

@@ -1,0 +1,161 @@
+"""The embedded reuse store: entries in this router process's memory (the default, `router.store: memory`).
+
+Entries are single-use (P's read releases D's blocks) and expire on the router's own monotonic clock,
+safely before D's decoder_kv_blocks_ttl: D's `remote_blocks_expiry_time` is a perf_counter value of D's
+process and is never compared with anything here. A router restart loses them (a shared store does not).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.router.reuse import ReuseEntry
+
+ENTRY_OVERHEAD_BYTES = 1024   # the entry, its key and D's params dict, roughly
+
+
+class MemoryTable:
+    """Entries in insertion order, which is also expiry order (one TTL, a monotonic clock, and `put`
+    re-inserts) and least-recently-used order (an entry is used once, by `take`, which removes it).
+    So expiry and the size bounds both evict from the front, and every operation is O(1) amortized;
+    a per-decode-server index makes a restarted server's handles cheap to drop."""
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic, max_entries: int = 100_000,
+                 max_bytes: int = 256 * 1024 * 1024,
+                 on_evict: Callable[[str, int], None] | None = None):
+        self.ttl = ttl
+        self.clock = clock
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict or (lambda reason, n: None)
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str], ReuseEntry] = OrderedDict()
+        self._by_decode: dict[str, dict[tuple[str, str], None]] = {}   # decode -> its keys (an ordered set)
+        self._engine: dict[str, Any] = {}                               # decode -> engine id of its entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
+            sequence: list[int] | None = None) -> ReuseEntry:
+        """Store D's handles. A new engine id from the same decode server means it restarted (perhaps
+        between two health probes): handles from its previous engine are dropped."""
+        self.purge_expired()
+        engine = params.get("remote_engine_id")
+        if decode in self._engine and self._engine[decode] != engine:
+            self.drop_decode(decode)
+        self._engine[decode] = engine
+        self._remove(key)
+        entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl, _compact(sequence))
+        entry.size = _entry_bytes(entry)
+        self._entries[key] = entry
+        self._by_decode.setdefault(decode, {})[key] = None
+        self.bytes += entry.size
+        evicted = 0
+        while self._entries and (len(self._entries) > self.max_entries or self.bytes > self.max_bytes):
+            self._remove(next(iter(self._entries)))
+            evicted += 1
+        if evicted:
+            self.on_evict("capacity", evicted)
+        return entry
+
+    def _remove(self, key: tuple[str, str]) -> ReuseEntry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.size
+            keys = self._by_decode.get(entry.decode)
+            if keys is not None:
+                keys.pop(key, None)
+        return entry
+
+    def take(self, key: tuple[str, str]) -> tuple[ReuseEntry | None, str]:
+        """Remove and return the entry (single use: two concurrent turns can't both get it)."""
+        entry = self._remove(key)
+        if entry is None:
+            return None, "no_entry"
+        if self.clock() >= entry.expires:
+            return None, "expired"
+        return entry, "ok"
+
+    def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
+        """`take` the first of `keys` that has an entry (candidate histories, longest first)."""
+        for key in keys:
+            if key in self._entries:
+                return self.take(key)
+        return None, "no_entry"
+
+    def drop_decode(self, decode: str) -> int:
+        keys = list(self._by_decode.pop(decode, {}))
+        for k in keys:
+            self._remove(k)
+        return len(keys)
+
+    def purge_expired(self) -> int:
+        now, old = self.clock(), 0
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if now < entry.expires:
+                break
+            self._remove(key)
+            old += 1
+        if old:
+            self.on_evict("expired", old)
+        return old
+
+
+def _compact(sequence: list[int] | None) -> array | None:
+    """Token ids as 8-byte machine ints: a list of Python ints costs ~36 bytes a token."""
+    if sequence is None:
+        return None
+    try:
+        return array("q", sequence)
+    except (TypeError, OverflowError):
+        return None   # not token ids: nothing can be verified against it
+
+
+def _entry_bytes(entry: ReuseEntry) -> int:
+    """An estimate of the memory an entry holds: the token ids, the block ids, and fixed overhead."""
+    blocks = entry.params.get("remote_block_ids") or []
+    n_blocks = sum(len(g) if isinstance(g, list) else 1 for g in blocks) if isinstance(blocks, list) else 0
+    return ENTRY_OVERHEAD_BYTES + 40 * n_blocks + (8 * len(entry.sequence) if entry.sequence is not None else 0)
+
+
+
+
+class MemoryStore:
+    """MemoryTable behind the store contract (store.py). Never unavailable: nothing to guard."""
+
+    remote = False
+
+    def __init__(self, ttl: float, max_entries: int, max_bytes: int, on_evict: Callable[[str, int], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.table = MemoryTable(ttl, clock, max_entries, max_bytes, on_evict)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def bytes(self) -> int:
+        return self.table.bytes
+
+    async def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
+                  sequence: list[int] | None = None) -> bool:
+        self.table.put(key, params, decode, generation, sequence)
+        return True
+
+    async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
+        return self.table.take_first(keys)
+
+    async def drop_decode(self, decode: str) -> int:
+        return self.table.drop_decode(decode)
+
+    async def refresh(self) -> None:
+        """The periodic chore: expired entries leave an idle router on time."""
+        self.table.purge_expired()
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,85 @@
+"""A real redis-server (Debian's) on a free loopback port with its data in a temp dir, for the store tests;
+and more router replicas on a routerkit deployment's fake backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve.router.app import CONFIG, METRICS, build_app, server_limits
+from pdserve.router.limits import GuardedRunner
+from tests.integration.routerkit import Deployment, _serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ping(port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    def __init__(self, data_dir: Path, port: int | None = None):
+        self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.dir = data_dir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+                                      str(self.dir), "--save", "", "--appendonly", "no"],
+                                     stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not ping(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(self.dir / 'redis.log').read_text()[-500:]}")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()
+            self.kill()
+
+
+async def add_router(dep: Deployment, **overrides) -> tuple[web.Application, str, web.AppRunner]:
+    """Another router on `dep`'s backends, with `dep`'s router settings but `overrides`; cleaned up with dep."""
+    cfg = dataclasses.replace(dep.router[CONFIG], **overrides)
+    app = build_app(cfg, api_key="")
+    runner, url = await _serve(app, GuardedRunner, max_connections=cfg.max_connections, metrics=app[METRICS],
+                               header_timeout=cfg.header_timeout, **server_limits(cfg))
+    dep.runners.append(runner)
+    return app, url, runner

@@ -1,0 +1,204 @@
+"""The Redis reuse store against a real redis-server (Debian's, on a free loopback port, data in a temp dir):
+its semantics (single use under concurrency, expiry in Redis, tenants, hashed keys), router replicas and a
+router restart sharing it, and Redis faults (killed, paused) that never fail or hold up a request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from pdserve.router.app import FLOW, REPLICA_HEADER
+from pdserve.router.store import UNAVAILABLE, open_store
+from tests.fakes.fake_vllm import FAKE
+from tests.integration.rediskit import RedisServer, add_router
+from tests.integration.routerkit import deployment
+
+CHAT = "/v1/chat/completions"
+PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e1", "remote_request_id": "r",
+          "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def store_at(url: str, ttl: float = 30.0, timeout: float = 0.25, errors: list | None = None):
+    return open_store(url, ttl=ttl, max_entries=100, max_bytes=2**20, cluster="t", decodes=["decode-0", "decode-1"],
+                      timeout=timeout, on_evict=lambda r, n: None,
+                      on_error=lambda op, reason: (errors if errors is not None else []).append((op, reason)),
+                      on_health=lambda up: None)
+
+
+def chat(content: str, history=None, **kw) -> dict:
+    return {"model": "fake", "messages": list(history or []) + [{"role": "user", "content": content}],
+            "max_tokens": 4, **kw}
+
+
+async def test_entries_are_single_use_under_concurrency_across_clients(redis_server):
+    """50 takes of one entry at once, from two clients (two replicas): exactly one gets it."""
+    a, b = store_at(redis_server.url), store_at(redis_server.url)
+    try:
+        for round_ in range(5):
+            assert await a.put(("t", f"c{round_}"), PARAMS, "decode-0", 0, list(range(100)))
+            takes = [s.take_first([("t", "other"), ("t", f"c{round_}")]) for s in (a, b) for _ in range(25)]
+            got = [e for e, why in await asyncio.gather(*takes) if e is not None]
+            assert len(got) == 1, len(got)
+            assert list(got[0].sequence) == list(range(100)) and got[0].params == PARAMS
+            assert got[0].decode == "decode-0"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_expiry_is_redis_own_and_keys_name_no_conversation(redis_server):
+    store = store_at(redis_server.url, ttl=0.3)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.put(("tenant-hash", "id:my-secret-conversation"), PARAMS, "decode-0", 0, [5, 6, 7])
+        keys = [k.decode() for k in await client.keys("*")]
+        entry_keys = [k for k in keys if ":e:" in k]
+        assert len(entry_keys) == 1 and not any("secret" in k or "tenant-hash" in k for k in keys), keys
+        assert 0 < await client.pttl(entry_keys[0]) <= 300            # expiry set in Redis (PX)
+        value = await client.get(entry_keys[0])
+        assert b"secret" not in value and len(value) < 400             # 3 tokens: 12 bytes after the header
+        await asyncio.sleep(0.45)
+        assert await store.take_first([("tenant-hash", "id:my-secret-conversation")]) == (None, "no_entry")
+        assert await client.exists(entry_keys[0]) == 0
+        await store.put(("a", "c"), PARAMS, "decode-0", 0)
+        assert (await store.take_first([("b", "c")]))[0] is None      # another tenant's key
+        assert (await store.take_first([("a", "c")]))[0] is not None
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_new_engine_id_and_decode_down_drop_that_servers_handles(redis_server):
+    store = store_at(redis_server.url)
+    try:
+        await store.put(("t", "old"), PARAMS, "decode-0", 0)
+        await store.put(("t", "other"), PARAMS, "decode-1", 0)
+        await store.put(("t", "new"), {**PARAMS, "remote_engine_id": "e2"}, "decode-0", 0)   # decode-0 restarted
+        assert (await store.take_first([("t", "old")]))[0] is None
+        assert (await store.take_first([("t", "new")]))[0] is not None
+        await store.refresh()
+        assert len(store) == 1                      # decode-1's entry, counted by the decode indexes
+        assert await store.drop_decode("decode-1") == 1
+        assert (await store.take_first([("t", "other")]))[0] is None
+    finally:
+        await store.close()
+
+
+async def _turns(url: str, session, n: int, conversation: str, served_by: list[str]) -> None:
+    history: list = []
+    for i in range(n):
+        body = chat(f"turn {i} " * 30, history, conversation_id=conversation)
+        async with session.post(url + CHAT, json=body) as resp:
+            assert resp.status == 200
+            served_by.append(resp.headers.get(REPLICA_HEADER, ""))
+            data = await resp.json()
+        history = body["messages"] + [data["choices"][0]["message"]]
+
+
+async def test_two_replicas_share_one_conversation_and_a_restarted_router_keeps_it(redis_server):
+    """Turns alternate between two routers: every follow-up is a hit, and so is the first turn through a
+    router started after the others stopped."""
+    async with deployment(store=redis_server.url, replica="router-0") as dep:
+        other, other_url, _ = await add_router(dep, replica="router-1")
+        history, served = [], []
+        for i in range(6):
+            url = dep.url if i % 2 == 0 else other_url
+            body = chat(f"turn {i} " * 30, history, conversation_id="shared")
+            async with dep.session.post(url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                served.append(resp.headers[REPLICA_HEADER])
+                data = await resp.json()
+            history = body["messages"] + [data["choices"][0]["message"]]
+        assert served == ["router-0", "router-1"] * 3
+        offers = [b["body"]["kv_transfer_params"] for b in dep.prefill[0][FAKE].received if b["path"] == CHAT]
+        assert ["remote_block_ids" in o for o in offers] == [False] + [True] * 5
+        other_metrics = await (await dep.session.get(other_url + "/metrics")).text()
+        assert (_hits(await dep.metrics()), _hits(other_metrics)) == (2, 3)    # turns 2, 4 and 1, 3, 5
+
+        # Both routers gone, a new one started: the conversation's entry is still there.
+        for runner in list(dep.runners[-2:]):
+            await runner.cleanup()
+            dep.runners.remove(runner)
+        fresh, fresh_url, _ = await add_router(dep, replica="router-0")
+        await _wait_healthy(fresh)
+        body = chat("after the restart " * 5, history, conversation_id="shared")
+        async with dep.session.post(fresh_url + CHAT, json=body) as resp:
+            assert resp.status == 200
+        assert "remote_block_ids" in dep.prefill[0][FAKE].received[-1]["body"]["kv_transfer_params"]
+
+
+async def _wait_healthy(app) -> None:
+    flow = None
+    for _ in range(100):
+        flow = app.get(FLOW)
+        if flow and all(b.healthy for b in flow.prefill.pool.backends + flow.decode.backends):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("backends never became healthy")
+
+
+async def test_redis_killed_mid_run_fails_no_request_and_reuse_resumes(redis_server):
+    async with deployment(store=redis_server.url) as dep:
+        served: list[str] = []
+        await _turns(dep.url, dep.session, 3, "before", served)          # stored and hit while Redis is up
+        redis_server.kill()
+        started = time.monotonic()
+        await asyncio.gather(*(_turns(dep.url, dep.session, 3, f"during-{i}", served) for i in range(4)))
+        assert time.monotonic() - started < 10
+        m = await dep.metrics()
+        assert f'pdserve_router_reuse_decisions_total{{reason="{UNAVAILABLE}",result="miss"}}' in m
+        assert 'pdserve_router_turns_total{outcome="not_stored"}' in m
+        assert 'pdserve_router_store_up{store="redis"} 0.0' in m
+        assert 'outcome="failed"' not in m
+        redis_server.start()                                              # back, same port, empty
+        await _store_back(dep)
+        pre = _hits(await dep.metrics())
+        await _turns(dep.url, dep.session, 3, "after", served)
+        assert _hits(await dep.metrics()) == pre + 2                      # both follow-ups reused again
+
+
+async def _store_back(dep) -> None:
+    for _ in range(50):
+        if 'pdserve_router_store_up{store="redis"} 1.0' in await dep.metrics():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the router never saw the store back")
+
+
+def _hits(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("pdserve_router_reuse_decisions_total{") and 'result="hit"' in line)
+
+
+async def test_a_paused_redis_holds_up_no_request(redis_server):
+    """SIGSTOP: Redis accepts connections but never answers. Every request still answers, each within
+    the store timeout plus its own time, and the store is back once Redis resumes."""
+    async with deployment(store=redis_server.url, store_timeout=0.2) as dep:
+        served: list[str] = []
+        await _turns(dep.url, dep.session, 2, "warm", served)
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            await asyncio.gather(*(_turns(dep.url, dep.session, 3, f"paused-{i}", served) for i in range(4)))
+            took = time.monotonic() - started
+            m = await dep.metrics()
+        finally:
+            redis_server.resume()
+        assert took < 5, took
+        assert 'pdserve_router_store_errors_total{op="take",reason="timeout"}' in m or \
+            'pdserve_router_store_errors_total{op="put",reason="timeout"}' in m, m
+        assert 'outcome="failed"' not in m
+        await _store_back(dep)
+        pre = _hits(await dep.metrics())
+        await _turns(dep.url, dep.session, 2, "resumed", served)
+        assert _hits(await dep.metrics()) == pre + 1

@@ -1,0 +1,63 @@
+"""GuardedStore: a remote store that fails or hangs answers at once as 'no entry' / 'not kept', is not tried
+again for a second while down (a dead Redis costs requests nothing), and comes back on its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.router.store import UNAVAILABLE, GuardedStore
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class Flaky:
+    def __init__(self):
+        self.mode = "ok"
+        self.calls = 0
+
+    def __len__(self):
+        return 0
+
+    async def _answer(self, value):
+        self.calls += 1
+        if self.mode == "hang":
+            await asyncio.sleep(60)
+        if self.mode == "error":
+            raise ConnectionError("refused")
+        return value
+
+    async def put(self, *args):
+        return await self._answer(True)
+
+    async def take_first(self, keys):
+        return await self._answer((None, "no_entry"))
+
+    async def refresh(self):
+        return await self._answer(None)
+
+
+async def test_failures_answer_at_once_and_the_store_comes_back():
+    inner, clock, errors, health = Flaky(), Clock(), [], []
+    store = GuardedStore(inner, 0.05, lambda op, why: errors.append((op, why)), health.append, retry=1.0, clock=clock)
+    assert await store.put(("t", "c"), {}, "d", 0) is True
+    inner.mode = "hang"
+    started = asyncio.get_running_loop().time()
+    assert await store.take_first([("t", "c")]) == (None, UNAVAILABLE)
+    assert asyncio.get_running_loop().time() - started < 1
+    assert errors == [("take", "timeout")] and health == [True, False]
+    inner.mode = "error"
+    calls = inner.calls
+    assert await store.put(("t", "c"), {}, "d", 0) is False          # down: not even tried
+    assert inner.calls == calls and errors[-1] == ("put", "down")
+    clock.t += 1.5
+    assert await store.put(("t", "c"), {}, "d", 0) is False          # one try a second
+    assert inner.calls == calls + 1 and errors[-1] == ("put", "error")
+    inner.mode = "ok"
+    await store.refresh()                                             # the periodic check always tries
+    assert store.up and health == [True, False, True]
+    assert await store.take_first([("t", "c")]) == (None, "no_entry")
