@@ -25,7 +25,8 @@ if first == 0:
         if os.fork() == 0:
             if detach:
                 os.setsid()
-            print(os.getpid(), flush=True)
+            # one write each (lines never interleave), tagged: the two may print in either order
+            os.write(1, b'%s %d\\n' % (b'detached' if detach else b'in_group', os.getpid()))
             time.sleep(60)
             os._exit(0)
     os._exit(0)
@@ -41,7 +42,8 @@ def test_reparented_processes_of_the_group_and_the_marker_are_sampled():
                               start_new_session=True)
     grandchildren: list[int] = []
     try:
-        grandchildren = [int(leader.stdout.readline()) for _ in range(2)]
+        pids = dict(leader.stdout.readline().split() for _ in range(2))
+        grandchildren = [int(pids["in_group"]), int(pids["detached"])]
         in_group, detached = grandchildren
         assert os.getpgid(in_group) == leader.pid and os.getsid(detached) == detached
 
