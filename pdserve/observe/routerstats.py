@@ -28,6 +28,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     misses: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
+    plans: Counter[str] = Counter()
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
     for (name, label_set), value in samples.items():
@@ -49,6 +50,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["prefill_tokens_local_cached"] += value
         elif name == names.DEGRADED_REQUESTS + "_total":
             degraded_served[labels.get("served_by", "")] += int(value)
+        elif name == names.TURN_PLANS + "_total":
+            plans[labels.get("plan", "")] += int(value)
         elif name == names.DEGRADED_NOW and value:
             missing_roles.append(labels.get("missing", ""))
         elif name in BACKEND_GAUGES:
@@ -59,6 +62,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (pdserve.router.turn.TURN_OUTCOMES)
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
+    out["turn_plans"] = {k: v for k, v in plans.items() if k}   # where turns were routed (router/policy.py PLANS)
+    out["decode_only_turns"] = float(plans["decode_only"])      # served on the holder D alone
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
     out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now
     return out

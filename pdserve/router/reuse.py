@@ -40,6 +40,7 @@ class Decision:
     params: dict[str, Any] | None = None
     tokens: int = 0
     holder: str | None = None            # decode server that held the blocks (its prefix cache is warm)
+    prompt_tokens: int | None = None     # the new prompt's length, when it was tokenized for the decision
 
 
 class ReuseStore:
