@@ -42,6 +42,7 @@ class Settings:
     verbatim: bool = False
     restart_after: int = 0
     stream: bool = False
+    user_words: int = 60
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class Outcome:
 def prepare(s: Settings) -> Session:
     """Check the options and the config (exit 2 on a bad one, before anything starts), make the workload
     and the output folder."""
-    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns)
+    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns,
+                                                                 user_words=s.user_words)
     if s.restart_after and s.restart_after >= max(len(c.user_turns) for c in convs):
         raise UsageError(f"--restart-prefill-after-turn: {s.restart_after} leaves no turn after the restart",
                          hint="use a number below the turns per conversation")
@@ -111,7 +113,7 @@ def prepare(s: Settings) -> Session:
         base_name = spec.name
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    info = {"verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream}
+    info = {"user_words": s.user_words, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
 
 

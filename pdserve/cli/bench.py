@@ -40,6 +40,8 @@ def command(
     verbatim: bool = typer.Option(False, "--verbatim-replies", help="Sample replies only from whole-word tokens "
                                                                   "(allowed_token_ids), so that they re-tokenize "
                                                                   "to themselves, as a real model's do."),
+    user_words: int = typer.Option(60, "--user-words", min=1, help="Words of each short user turn between the "
+                                                                    "long tool results (generated workload)."),
     stream: bool = typer.Option(False, "--stream", help="Stream every request and time its first content chunk "
                                                          "(a turn served on D alone has its first token inside "
                                                          "the D leg, which Server-Timing cannot split)."),
@@ -50,7 +52,8 @@ def command(
     prepared = bench.prepare(bench.Settings(
         config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
-        verbatim=verbatim, restart_after=restart_after, stream=stream))
+        verbatim=verbatim, restart_after=restart_after, stream=stream,
+        user_words=user_words))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),
