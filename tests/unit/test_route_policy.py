@@ -127,3 +127,9 @@ def test_d_rate_is_measured_on_d_and_falls_back_to_p():
     assert costs.local_rate("decode-0") == pytest.approx(5e-4)
     assert costs.handover("decode-0", 1000) == pytest.approx(1e-2)
     assert costs.handover("decode-9", 1000) is None
+
+
+def test_every_prefill_policy_the_schema_offers_has_a_pick():
+    from pdserve.router.config import PREFILL_POLICIES
+    from pdserve.router.policy import PREFILL_PICKS
+    assert set(PREFILL_PICKS) == set(PREFILL_POLICIES)
