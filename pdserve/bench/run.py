@@ -36,7 +36,7 @@ class Endpoints:
     model: str
     api_key: str | None = None
     decode: list[str] = field(default_factory=list)
-    # Stream, and time the first content chunk: a router that reports no Server-Timing (vllm-router), or
+    # Stream, and time the first chunk of the answer: a router that reports no Server-Timing (vllm-router), or
     # `--stream` (a turn served on D alone has no P leg: its first token is inside the D leg).
     stream: bool = False
 
@@ -111,9 +111,11 @@ def _chat_streamed(ep: Endpoints, payload: dict[str, Any], headers: dict[str, st
                 continue
             event = json.loads(line[5:])
             for choice in event.get("choices") or []:
+                # vLLM's first chunk (the role) comes with the first generated token. Content may come
+                # tokens later: a random-weight model's first tokens are often partial UTF-8, held back.
+                ttft = ttft if ttft is not None else time.perf_counter() - started
                 text = (choice.get("delta") or {}).get("content")
                 if text:
-                    ttft = ttft if ttft is not None else time.perf_counter() - started
                     parts.append(text)
             usage = event.get("usage") or usage
     latency = time.perf_counter() - started
