@@ -91,11 +91,13 @@ class CostModel:
         if computed_tokens >= MIN_SAMPLE_TOKENS:
             self.local[decode] = self._ewma(self.local.get(decode), seconds / computed_tokens)
 
+    def prefill_rate(self) -> float | None:
+        """Seconds per computed token of the fastest measured prefill server."""
+        return min(self.recompute.values()) if self.recompute else None
+
     def local_rate(self, decode: str) -> float | None:
-        """D's seconds per computed token: measured on D, else the slowest prefill server's (same model)."""
-        if decode in self.local:
-            return self.local[decode]
-        return max(self.recompute.values()) if self.recompute else None
+        """D's seconds per computed token: measured on D, else the prefill servers' (the same model)."""
+        return self.local.get(decode, self.prefill_rate())
 
     def handover(self, decode: str, held_tokens: int) -> float | None:
         """Seconds a P leg spends on `held_tokens` of D's beyond computing (the pull and its overhead), at

@@ -81,12 +81,17 @@ def new_tokens(decision: Decision, block_size: int | None) -> int | None:
 
 
 class ShortTurns:
-    """The DecodeOnly rule. A turn is served on its holder D alone when its new tokens are at most
-    `max_tokens` and D is not overloaded by it: computing n tokens on D delays each of the k requests D is
-    decoding by about rate_D x n (their decode steps wait for the prefill chunk), which is worth it only
-    while that total stays below the hand-over it saves (the pull and P-leg overhead for the held tokens,
-    as the cost model measured them). Both rates are measured (cost.py); while either is unknown, an idle
-    holder takes the turn and a busy one does not."""
+    """The DecodeOnly rule. A turn is a candidate when its new tokens (what D's prefix cache cannot serve:
+    the prompt beyond the whole blocks D holds) are at most `max_tokens`. It is served on D alone when that
+    is predicted no slower than P then D, counting what it costs the k requests D is decoding (their decode
+    steps wait for the prefill chunk):
+
+        rate_D x n_D x (1 + k)  <=  hand-over(held tokens) + rate_P x n_P
+
+    n_D: tokens D computes (new, plus the part of the last block D held: its prefix cache hits whole blocks);
+    n_P: tokens P computes (P pulls D's sequence to the token). The hand-over is the pull and P-leg
+    overhead as the cost model measured it; rate_P its recompute rate, rate_D D's own (measured on streamed
+    D-alone turns, rate_P until then). While any of them is unknown an idle D takes the turn, a busy one not."""
 
     def __init__(self, max_tokens: int, costs: CostModel | None):
         self.max_tokens = max_tokens
@@ -97,15 +102,18 @@ class ShortTurns:
         if d is None or d.result != HIT or d.holder is None:
             return ""                      # nothing held for this conversation: not a candidate
         n = new_tokens(d, inputs.block_size)
-        if n is None:
+        if n is None or d.prompt_tokens is None:
             return "unknown_length"
         if n > self.max_tokens:
             return "too_long"
-        if inputs.holder_load > 0:
-            rate = self.costs.local_rate(d.holder) if self.costs else None
-            saved = self.costs.handover(d.holder, d.tokens) if self.costs else None
-            if rate is None or saved is None or rate * n * inputs.holder_load > saved:
-                return "decode_busy"
+        costs, k = self.costs, inputs.holder_load
+        rate = costs.local_rate(d.holder) if costs else None
+        saved = costs.handover(d.holder, d.tokens) if costs else None
+        p_rate = costs.prefill_rate() if costs else None
+        if rate is None or saved is None or p_rate is None:
+            return DecodeOnly(d.holder, n, d.tokens) if k == 0 else "decode_busy"
+        if rate * n * (1 + k) > saved + p_rate * max(1, d.prompt_tokens - d.tokens):
+            return "decode_busy" if k else "prefill_faster"
         return DecodeOnly(d.holder, n, d.tokens)
 
 

@@ -24,7 +24,7 @@ def hit(held: int, prompt: int, holder: str = "decode-0") -> Decision:
     return Decision(HIT, "continuation", {"remote_num_tokens": held}, held, holder, prompt_tokens=prompt)
 
 
-def measured(local: float | None = None, recompute: float | None = 1e-3, pull: float | None = 1e-5) -> CostModel:
+def measured(local: float | None = None, recompute: float | None = 1e-3, pull: float | None = 1e-4) -> CostModel:
     costs = CostModel()
     if recompute is not None:
         costs.recompute["prefill-0"] = recompute
@@ -35,11 +35,13 @@ def measured(local: float | None = None, recompute: float | None = 1e-3, pull: f
     return costs
 
 
+# D alone iff rate_D x n_D x (1 + load) <= pull x held + rate_P x n_P. By default here: rate_P = rate_D = 1 ms a
+# token, a pull 0.1 ms a token, so the hand-over of the 1515 tokens D holds is 151.5 ms.
 # held tokens, prompt tokens, D's load, cost model, config -> plan name (and why not D alone)
 CASES = [
-    # a short follow-up (40 new tokens beyond the 11 whole blocks D holds of 1515) on an idle holder: D alone
+    # 40 new tokens: D computes 147 (beyond the 11 whole blocks, 1408, of the 1515 it holds) = 147 ms,
+    # P then D 151.5 + 40 = 191.5 ms: D alone
     ("short_idle", hit(1515, 1515 + 40), 0, measured(), {}, DECODE_ONLY, ""),
-    # new tokens count from the block-aligned prefix: 1408 held in whole blocks, so 1408+256 is 256 new (at the cap)
     ("at_cap", hit(1515, 1408 + 256), 0, measured(), {}, DECODE_ONLY, ""),
     ("over_cap", hit(1515, 1408 + 257), 0, measured(), {}, PREFILL_THEN_DECODE, "too_long"),
     ("lower_cap", hit(1515, 1515 + 40), 0, measured(), {"decode_only_max_tokens": 128}, PREFILL_THEN_DECODE,
@@ -47,16 +49,19 @@ CASES = [
     ("long_turn", hit(1515, 1515 + 1200), 0, measured(), {}, PREFILL_THEN_DECODE, "too_long"),
     ("turned_off", hit(1515, 1515 + 40), 0, measured(), {"decode_only": False}, PREFILL_THEN_DECODE, ""),
     ("higher_cap", hit(1515, 1515 + 900), 0, measured(), {"decode_only_max_tokens": 1024}, DECODE_ONLY, ""),
-    # a busy holder: its 3 running decodes wait ~rate x n each; worth it only below the hand-over it saves
-    # (pull 1e-5 s/token x 1515 held = 15 ms): 147 new x 1e-4 s x 3 = 44 ms > 15 ms -> P then D
-    ("busy_costly", hit(1515, 1515 + 40), 3, measured(local=1e-4), {}, PREFILL_THEN_DECODE, "decode_busy"),
-    # ... 20 new tokens (not block-aligned tail 107 + 20 = 127) x 1e-5 x 3 = 3.8 ms < 15 ms -> D alone
-    ("busy_cheap", hit(1515, 1515 + 20), 3, measured(local=1e-5), {}, DECODE_ONLY, ""),
-    # busy and nothing measured yet: not on D (an idle D needs no estimate)
+    # a cheap pull (0.01 ms a token, as over shared memory): 15 + 40 ms through P beats D's 147: P then D ...
+    ("cheap_pull", hit(1515, 1515 + 40), 0, measured(pull=1e-5), {}, PREFILL_THEN_DECODE, "prefill_faster"),
+    # ... unless D holds whole blocks only, so that it computes no more than P would: 40 <= 15 + 40
+    ("cheap_pull_aligned", hit(1536, 1536 + 40), 0, measured(pull=1e-5), {}, DECODE_ONLY, ""),
+    # a busy holder: its 3 running decodes wait too: 147 ms x 4 > 191.5 ms -> P then D
+    ("busy_costly", hit(1515, 1515 + 40), 3, measured(), {}, PREFILL_THEN_DECODE, "decode_busy"),
+    ("busy_one", hit(1515, 1515 + 40), 1, measured(), {}, PREFILL_THEN_DECODE, "decode_busy"),
+    # ... measured 10x faster on D itself: 14.7 ms x 4 <= 191.5 ms -> D alone
+    ("busy_fast_d", hit(1515, 1515 + 40), 3, measured(local=1e-4), {}, DECODE_ONLY, ""),
+    # nothing measured yet: an idle D takes it, a busy one does not
     ("busy_unmeasured", hit(1515, 1515 + 40), 1, CostModel(), {}, PREFILL_THEN_DECODE, "decode_busy"),
     ("idle_unmeasured", hit(1515, 1515 + 40), 0, CostModel(), {}, DECODE_ONLY, ""),
-    # D's own rate unknown: P's recompute rate stands in (same model): 147 x 1e-3 x 1 = 0.15 s > 15 ms
-    ("busy_prior_rate", hit(1515, 1515 + 40), 1, measured(), {}, PREFILL_THEN_DECODE, "decode_busy"),
+    ("idle_no_pull_yet", hit(1515, 1515 + 40), 0, measured(pull=None), {}, DECODE_ONLY, ""),
     # nothing held, or a miss: P then D, not a D-alone candidate
     ("no_entry", None, 0, measured(), {}, PREFILL_THEN_DECODE, ""),
     ("miss", Decision(MISS, "not_a_continuation", holder="decode-0", prompt_tokens=50), 0, measured(), {},
@@ -125,7 +130,8 @@ def test_d_rate_is_measured_on_d_and_falls_back_to_p():
     assert costs.local_rate("decode-0") == pytest.approx(5e-4)
     costs.observe_local("decode-0", 1.0, 5)                  # too few tokens: no sample
     assert costs.local_rate("decode-0") == pytest.approx(5e-4)
-    assert costs.handover("decode-0", 1000) == pytest.approx(1e-2)
+    assert costs.handover("decode-0", 1000) == pytest.approx(0.1)
+    assert costs.prefill_rate() == 2e-3
     assert costs.handover("decode-9", 1000) is None
 
 
