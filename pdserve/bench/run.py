@@ -24,6 +24,7 @@ from typing import Any
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
 from pdserve.observe.promtext import Samples, auth_headers, parse
+from pdserve.router.turn import PLAN_HEADER
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 
@@ -35,7 +36,8 @@ class Endpoints:
     model: str
     api_key: str | None = None
     decode: list[str] = field(default_factory=list)
-    # A router that reports no Server-Timing (vllm-router): stream, and time the first content chunk.
+    # Stream, and time the first chunk of the answer: a router that reports no Server-Timing (vllm-router), or
+    # `--stream` (a turn served on D alone has no P leg: its first token is inside the D leg).
     stream: bool = False
 
 
@@ -81,6 +83,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         data = json.loads(resp.read())
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
+        plan = resp.headers.get(PLAN_HEADER, "")
     latency = time.perf_counter() - started
     usage = data.get("usage") or {}
     completion = int(usage.get("completion_tokens") or 0)
@@ -89,7 +92,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
     return {"reply": data["choices"][0]["message"].get("content") or "", "latency_s": latency, "ttft_s": ttft,
-            "prefill_s": prefill_s, "decode_s": decode_s,
+            "prefill_s": prefill_s, "decode_s": decode_s, "plan": plan,
             "prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": completion}
 
 
@@ -100,20 +103,25 @@ def _chat_streamed(ep: Endpoints, payload: dict[str, Any], headers: dict[str, st
     started = time.perf_counter()
     ttft, parts, usage = None, [], {}
     with urllib.request.urlopen(req, timeout=timeout) as resp:
+        plan = resp.headers.get(PLAN_HEADER, "")
+        timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             event = json.loads(line[5:])
             for choice in event.get("choices") or []:
+                # vLLM's first chunk (the role) comes with the first generated token. Content may come
+                # tokens later: a random-weight model's first tokens are often partial UTF-8, held back.
+                ttft = ttft if ttft is not None else time.perf_counter() - started
                 text = (choice.get("delta") or {}).get("content")
                 if text:
-                    ttft = ttft if ttft is not None else time.perf_counter() - started
                     parts.append(text)
             usage = event.get("usage") or usage
     latency = time.perf_counter() - started
     return {"reply": "".join(parts), "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
-            "prefill_s": None, "decode_s": None, "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None, "decode_s": None, "plan": plan,
+            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
             "completion_tokens": int(usage.get("completion_tokens") or 0)}
 
 
@@ -147,7 +155,8 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
                 reusable = st["previous"]["prompt_tokens"] + st["previous"]["completion_tokens"] - 1
             row = {"arm": arm, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
                                                                               if k != "reply"},
-                   **deltas, "reusable_tokens": reusable}
+                   **deltas, "reusable_tokens": reusable,
+                   "new_tokens": result["prompt_tokens"] - reusable if reusable else result["prompt_tokens"]}
             if pause:
                 row["after_pause"] = after_pause
             st["history"] = [*messages, {"role": "assistant", "content": result["reply"]}]

@@ -41,6 +41,8 @@ class Settings:
     attach: str | None = None
     verbatim: bool = False
     restart_after: int = 0
+    stream: bool = False
+    user_words: int = 60
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class Outcome:
 def prepare(s: Settings) -> Session:
     """Check the options and the config (exit 2 on a bad one, before anything starts), make the workload
     and the output folder."""
-    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns)
+    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns,
+                                                                 user_words=s.user_words)
     if s.restart_after and s.restart_after >= max(len(c.user_turns) for c in convs):
         raise UsageError(f"--restart-prefill-after-turn: {s.restart_after} leaves no turn after the restart",
                          hint="use a number below the turns per conversation")
@@ -110,7 +113,7 @@ def prepare(s: Settings) -> Session:
         base_name = spec.name
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    info = {"verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after}
+    info = {"user_words": s.user_words, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
 
 
@@ -130,6 +133,7 @@ def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[d
             "conversations": len(w.convs), "requests_per_arm": session.requests_per_arm,
             "concurrency": s.concurrency, "max_tokens": s.max_tokens, "seed": s.seed, "warmup_conversations": s.warmup,
             "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
+            "by_turn_size": report.by_turn_size(rows),
             "host": report.host_facts(),
             **w.info, **({"after_prefill_restart": after_restart} if after_restart else {})}
     files = report.write_files(session.out, meta, rows, summary, session.totals)
@@ -157,6 +161,8 @@ def _run_one(arm: Arm, out: Path, w: Workload, on_request: Callable[[dict], None
 
 def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], None], cluster_name: str):
     extra = None
+    if w.info.get("streamed"):
+        ep = dataclasses.replace(ep, stream=True)
     if w.info["verbatim_replies"]:
         ids = verbatim_token_ids(ep, WORDS)       # same model in every arm: the same ids
         w.info["verbatim_token_ids"] = ids

@@ -40,6 +40,11 @@ def command(
     verbatim: bool = typer.Option(False, "--verbatim-replies", help="Sample replies only from whole-word tokens "
                                                                   "(allowed_token_ids), so that they re-tokenize "
                                                                   "to themselves, as a real model's do."),
+    user_words: int = typer.Option(60, "--user-words", min=1, help="Words of each short user turn between the "
+                                                                    "long tool results (generated workload)."),
+    stream: bool = typer.Option(False, "--stream", help="Stream every request and time its first content chunk "
+                                                         "(a turn served on D alone has its first token inside "
+                                                         "the D leg, which Server-Timing cannot split)."),
     restart_after: int = typer.Option(0, "--restart-prefill-after-turn", min=0,
                                       help="Restart every prefill server once all conversations have run this "
                                            "many turns (their caches are lost; D still holds the turns). 0: never."),
@@ -47,12 +52,14 @@ def command(
     prepared = bench.prepare(bench.Settings(
         config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
-        verbatim=verbatim, restart_after=restart_after))
+        verbatim=verbatim, restart_after=restart_after, stream=stream,
+        user_words=user_words))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),
                             lambda row: progress.advance(task), note=console.info)
     _print_summary(outcome.summary, outcome.meta, outcome.totals)
+    _print_by_turn_size(outcome.meta.get("by_turn_size") or {})
     if outcome.after_restart:
         _print_after_restart(outcome.after_restart, restart_after)
     console.info("wrote " + ", ".join(str(f) for f in outcome.files))
@@ -66,6 +73,24 @@ def _print_after_restart(after: dict, turn: int) -> None:
         table.add_row(arm, f"{a['ttft_p50_ms']:.0f}", *(f"{a[k]:,.0f}" if a.get(k) is not None else "-"
                                                         for k in ("tokens_computed", "tokens_prefix_cache",
                                                                   "tokens_pulled")))
+    console.out.print(table)
+
+
+def _print_by_turn_size(sizes: dict) -> None:
+    if not sizes:
+        return
+    table = Table(title="Turns after the first, by new tokens (prompt beyond D's previous sequence)",
+                  title_justify="left")
+    for column in ("arm", "turns", "new tokens p50", "TTFT p50 (ms)", "on/arm", "P computed", "pulled from D",
+                   "served on D alone"):
+        table.add_column(column)
+    for size, arms in sizes.items():
+        for arm, a in arms.items():
+            table.add_row(f"{arm} ({size})", str(a["turns"]), f"{a['new_tokens_p50']:.0f}", f"{a['ttft_p50_ms']:.0f}",
+                          f"{a['speedup_vs_on']:.2f}x" if a.get("speedup_vs_on") else "-",
+                          *(f"{a[k]:,.0f}" if a.get(k) is not None else "-" for k in ("tokens_computed",
+                                                                                       "tokens_pulled")),
+                          str(a["decode_only"]))
     console.out.print(table)
 
 

@@ -121,7 +121,8 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
                           f"pulled from D {r['reuse_tokens_pulled']:.0f}, from P's own prefix cache "
                           f"{r.get('prefill_tokens_local_cached', 0):.0f}; misses: {misses}"))
         ended = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_outcomes") or {}).items())) or "none yet"
-        parts.append(Text(f"turns by outcome: {ended}"))
+        plans = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_plans") or {}).items())) or "none yet"
+        parts.append(Text(f"turns by outcome: {ended}; by route: {plans} (decode_only: served on D alone)"))
         if r.get("admission"):
             admitted = ", ".join(f"{k} {v}" for k, v in sorted(r["admission"].items()))
             parts.append(Text(f"admission: {admitted}; queued now {r.get('admission_queue_depth', 0)}"))

@@ -59,6 +59,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     outcomes: Counter[str] = Counter()
     degraded_served: Counter[str] = Counter()
     admission: Counter[str] = Counter()
+    plans: Counter[str] = Counter()
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
     for (name, label_set), value in samples.items():
@@ -80,6 +81,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["prefill_tokens_local_cached"] += value
         elif name == names.DEGRADED_REQUESTS + "_total":
             degraded_served[labels.get("served_by", "")] += int(value)
+        elif name == names.TURN_PLANS + "_total":
+            plans[labels.get("plan", "")] += int(value)
         elif name == names.DEGRADED_NOW and value:
             missing_roles.append(labels.get("missing", ""))
         elif name == names.ADMISSION + "_total":
@@ -99,6 +102,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
     out["admission"] = {k: v for k, v in admission.items() if v}   # admission outcomes (empty while it is off)
+    out["turn_plans"] = {k: v for k, v in plans.items() if k}   # where turns were routed (router/policy.py PLANS)
+    out["decode_only_turns"] = float(plans["decode_only"])      # served on the holder D alone
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
     out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now
     return out

@@ -26,6 +26,7 @@ from pdserve.router.flow import Flow
 from pdserve.router.turn import FAILED, TURN
 from pdserve.router.inputs import BadInput, read_json
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import RoutePolicy
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.store import open_store, scheme
 from pdserve.router.upstream import Upstream
@@ -192,8 +193,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         drops: set[asyncio.Task] = set()
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout,
                             (prefill, decode))
-        costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval) \
-            if cfg.cost_aware else None
+        # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
+        costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
 
         async def drop(backend: Backend) -> None:
             dropped = await store.drop_decode(backend.name)
@@ -217,7 +218,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
                 metrics.entries_bytes.set(store.bytes)
 
         prober = HealthProber([prefill, decode], session, cfg.health_interval, on_down)
-        app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics),
+        app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics,
+                                                          RoutePolicy(cfg, costs)),
                          decode, store, metrics, recheck=prober.recheck)
         tasks = [asyncio.create_task(prober.forever()),
                  asyncio.create_task(purge_forever())]

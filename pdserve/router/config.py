@@ -42,6 +42,8 @@ class RouterConfig:
     api_key_env: str | None = None     # name of the environment variable holding the API key
     cost_aware: bool = True
     prefill_policy: str = LEAST_LOADED    # one of PREFILL_POLICIES
+    decode_only: bool = True           # short turns served on the holder D alone (policy.ShortTurns)
+    decode_only_max_tokens: int = 256  # ... when their new tokens are at most this many
     cost_probe_every: int = 8          # while a pull is predicted slower, pull anyway every Nth turn ...
     cost_probe_interval: float = 60.0  # ... or when the last pull is this old
     upstream_max_connections: int = 1024   # connections to all backends together (pooled, kept alive)

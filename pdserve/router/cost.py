@@ -39,6 +39,7 @@ class CostModel:
         self._last_pull: dict[tuple[str, str], float] = {}
         self._probing: set[tuple[str, str]] = set()
         self._warm_at: dict[tuple[str, str], float] = {}   # pair -> when its first pull ended
+        self.local: dict[str, float] = {}                  # decode -> seconds per token it computed alone
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -83,3 +84,23 @@ class CostModel:
             return True
         self._skipped[pair] = skipped + 1
         return False
+
+    # -- turns served on D alone (policy.ShortTurns) ----------------------------------------------
+    def observe_local(self, decode: str, seconds: float, computed_tokens: int) -> None:
+        """A turn served on D alone, timed to its first streamed token: D's own prefill rate."""
+        if computed_tokens >= MIN_SAMPLE_TOKENS:
+            self.local[decode] = self._ewma(self.local.get(decode), seconds / computed_tokens)
+
+    def prefill_rate(self) -> float | None:
+        """Seconds per computed token of the fastest measured prefill server."""
+        return min(self.recompute.values()) if self.recompute else None
+
+    def local_rate(self, decode: str) -> float | None:
+        """D's seconds per computed token: measured on D, else the prefill servers' (the same model)."""
+        return self.local.get(decode, self.prefill_rate())
+
+    def handover(self, decode: str, held_tokens: int) -> float | None:
+        """Seconds a P leg spends on `held_tokens` of D's beyond computing (the pull and its overhead), at
+        the fastest measured prefill server's rate for this decode server."""
+        rates = [rate for (_, d), rate in self.pull.items() if d == decode]
+        return min(rates) * held_tokens if rates else None

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pdserve.router import tracing
 from pdserve.router.backends import Backend, Pool
+from pdserve.router.cost import CostModel
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.tokens import SequenceCollector, StreamRelay
@@ -33,8 +34,9 @@ class TurnEnds(Protocol):
 
 
 class DecodeLeg:
-    def __init__(self, upstream: Upstream, metrics: RouterMetrics, flow: TurnEnds):
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, flow: TurnEnds, costs: CostModel | None = None):
         self.upstream = upstream
+        self.costs = costs
         self.metrics = metrics
         self.flow = flow
 
@@ -85,10 +87,9 @@ class DecodeLeg:
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
         relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
+        d_started = time.perf_counter()
         try:
-            async with self.upstream.session.post(backend.url + turn.route, json=body,
-                                                  headers={**turn.headers, **self.upstream.auth},
-                                                  timeout=self.upstream.timeout) as resp:
+            async with self.upstream.open_stream(backend, turn.route, body, turn.headers) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
@@ -116,6 +117,9 @@ class DecodeLeg:
                             ttft = time.perf_counter() - turn.started
                             self.metrics.ttft.labels("true").observe(ttft)
                             tracing.note(ttft_ms=round(1000 * ttft, 1))
+                            if turn.local_tokens and self.costs is not None:   # D alone: D's prefill rate
+                                self.costs.observe_local(backend.name, time.perf_counter() - d_started,
+                                                         turn.local_tokens)
                 tail = relay.close()
                 if ok is None and relay.done:
                     ok = await self._finished(turn, backend, relay, track)

@@ -14,13 +14,14 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.router import affinity, identity, tracing
+from pdserve.router import identity, tracing
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode import DecodeLeg
 from pdserve.router.errors import UpstreamError, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import LOCAL_PARAMS, DecodeOnly, Degraded, RoutePolicy, TurnInputs, TurnPlan
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import SequenceCollector
@@ -42,6 +43,7 @@ class Flow:
     def __init__(self, cfg: RouterConfig, upstream: Upstream, prefill: PrefillLeg, decode: Pool,
                  store: ReuseStore, metrics: RouterMetrics, recheck: Callable[[Pool], Awaitable[None]]):
         self.cfg = cfg
+        self.policy: RoutePolicy = prefill.policy
         self.recheck = recheck
         self.upstream = upstream
         self.prefill = prefill
@@ -49,7 +51,7 @@ class Flow:
         self.store = store
         self.metrics = metrics
         self.missing: list[Pool] | None = None   # the roles pdserve_router_degraded shows as missing
-        self.d_leg = DecodeLeg(upstream, metrics, self)
+        self.d_leg = DecodeLeg(upstream, metrics, self, prefill.costs)
 
     def _turn(self, request: web.Request, route: str, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body)
@@ -113,8 +115,7 @@ class Flow:
             log.warning("%s: failed with a 5xx on %s alike: the request is the common factor, counted against "
                         "no server", turn.request_id, " and ".join(forgiven))
 
-    async def _route(self, request: web.Request, turn: Turn) -> web.StreamResponse:
-        route, body = turn.route, turn.body
+    async def _missing(self) -> list[Pool]:
         # Check D before the P leg: a prefill whose blocks no decode server can read is wasted work.
         missing = [pool for pool in (self.decode, self.prefill.pool) if not pool.any_usable()]
         if missing:
@@ -125,36 +126,60 @@ class Flow:
             self.missing = missing
             for pool in (self.decode, self.prefill.pool):
                 self.metrics.degraded_now.labels(pool.role).set(1 if pool in missing else 0)
+        return missing
+
+    async def _plan(self, turn: Turn) -> TurnPlan:
+        """The policy's plan for the turn, from what it needs: the roles left, and the trimmed offer of
+        what D holds for the conversation with the new prompt's length and the holder's load."""
+        missing = await self._missing()
         if missing:
-            other = self.prefill.pool if missing[0] is self.decode else self.decode
-            if other in missing:
-                return json_answer(turn, error_body("no prefill or decode server available", "server_error", 503),
-                                  503)
-            return await self._degraded(request, turn, other, f"no {missing[0].role} server usable")
-        track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
+            return self.policy.plan(TurnInputs(missing=tuple(pool.role for pool in missing)))
         keys = await self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         decide_started = time.perf_counter()
-        decision = await self.prefill.decide(keys, route, body) if keys else None
+        decision = await self.prefill.decide(keys, turn.route, turn.body) if keys else None
         if decision is not None:   # the entry lookup and, with an entry, P's /tokenize of the new prompt
             turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
-        p_started = time.perf_counter()
-        try:
-            anchor = (affinity.anchor(turn.explicit, turn.tenant, turn.messages)
-                      if self.cfg.prefill_policy == affinity.AFFINITY else None)
-            p_params, turn.pulled = await self.prefill.run(route, body, turn.headers, decision, anchor,
-                                                           turn.suspects)
-        except UpstreamError as err:
-            if err.serve_elsewhere and self.decode.any_usable():
-                # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
-                return await self._degraded(request, turn, self.decode, _failed(err))
-            return json_answer(turn, err.body, err.status)
-        turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
-        d_body = {**body, "kv_transfer_params": p_params}
+        holder = self.decode.by_name(decision.holder) if decision and decision.holder else None
+        return self.policy.plan(TurnInputs(decision=decision, block_size=self.prefill.block_size,
+                                           holder_load=holder.in_flight if holder else 0,
+                                           anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
+
+    async def _route(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        plan = await self._plan(turn)
+        turn.plan = plan.name
+        self.metrics.plans.labels(plan.name).inc()
+        tracing.note(plan=plan.name)
+        if isinstance(plan, Degraded):
+            if plan.role is None:
+                return json_answer(turn, error_body("no prefill or decode server available", "server_error", 503),
+                                   503)
+            return await self._degraded(request, turn, self.prefill.pool if plan.role == "prefill" else self.decode,
+                                        plan.why)
+        track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
+        collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
+        if isinstance(plan, DecodeOnly):
+            # D computes the new tokens on top of its prefix cache; the params make it publish the turn's
+            # blocks for the next turn's pull (policy.LOCAL_PARAMS). No P leg, nothing pulled.
+            turn.local_tokens = plan.new_tokens
+            d_body = {**turn.body, "kv_transfer_params": dict(LOCAL_PARAMS)}
+            prefer = plan.holder
+        else:
+            p_started = time.perf_counter()
+            try:
+                p_params, turn.pulled = await self.prefill.run(turn.route, turn.body, turn.headers, plan.decision,
+                                                               plan.anchor, turn.suspects)
+            except UpstreamError as err:
+                if err.serve_elsewhere and self.decode.any_usable():
+                    # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
+                    return await self._degraded(request, turn, self.decode, _failed(err))
+                return json_answer(turn, err.body, err.status)
+            turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
+            d_body = {**turn.body, "kv_transfer_params": p_params}
+            prefer = plan.decision.holder if plan.decision else None
         if track:
             d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
-        collector = SequenceCollector(keep_for_client=bool(body.get("return_token_ids")))
-        return await self._serve(request, turn, self.decode, decision.holder if decision else None, d_body,
-                                 collector, track, fallback=self.prefill.pool)
+        return await self._serve(request, turn, self.decode, prefer, d_body, collector, track,
+                                 fallback=self.prefill.pool)
 
     async def _degraded(self, request: web.Request, turn: Turn, pool: Pool, why: str) -> web.StreamResponse:
         """No server of the other role is usable, or the one tried failed (`why`): serve the request whole

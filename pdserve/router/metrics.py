@@ -33,6 +33,10 @@ class RouterMetrics:
         self.degraded = Counter(names.DEGRADED_REQUESTS,
                                 "Requests served whole by one server, without KV transfer, because no server "
                                 "of the other role was usable.", ["served_by"], registry=r)
+        self.plans = Counter(names.TURN_PLANS,
+                             "Turns by the route plan chosen for them: prefill_then_decode, decode_only (served on "
+                             "the holder decode server alone: no P leg, no pull), degraded (one role left).",
+                             ["plan"], registry=r)
         self.degraded_now = Gauge(names.DEGRADED_NOW,
                                   "1 while no server of this role is usable (the last request found none).",
                                   ["missing"], registry=r)

@@ -9,13 +9,14 @@ import re
 import time
 from typing import Any
 
-from pdserve.router import affinity, tracing
+from pdserve.router import tracing
 from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import RoutePolicy
 from pdserve.router.reuse import HIT, MISS, Decision, decide
 from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
@@ -28,8 +29,9 @@ BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 class PrefillLeg:
     def __init__(self, cfg: RouterConfig, upstream: Upstream, pool: Pool, decode: Pool, store: ReuseStore,
-                 costs: CostModel | None, metrics: RouterMetrics):
+                 costs: CostModel | None, metrics: RouterMetrics, policy: RoutePolicy):
         self.cfg = cfg
+        self.policy = policy
         self.upstream = upstream
         self.pool = pool
         self.decode = decode
@@ -55,7 +57,8 @@ class PrefillLeg:
                           holder_generation=holder.generation if holder else -1,
                           threshold=self.cfg.kv_recompute_threshold,
                           new_prompt=new_prompt, block_size=await self._block_size())
-        return dataclasses.replace(decision, holder=entry.decode)
+        return dataclasses.replace(decision, holder=entry.decode,
+                                   prompt_tokens=len(new_prompt) if new_prompt is not None else None)
 
     async def _prompt_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
         """The token ids P will prefill for this request (P's own tokenizer and chat template)."""
@@ -86,22 +89,21 @@ class PrefillLeg:
     async def run(self, route: str, body: dict[str, Any], headers: dict[str, str], decision: Decision | None,
                   anchor: str | None = None, suspects: Suspects | None = None) -> tuple[dict[str, Any], int | None]:
         """P's kv_transfer_params for D, and the tokens P pulled from D (None when P does not say). Records the reuse outcome: a hit only when P really read D's
-        blocks; otherwise the reason (the decision's, pull_slower, or read_failed). `anchor` (set only under
-        the `affinity` policy) pins the conversation to one prefill server."""
+        blocks; otherwise the reason (the decision's, pull_slower, or read_failed). The policy picks the
+        server (`anchor` pins the conversation under the affinity pick) and guards the offer by cost."""
         offer = decision if decision is not None and decision.result == HIT else None
         outcome = decision
         tried: list[str] = []
         served = False
         try:
             while True:
-                backend = affinity.pick(self.pool, anchor, set(tried))   # least-loaded when anchor is None
+                backend = self.policy.pick_prefill(self.pool, anchor, set(tried))
                 if backend is None:
                     raise UpstreamError(503, error_body("no prefill server available", "server_error", 503))
                 tried.append(backend.name)
-                use = offer
-                if use is not None and self.costs is not None and not self.costs.should_pull(backend.name,
-                                                                                             use.holder):
-                    use, outcome = None, Decision(MISS, "pull_slower", holder=use.holder)
+                use, guarded = self.policy.offer(backend.name, offer)
+                if guarded is not None:
+                    outcome = guarded
                 try:
                     answer = await self._once(backend, route, body, headers, use, suspects)
                     served = True

@@ -36,6 +36,7 @@ class Decision:
     params: dict[str, Any] | None = None
     tokens: int = 0
     holder: str | None = None            # decode server that held the blocks (its prefix cache is warm)
+    prompt_tokens: int | None = None     # the new prompt's length, when it was tokenized for the decision
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -13,6 +13,8 @@ from pdserve.router.identity import Key
 
 # The tokens of this turn's prompt that P read from D's KV instead of computing (a count, no handles).
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+# Where the turn was served (policy.PLANS: prefill_then_decode, decode_only, degraded).
+PLAN_HEADER = "X-PDServe-Plan"
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Turn:
     prefill_ms: float | None = None    # reported to the client in Server-Timing
     pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
     degraded: bool = False             # served whole by one role
+    plan: str = ""                     # the route plan's name (policy.PLANS), as PLAN_HEADER
+    local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
     outcome: str | None = None         # set once, by Flow.end
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
     history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
@@ -73,6 +77,8 @@ def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
         out["Server-Timing"] = ", ".join(timing)
     if turn.pulled is not None:
         out[PULLED_HEADER] = str(turn.pulled)
+    if turn.plan:
+        out[PLAN_HEADER] = "degraded" if turn.degraded else turn.plan
     return out
 
 

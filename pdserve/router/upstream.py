@@ -111,6 +111,13 @@ class Upstream:
         finally:
             pool.release(backend, ok if blame else None, trial)
 
+    def open_stream(self, backend: Backend, route: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> Any:
+        """A streamed POST (the D leg's), as `async with`: the caller reads the events and accounts for the
+        backend (acquire, count, failure), since a stream's outcome is known only at its end (decode.py)."""
+        return self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
+                                 timeout=self.timeout)
+
     async def get_text(self, backend: Backend, path: str) -> str | None:
         try:
             async with self.session.get(backend.url + path, headers=self.auth, timeout=self.timeout) as resp:

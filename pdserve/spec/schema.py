@@ -136,6 +136,13 @@ class RouterSpec(Strict):
         "prefill_policy", "How the router picks a prefill server: the least loaded one, or 'affinity': each "
         "conversation stays on one (rendezvous hashing; least loaded while that one is down), so P's own "
         "prefix cache holds its history.")
+    decode_only: bool = router_field(
+        "decode_only", "Serve a short follow-up turn on the decode server that holds the conversation, alone: it "
+        "computes the few new tokens on top of its prefix cache, with no prefill leg and no KV hand-over, and "
+        "still keeps the turn's blocks for the next long turn's pull (docs/router.md, 'Short turns on D').")
+    decode_only_max_tokens: int = router_field(
+        "decode_only_max_tokens", "Most new tokens (beyond the whole blocks the decode server holds) a turn may "
+        "have to be served on D alone; a busy D takes fewer, as measured (docs/router.md).", ge=1)
     breaker_failures: int = router_field("breaker_failures", "Consecutive failed requests that open a "
                                          "backend's circuit breaker.", ge=1)
     breaker_cooldown: float = router_field("breaker_cooldown", "Seconds an open breaker waits before one trial "

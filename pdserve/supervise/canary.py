@@ -138,7 +138,9 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
             p_before = readings(prefill_urls)
             message = (reply.get("choices") or [{}])[0].get("message") or {"role": "assistant", "content": ""}
             _chat(router_url, headers, {**body, "messages": [*messages, message,
-                                                             {"role": "user", "content": "pdserve canary again"}]},
+                                                             # long: a short follow-up is served on D
+                                                             # alone (router.decode_only), with no pull
+                                                             {"role": "user", "content": canary_text()}]},
                   timeout)
             to_prefill = leg(p_before, readings(prefill_urls))
     except urllib.error.HTTPError as err:

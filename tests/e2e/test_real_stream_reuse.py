@@ -22,6 +22,9 @@ EXTERNAL = {"source": "external_kv_transfer"}
 def prefix_cache_on(cfg: dict, ports: list[int]) -> None:
     cfg["prefill"]["vllm_args"] = [a for a in cfg["prefill"]["vllm_args"] if a != "--no-enable-prefix-caching"]
     cfg["kv_transfer"]["kv_recompute_threshold"] = 16    # the pulled tail (last partial block + reply) is short
+    # These follow-ups add ~190 tokens: served on D alone (router.decode_only) P would see none of them, and
+    # this module checks how P's pulls and P's own prefix-cache hits are counted apart.
+    cfg["router"]["decode_only"] = False
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,9 @@ class FakeVLLM:
                       "remote_prefill_cached_tokens": pulled,
                       # what pdserve.engine.entry's connector patch adds on a real P
                       PULLED_KEY: pulled, LOCAL_KEY: 0}
-        elif kv.get("do_remote_prefill") and self.args.bidirectional:   # decode leg: hand out D's blocks
+        elif kv and self.args.bidirectional:
+            # Decode leg, or a request served on D alone ({"do_remote_prefill": false}): as vLLM's pull
+            # scheduler, any kv_transfer_params without do_remote_decode make D hand out its finished blocks.
             total = len(prompt) + n - 1
             params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": self.engine_id,
                       "remote_request_id": uuid.uuid4().hex, "remote_block_ids": [list(range(total // BLOCK + 1))],

@@ -61,8 +61,10 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
             runners.append(runner)
             apps.append(app)
             cfgs.append({"name": f"{role}-{i}", "url": url})
+    # The fakes' conversations are a few dozen tokens: with decode_only on (the shipped default) every
+    # follow-up would be served on D alone. Tests of the P-then-D flow get it off; D-alone tests turn it on.
     cfg = RouterConfig.from_dict({"prefill": p_cfg, "decode": d_cfg, "model": "fake", "health_interval": 0.1,
-                                  "kv_recompute_threshold": 4, **router_overrides})
+                                  "kv_recompute_threshold": 4, "decode_only": False, **router_overrides})
     router = build_app(cfg, api_key=api_key)
     runner, url = await _serve(router, GuardedRunner, max_connections=cfg.max_connections, metrics=router[METRICS],
                                header_timeout=cfg.header_timeout, **server_limits(cfg))

