@@ -2,9 +2,9 @@
 
 The root namespace holds a bridge (BRIDGE_ADDR); each namespace gets one veth pair (eth0 inside, on the
 bridge outside) and its own address, so the router in the root namespace and NIXL between the namespaces
-cross real interfaces. Each namespace runs `sshd` with host keys, config and authorized key made here, and
-the client trusts exactly those host keys (a known_hosts file of the rig's own, passed per host as
-UserKnownHostsFile). Namespaces share the filesystem and pid space: the same venv runs everywhere.
+cross real interfaces. Each namespace runs `sshd` on port 2222 with host keys, config and authorized key
+made here, and the client trusts exactly those host keys (a known_hosts file of the rig's own, filled by
+`ssh-keyscan -p 2222` and passed per host as UserKnownHostsFile). Namespaces share the filesystem and pid space: the same venv runs everywhere.
 
 Needs root, `ip netns` and sshd (Debian openssh-server; scripts/install-test-deps.sh installs it).
 """
