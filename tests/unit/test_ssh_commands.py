@@ -81,3 +81,46 @@ def test_messages_print_brackets_verbatim(capsys):
     console.error("host [a] is unreachable", "check that `ssh -o UserKnownHostsFile=/k/[lab] 10.0.0.1 -- true` works")
     err = capsys.readouterr().err
     assert "host [a] is unreachable" in err and "UserKnownHostsFile=/k/[lab] 10.0.0.1" in err
+
+
+def remote_cluster(tmp_path, monkeypatch, launcher: str):
+    """A cluster folder whose decode-0 runs through `launcher` on host b (state.json and plan.json only)."""
+    from pdserve.launchers.base import Handle, LauncherKind
+    from pdserve.state.folder import ClusterDir, write_json_atomic
+    from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState
+    from tests.unit.test_spec import with_
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    plan = plan_of(with_("launcher", launcher, with_("name", f"follow-{launcher}", TWO_HOSTS)))
+    cdir = ClusterDir(plan.name)
+    cdir.logs_dir.mkdir(parents=True)
+    write_json_atomic(cdir.plan_path, plan.to_dict())
+    log = cdir.log_path("decode-0")
+    handle = Handle(LauncherKind(launcher), "b", 42, 1.0, "m", str(log))
+    cdir.write_state(ClusterState(plan.name, Phase.RUNNING, "http://127.0.0.1:1", {
+        "decode-0": ProcessRecord("decode-0", "decode", ProcState.READY, "10.0.0.2", 8200, handle)}))
+    return plan, log
+
+
+def test_follow_on_a_remote_log_prints_the_ssh_command_that_follows_it(tmp_path, monkeypatch):
+    from pdserve.errors import UsageError
+    from pdserve.orchestrate import ops
+    plan, log = remote_cluster(tmp_path, monkeypatch, "ssh")
+    with pytest.raises(UsageError) as err:
+        ops.follow_log(plan.name, "decode-0")
+    printed = err.value.hint.split("follow it there with: ", 1)[1]
+    assert printed == SshLauncher(plan).shell_command("b", ["tail", "-F", str(log)])
+    assert plan.host("b").address in shlex.split(printed)
+
+
+def test_follow_on_a_slurm_step_reads_the_local_log_its_srun_client_writes(tmp_path, monkeypatch):
+    from pdserve.orchestrate import ops
+    plan, log = remote_cluster(tmp_path, monkeypatch, "slurm")
+    log.write_text("")
+    import threading
+    lines = ops.follow_log(plan.name, "decode-0")      # not an ssh hint: pdserve never runs ssh for Slurm
+    writer = threading.Timer(0.5, lambda: log.write_text("step output\n"))
+    writer.start()
+    try:
+        assert next(lines) == "step output"
+    finally:
+        writer.cancel()
