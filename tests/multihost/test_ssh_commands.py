@@ -77,10 +77,13 @@ def test_a_changed_host_entry_takes_effect_on_the_next_plan(rig, tmp_path, monke
         # An unknown host key (another known_hosts, strict checking): the open master must not answer for it.
         strict = {a.name: {"ssh_options": [o for o in spec["ssh_options"] if not o.startswith("UserKnownHostsFile")]
                            + ["UserKnownHostsFile=/dev/null"]}}
-        res = pdserve("plan", plan_config(rig, tmp_path, "mh-cmds", strict))
+        strict_file = plan_config(rig, tmp_path, "mh-cmds", strict)
+        res = pdserve("plan", strict_file)
         assert res.returncode == 1 and "Host key verification failed" in res.stderr, res.stderr
         printed = in_backticks(res.stderr.split("hint:")[-1])
         assert shell(printed).returncode == 255, "the hint's command fails the same way"
+        doctor = pdserve("doctor", strict_file)
+        assert doctor.returncode == 1 and in_backticks(doctor.stdout.split("hint:")[1]) == printed, doctor.stdout
         # No key at all: refused, although a master made with the key is open.
         res = pdserve("plan", plan_config(rig, tmp_path, "mh-cmds", {a.name: {"identity_file": None}}))
         assert res.returncode == 1 and "Permission denied" in res.stderr, res.stderr
