@@ -25,8 +25,8 @@ def command(
     findings = ops.doctor(config, min_gbps)
     for f in findings:
         style = {"ok": "green", "warn": "yellow", "fail": "bold red"}[f.level]
-        console.out.print(f"[{style}]{f.level:4s}[/] {f.check}: {f.message}", highlight=False)
-        if f.hint and f.level != "ok":
-            console.out.print(f"     hint: {f.hint}", highlight=False)
+        console.out.print(f"[{style}]{f.level:4s}[/] {console.escape(f'{f.check}: {f.message}')}", highlight=False)
+        if f.hint and f.level != "ok":      # plain text: a command to copy may hold [...]
+            console.out.print(f"     hint: {f.hint}", highlight=False, markup=False)
     if any(f.level == "fail" for f in findings):
         raise typer.Exit(EXIT_ERROR)

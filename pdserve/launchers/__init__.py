@@ -68,4 +68,15 @@ def unreachable_hosts(plan: ClusterPlan) -> dict[str, str]:
     return out
 
 
-__all__ = ["Handle", "Launcher", "LauncherKind", "launcher_for", "launcher_for_handle", "unreachable_hosts"]
+def close_connections(plan: ClusterPlan) -> list[str]:
+    """Close the shared ssh connections (ControlMaster) to the plan's hosts, whichever pdserve process
+    opened them; the hosts that had one. Nothing for other launchers."""
+    if plan.launcher != LauncherKind.SSH.value:
+        return []
+    from pdserve.launchers.ssh import SshLauncher
+    launcher = _launcher(plan, LauncherKind.SSH)
+    return launcher.close() if isinstance(launcher, SshLauncher) else []
+
+
+__all__ = ["Handle", "Launcher", "LauncherKind", "close_connections", "launcher_for", "launcher_for_handle",
+           "unreachable_hosts"]

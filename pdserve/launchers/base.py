@@ -27,10 +27,12 @@ __all__ = ["Handle", "HostHealth", "HostUnreachable", "Launcher", "LauncherKind"
 class HostUnreachable(PdserveError):
     """A host could not be reached (or did not answer in time); `host` and `reason` say which and why."""
 
-    def __init__(self, host: str, reason: str, destination: str | None = None):
+    def __init__(self, host: str, reason: str, check: str | None = None):
+        """`check`: a shell command that makes the very connection that failed (the ssh launcher's own)."""
         self.host, self.reason = host, reason
         super().__init__(f"host {host} is unreachable: {reason}",
-                         hint=f"check that `ssh -o BatchMode=yes {destination or host} true` works from here")
+                         hint=f"check that `{check}` works from here" if check
+                         else "check the host's network and its launcher settings in hosts[]")
 
 
 @dataclass

@@ -10,6 +10,7 @@ once, so a supervisor tick never waits on it again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -33,22 +34,37 @@ def control_dir() -> Path:
     return path
 
 
-def ssh_argv(host: HostPlan, remote: list[str], connect_timeout: float) -> list[str]:
-    argv = ["ssh", "-T"]
+def control_path(host: HostPlan, cluster: str) -> str:
+    """The shared connection's socket, keyed by everything of the host entry that shapes a connection
+    (destination, user, port, key, options) and by the cluster: a changed entry never reuses a master
+    made with other settings, and `down` of one cluster closes no other's. ssh's %C (a hash of the
+    resolved host, port and user) covers what ~/.ssh/config changes."""
+    settings = [cluster, host.destination, host.user, host.port, host.identity_file, list(host.ssh_options)]
+    digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
+    return f"{control_dir()}/{digest}-%C"
+
+
+def _options(host: HostPlan, cluster: str, connect_timeout: float) -> list[str]:
+    argv: list[str] = []
     for opt in host.ssh_options:      # before ours: for each option ssh keeps the first value it is given
         argv += ["-o", opt]
     argv += ["-o", "BatchMode=yes",
-            "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=2",
-            "-o", "ControlMaster=auto", "-o", "ControlPersist=300",
-            "-o", f"ControlPath={control_dir()}/%C"]
+             "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
+             "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=2",
+             "-o", "ControlMaster=auto", "-o", "ControlPersist=300",
+             "-o", f"ControlPath={control_path(host, cluster)}"]
     if host.user:
         argv += ["-l", host.user]
     if host.port:
         argv += ["-p", str(host.port)]
     if host.identity_file:
         argv += ["-i", os.path.expanduser(host.identity_file)]
-    return [*argv, host.destination, "--", shlex.join(remote)]
+    return argv
+
+
+def ssh_argv(host: HostPlan, remote: list[str], connect_timeout: float, cluster: str) -> list[str]:
+    """The one source of every ssh command pdserve runs, and (shlex.join) of every one it prints."""
+    return ["ssh", "-T", *_options(host, cluster, connect_timeout), host.destination, "--", shlex.join(remote)]
 
 
 class SshLauncher:
@@ -70,32 +86,60 @@ class SshLauncher:
         """What the launcher last learned of a host (for status: which host and why)."""
         return self._health.setdefault(host, HostHealth())
 
-    def _failed(self, host: str, reason: str, destination: str | None = None) -> HostUnreachable:
+    def command(self, host_name: str, remote: list[str]) -> list[str]:
+        """The ssh argv that runs `remote` on a host, exactly as this launcher runs it."""
+        return ssh_argv(self._host(host_name), remote, self.connect_timeout, self.plan.name)
+
+    def shell_command(self, host_name: str, remote: list[str]) -> str:
+        """The same command as one shell line, for messages: pasted into a shell it runs exactly that."""
+        return shlex.join(self.command(host_name, remote))
+
+    def control_command(self, host_name: str, command: str) -> list[str]:
+        """`ssh -O check|exit` on the host's shared connection (the same options, so the same socket)."""
+        host = self._host(host_name)
+        return ["ssh", "-O", command, *_options(host, self.plan.name, self.connect_timeout), host.destination]
+
+    def close(self) -> list[str]:
+        """Close the shared connections to the plan's hosts (`down`); the hosts whose master was open."""
+        closed = []
+        for host in self.plan.hosts:
+            try:
+                res = self._run(self.control_command(host.name, "exit"), capture_output=True, timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+            if res.returncode == 0:
+                closed.append(host.name)
+        return closed
+
+    def _host(self, host_name: str) -> HostPlan:
+        host = self.plan.host(host_name)
+        if host is None:
+            raise PdserveError(f"host {host_name} is not in the plan's hosts")
+        return host
+
+    def _failed(self, host: str, reason: str) -> HostUnreachable:
         h = self.host_health(host)
         if h.reachable:
             h.since = time.time()
         h.reachable, h.reason, h.failures = False, reason, h.failures + 1
         h.retry_at = time.monotonic() + min(self.backoff_max, 2.0 ** h.failures)
-        return HostUnreachable(host, reason, destination)
+        return HostUnreachable(host, reason, self.shell_command(host, ["true"]))
 
     def call(self, host_name: str, request: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """Run one remote_ops request on a host; HostUnreachable when ssh cannot get there in time."""
-        host = self.plan.host(host_name)
-        if host is None:
-            raise PdserveError(f"host {host_name} is not in the plan's hosts")
+        host = self._host(host_name)
+        argv = self.command(host_name, remote_argv(host.python))
         h = self.host_health(host_name)
         if not h.reachable and time.monotonic() < h.retry_at:
-            raise HostUnreachable(host_name, h.reason + " (retrying later)")
-        argv = ssh_argv(host, remote_argv(host.python), self.connect_timeout)
-        dest = f"{host.user}@{host.destination}" if host.user else host.destination
+            raise HostUnreachable(host_name, h.reason + " (retrying later)", self.shell_command(host_name, ["true"]))
         limit = timeout or self.call_timeout
         try:
             res = self._run(argv, input=program(request).encode(), capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:
-            raise self._failed(host_name, f"no answer over ssh within {limit:g} s", dest) from None
+            raise self._failed(host_name, f"no answer over ssh within {limit:g} s") from None
         stderr = res.stderr.decode("utf-8", "replace").strip()
         if res.returncode == SSH_ERROR:
-            raise self._failed(host_name, stderr.splitlines()[-1] if stderr else "ssh failed", dest)
+            raise self._failed(host_name, stderr.splitlines()[-1] if stderr else "ssh failed")
         h.reachable, h.failures, h.reason = True, 0, ""
         lines = res.stdout.decode("utf-8", "replace").strip().splitlines()
         if res.returncode != 0 or not lines:

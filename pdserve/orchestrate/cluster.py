@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from pdserve.errors import EXIT_BAD_INPUT, ConfigError, NotRunningError, PdserveError, UsageError
-from pdserve.launchers import launcher_for_handle
+from pdserve.launchers import close_connections, launcher_for_handle
 from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.local import same_process
 from pdserve.launchers.stop import stop_tree
@@ -324,6 +324,8 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
             rec.message = f"{err.message}: may still run there"
     left = [name for name, alive in live_processes(cdir, state).items() if alive]
     busy = busy_ports(plan) if plan else []
+    if plan:
+        close_connections(plan)      # last: the checks above used them
     for name, rec in state.processes.items():
         if name not in left:
             rec.state, rec.handle = ProcState.STOPPED, None

@@ -250,11 +250,12 @@ def follow_log(name: str, process: str | None = None) -> Iterator[str]:
     cdir, remote, names = _log_names(name, process)
     if len(names) != 1:
         raise UsageError("--follow needs one PROCESS", hint=f"e.g. `pdserve logs {name} router -f`")
-    if names[0] in remote:
-        handle = remote[names[0]][1]
+    launcher, handle = remote.get(names[0], (None, None))
+    if handle is not None and handle.launcher is LauncherKind.SSH:
+        tail = launcher.shell_command(handle.host, ["tail", "-F", handle.log_path])
         raise UsageError(f"{names[0]}'s log is on host {handle.host}: --follow reads local logs only",
-                         hint=f"ssh {handle.host} tail -F {handle.log_path}")
-    return follow(cdir.log_path(names[0]))
+                         hint=f"follow it there with: {tail}")
+    return follow(cdir.log_path(names[0]))     # a Slurm step's output is forwarded to the local log
 
 
 # -- plan and doctor -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 # Piped output is for scripts and logs: don't squeeze tables into 80 columns (rich would, for TERM=dumb
 # or no terminal, unless given both dimensions).
@@ -17,9 +18,10 @@ err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), soft_wrap=
 
 
 def error(message: str, hint: str | None = None) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    # Escaped: a message or hint is plain text (a path or a command to copy may hold `[...]`).
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
     if hint:
-        err.print(f"[yellow]hint:[/] {hint}", markup=True, highlight=False)
+        err.print(f"[yellow]hint:[/] {escape(hint)}", markup=True, highlight=False)
 
 
 def info(message: str) -> None:

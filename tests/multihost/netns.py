@@ -2,9 +2,9 @@
 
 The root namespace holds a bridge (BRIDGE_ADDR); each namespace gets one veth pair (eth0 inside, on the
 bridge outside) and its own address, so the router in the root namespace and NIXL between the namespaces
-cross real interfaces. Each namespace runs `sshd` with host keys, config and authorized key made here, and
-the client trusts exactly those host keys (a known_hosts file of the rig's own, passed per host as
-UserKnownHostsFile). Namespaces share the filesystem and pid space: the same venv runs everywhere.
+cross real interfaces. Each namespace runs `sshd` on port 2222 with host keys, config and authorized key
+made here, and the client trusts exactly those host keys (a known_hosts file of the rig's own, filled by
+`ssh-keyscan -p 2222` and passed per host as UserKnownHostsFile). Namespaces share the filesystem and pid space: the same venv runs everywhere.
 
 Needs root, `ip netns` and sshd (Debian openssh-server; scripts/install-test-deps.sh installs it).
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 SUBNET = "10.79.0"            # apart from 10.77.0.x, which people here use by hand
 BRIDGE, BRIDGE_ADDR = "pdmhbr0", f"{SUBNET}.1"
 SSHD = "/usr/sbin/sshd"
+SSH_PORT = 2222           # not 22: every ssh command pdserve runs or prints must carry the host's Port
 
 
 def missing_capability() -> str | None:
@@ -73,7 +74,7 @@ class Rig:
     def host_spec(self, host: NsHost, **extra) -> dict:
         """The cluster.yaml `hosts:` entry for one namespace."""
         return {"name": host.name, "address": host.address, "user": "root", "identity_file": str(self.key),
-                "ssh_options": [f"UserKnownHostsFile={self.known_hosts}", "IdentitiesOnly=yes",
+                "ssh_options": [f"Port={SSH_PORT}", f"UserKnownHostsFile={self.known_hosts}", "IdentitiesOnly=yes",
                                 "StrictHostKeyChecking=yes"], **extra}
 
     def stray_pids(self) -> dict[str, list[int]]:
@@ -94,7 +95,7 @@ def _sshd_config(rig: Rig, host: NsHost) -> Path:
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_ed25519"))
     cfg = d / "sshd_config"
     cfg.write_text(f"""ListenAddress {host.address}
-Port 22
+Port {SSH_PORT}
 HostKey {d / 'host_ed25519'}
 PidFile {d / 'sshd.pid'}
 AuthorizedKeysFile {rig.workdir / 'authorized_keys'}
@@ -106,10 +107,17 @@ StrictModes no
 MaxSessions 50
 MaxStartups 50
 """)
-    pub = (d / "host_ed25519.pub").read_text().split()
-    with open(rig.known_hosts, "a") as f:
-        f.write(f"{host.address} {pub[0]} {pub[1]}\n")
     return cfg
+
+
+def _keyscan(rig: Rig, host: NsHost) -> None:
+    """The host key into the rig's known_hosts as docs/multinode.md says (`ssh-keyscan -p PORT`: the entry
+    then reads `[addr]:port`), after checking it is the key the host was given."""
+    scanned = sh("ssh-keyscan", "-p", str(SSH_PORT), "-t", "ed25519", host.address).stdout.strip()
+    pub = (rig.workdir / host.name / "host_ed25519.pub").read_text().split()
+    assert scanned.split() == [f"[{host.address}]:{SSH_PORT}", pub[0], pub[1]], scanned
+    with open(rig.known_hosts, "a") as f:
+        f.write(scanned + "\n")
 
 
 def _wait_port(address: str, port: int, timeout: float = 30.0) -> None:
@@ -120,7 +128,7 @@ def _wait_port(address: str, port: int, timeout: float = 30.0) -> None:
             return
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError(f"sshd on {address}:22 did not come up")
+    raise RuntimeError(f"sshd on {address}:{port} did not come up")
 
 
 def _wait_pid_file(path: Path, timeout: float = 10.0) -> int:
@@ -173,8 +181,9 @@ def make_rig(workdir: Path, names: tuple[str, ...] = ("pdmha", "pdmhb")) -> Rig:
             cfg = _sshd_config(rig, host)
             subprocess.Popen(["ip", "netns", "exec", name, SSHD, "-f", str(cfg)],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()
-            _wait_port(host.address, 22)
+            _wait_port(host.address, SSH_PORT)
             host.sshd_pid = _wait_pid_file(workdir / name / "sshd.pid")
+            _keyscan(rig, host)
         return rig
     except BaseException:
         teardown(rig)

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from pdserve.launchers.base import Handle, LauncherKind
-from pdserve.launchers.ssh import HostUnreachable, SshLauncher, control_dir
+from pdserve.launchers.ssh import HostUnreachable, SshLauncher
 from pdserve.plan.records import MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan
+from tests.multihost.netns import SSH_PORT
 
 # A leader that prints, then starts a child which leaves its session (as vLLM's engine does not, but a
 # stray could): only the marker then ties the child to the leader.
@@ -92,10 +93,12 @@ def test_connections_are_reused_and_host_keys_are_checked(rig):
     host = rig.hosts[0]
     launcher = SshLauncher(cluster(rig))
     launcher.call(host.name, {"op": "log", "log_path": "/nonexistent", "lines": 1})
-    assert any(control_dir().iterdir()), "a ControlMaster socket serves the next calls"
+    assert subprocess.run(launcher.control_command(host.name, "check"), capture_output=True).returncode == 0, \
+        "a ControlMaster socket serves the next calls"
     # Without the rig's known_hosts entry the host key is unknown: BatchMode refuses, nothing is trusted blindly.
-    strict = SshLauncher(cluster(rig, **{host.name: {"ssh_options": ["UserKnownHostsFile=/dev/null",
-                                                                       "ControlPath=none"]}}))
+    # The master just opened must not answer for the changed entry (its socket is keyed by the settings).
+    strict = SshLauncher(cluster(rig, **{host.name: {"ssh_options": [f"Port={SSH_PORT}",
+                                                                       "UserKnownHostsFile=/dev/null"]}}))
     with pytest.raises(HostUnreachable, match="Host key verification failed"):
         strict.call(host.name, {"op": "log", "log_path": "/nonexistent", "lines": 1})
 
