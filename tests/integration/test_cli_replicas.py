@@ -41,7 +41,9 @@ def turn(url: str, messages: list, conversation: str) -> tuple[dict, dict]:
 
 def test_replicas_share_a_managed_redis_across_a_router_kill(tmp_path, home):
     port = consecutive_free(4)       # shared, router-0's, router-1's, the managed Redis
-    path, cfg = write_config(tmp_path, "reps", router={"port": port, "replicas": 2, "store": "managed"})
+    # decode_only off: the fakes' follow-ups are short, and the test counts P's pulls of the shared entries
+    path, cfg = write_config(tmp_path, "reps", router={"port": port, "replicas": 2, "store": "managed",
+                                                       "decode_only": False})
     up = pdserve("up", str(path))
     assert up.returncode == 0, up.stderr
     try:
