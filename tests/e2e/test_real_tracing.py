@@ -48,8 +48,13 @@ def test_router_and_engine_spans_share_each_request_trace(rig):
     converse(cluster, "trace-conv", 2, [])
     roots = lambda: [s for s in receiver.roots() if s.attributes.get("pdserve.conversation")  # noqa: E731
                      and s.attributes.get("pdserve.identity") == "explicit"]
-    engine = lambda: [s for s in receiver.spans if s.service.startswith("vllm-")]  # noqa: E731
-    wait_spans(receiver, lambda: len(roots()) >= 2 and {s.trace_id for s in engine()} >= {r.trace_id for r in roots()})
+    engines = {"vllm-prefill-0", "vllm-decode-0"}
+
+    def complete() -> bool:
+        # Each engine exports its spans in its own batches: wait for both engines' spans of every trace, not
+        # for any engine's (decode's span has arrived before prefill's of the same trace).
+        return len(roots()) >= 2 and all(engines <= {s.service for s in receiver.trace(r.trace_id)} for r in roots())
+    wait_spans(receiver, complete)
     miss, hit = sorted(roots(), key=lambda s: s.start_ns)[:2]
     assert (miss.attributes["pdserve.reuse"], miss.attributes["pdserve.reuse_reason"]) == ("miss", "no_entry")
     assert hit.attributes["pdserve.reuse"] == "hit" and hit.attributes["pdserve.tokens_pulled"] > 0
