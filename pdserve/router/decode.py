@@ -34,7 +34,7 @@ class TurnEnds(Protocol):
 
 
 class DecodeLeg:
-    def __init__(self, upstream: Upstream, metrics: RouterMetrics, flow: TurnEnds, costs: CostModel | None = None):
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, flow: TurnEnds, costs: CostModel):
         self.upstream = upstream
         self.costs = costs
         self.metrics = metrics
@@ -117,7 +117,7 @@ class DecodeLeg:
                             ttft = time.perf_counter() - turn.started
                             self.metrics.ttft.labels("true").observe(ttft)
                             tracing.note(ttft_ms=round(1000 * ttft, 1))
-                            if turn.local_tokens and self.costs is not None:   # D alone: D's prefill rate
+                            if turn.local_tokens:   # D alone: D's prefill rate
                                 self.costs.observe_local(backend.name, time.perf_counter() - d_started,
                                                          turn.local_tokens)
                 tail = relay.close()

@@ -93,7 +93,7 @@ class ShortTurns:
     overhead as the cost model measured it; rate_P its recompute rate, rate_D D's own (measured on streamed
     D-alone turns, rate_P until then). While any of them is unknown an idle D takes the turn, a busy one not."""
 
-    def __init__(self, max_tokens: int, costs: CostModel | None):
+    def __init__(self, max_tokens: int, costs: CostModel):
         self.max_tokens = max_tokens
         self.costs = costs
 
@@ -107,9 +107,7 @@ class ShortTurns:
         if n > self.max_tokens:
             return "too_long"
         costs, k = self.costs, inputs.holder_load
-        rate = costs.local_rate(d.holder) if costs else None
-        saved = costs.handover(d.holder, d.tokens) if costs else None
-        p_rate = costs.prefill_rate() if costs else None
+        rate, saved, p_rate = costs.local_rate(d.holder), costs.handover(d.holder, d.tokens), costs.prefill_rate()
         if rate is None or saved is None or p_rate is None:
             return DecodeOnly(d.holder, n, d.tokens) if k == 0 else "decode_busy"
         if rate * n * (1 + k) > saved + p_rate * max(1, d.prompt_tokens - d.tokens):
@@ -125,7 +123,7 @@ PREFILL_PICKS: dict[str, PrefillPick] = {
 
 
 class RoutePolicy:
-    def __init__(self, cfg: RouterConfig, costs: CostModel | None):
+    def __init__(self, cfg: RouterConfig, costs: CostModel):
         self.cfg = cfg
         self.costs = costs                 # learned always; it guards pulls only with cost_aware
         self.pick = PREFILL_PICKS[cfg.prefill_policy]
@@ -148,7 +146,7 @@ class RoutePolicy:
 
     def offer(self, prefill: str, offer: Decision | None) -> tuple[Decision | None, Decision | None]:
         """What P on `prefill` is offered, and the reuse outcome if that changes it (the cost guard)."""
-        if (offer is None or not self.cfg.cost_aware or self.costs is None or offer.holder is None
+        if (offer is None or not self.cfg.cost_aware or offer.holder is None
                 or self.costs.should_pull(prefill, offer.holder)):
             return offer, None
         return None, Decision(MISS, "pull_slower", holder=offer.holder)

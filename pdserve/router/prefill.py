@@ -29,7 +29,7 @@ BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 class PrefillLeg:
     def __init__(self, cfg: RouterConfig, upstream: Upstream, pool: Pool, decode: Pool, store: ReuseStore,
-                 costs: CostModel | None, metrics: RouterMetrics, policy: RoutePolicy):
+                 costs: CostModel, metrics: RouterMetrics, policy: RoutePolicy):
         self.cfg = cfg
         self.policy = policy
         self.upstream = upstream
@@ -185,7 +185,7 @@ class PrefillLeg:
         self.metrics.prefill_tokens_local.inc(local)
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         prompt = usage.get("prompt_tokens")
-        if self.costs is None or not isinstance(prompt, int):
+        if not isinstance(prompt, int):
             return
         holder = use.holder if use else None
         if use is not None and counts is None:
