@@ -43,6 +43,8 @@ class Settings:
     restart_after: int = 0
     stream: bool = False
     user_words: int = 60
+    tool_words: int = 450
+    system_words: int = 600
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,13 @@ class Outcome:
 def prepare(s: Settings) -> Session:
     """Check the options and the config (exit 2 on a bad one, before anything starts), make the workload
     and the output folder."""
-    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns,
-                                                                 user_words=s.user_words)
+    sizes = {"system_words": s.system_words, "user_words": s.user_words, "tool_words": s.tool_words}
+    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns, **sizes)
     if s.restart_after and s.restart_after >= max(len(c.user_turns) for c in convs):
         raise UsageError(f"--restart-prefill-after-turn: {s.restart_after} leaves no turn after the restart",
                          hint="use a number below the turns per conversation")
-    warm = generate(s.seed + 1000, s.warmup, max(len(c.user_turns) for c in convs)) if s.warmup else []
+    # The warm-up conversations have the measured ones' sizes, so they warm the same shapes.
+    warm = generate(s.seed + 1000, s.warmup, max(len(c.user_turns) for c in convs), **sizes) if s.warmup else []
     if s.attach:
         if not ops.stored_plan(s.attach) or not ops.is_running(s.attach):
             raise NotRunningError(f"cluster {s.attach} is not running", hint="`pdserve status` lists clusters")
@@ -113,7 +116,7 @@ def prepare(s: Settings) -> Session:
         base_name = spec.name
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    info = {"user_words": s.user_words, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream}
+    info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
 
 

@@ -42,7 +42,11 @@ def command(
                                                                   "to themselves, as a real model's do."),
     user_words: int = typer.Option(60, "--user-words", min=1, help="Words of each short user turn between the "
                                                                     "long tool results (generated workload)."),
-    stream: bool = typer.Option(False, "--stream", help="Stream every request and time its first content chunk "
+    tool_words: int = typer.Option(450, "--tool-words", min=1, help="Words of each long tool result (generated "
+                                                                    "workload)."),
+    system_words: int = typer.Option(600, "--system-words", min=1, help="Words of the system prompt that opens "
+                                                                        "each conversation (generated workload)."),
+    stream: bool = typer.Option(False, "--stream", help="Stream every request and time its first answer chunk "
                                                          "(a turn served on D alone has its first token inside "
                                                          "the D leg, which Server-Timing cannot split)."),
     restart_after: int = typer.Option(0, "--restart-prefill-after-turn", min=0,
@@ -53,7 +57,7 @@ def command(
         config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
         verbatim=verbatim, restart_after=restart_after, stream=stream,
-        user_words=user_words))
+        user_words=user_words, tool_words=tool_words, system_words=system_words))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),

@@ -115,3 +115,13 @@ def test_turns_by_size_split_short_and_long_and_compare_with_on():
     assert sizes["short"]["local"] == {"turns": 1, "new_tokens_p50": 50, "ttft_p50_ms": 100, "decode_only": 1,
                                        "tokens_computed": 0, "tokens_pulled": 0, "speedup_vs_on": 4.0}
     assert sizes["long"]["local"]["speedup_vs_on"] == 1.0 and sizes["long"]["on"]["turns"] == 1
+
+
+def test_bench_sizes_reach_the_measured_and_the_warmup_conversations(tmp_path):
+    from pdserve.bench.session import Settings, prepare
+    s = prepare(Settings(arms="on", conversations=1, turns=2, out=tmp_path, system_words=5, user_words=3,
+                         tool_words=7))
+    for conv in (*s.workload.convs, *s.workload.warm):
+        words = [len(t.split(":", 1)[1].split()) for t in conv.user_turns]
+        assert words == [3, 7] and len(conv.system.split()) == len("You are agent 0. Tools: read_file, search, run.".split()) + 5
+    assert (s.workload.info["system_words"], s.workload.info["tool_words"]) == (5, 7)
