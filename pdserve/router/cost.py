@@ -40,6 +40,7 @@ class CostModel:
         self._probing: set[tuple[str, str]] = set()
         self._warm_at: dict[tuple[str, str], float] = {}   # pair -> when its first pull ended
         self.local: dict[str, float] = {}                  # decode -> seconds per token it computed alone
+        self.d_base: dict[str, float] = {}                 # decode -> seconds to a D leg's first token
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -86,10 +87,19 @@ class CostModel:
         return False
 
     # -- turns served on D alone (policy.ShortTurns) ----------------------------------------------
+    def observe_first_token(self, decode: str, seconds: float) -> None:
+        """A P-then-D turn's D leg, timed to its first streamed token: what any request costs on D before
+        its first token (API server, prompt tokenization, scheduling, one step) when it computes nothing."""
+        self.d_base[decode] = self._ewma(self.d_base.get(decode), seconds)
+
     def observe_local(self, decode: str, seconds: float, computed_tokens: int) -> None:
-        """A turn served on D alone, timed to its first streamed token: D's own prefill rate."""
-        if computed_tokens >= MIN_SAMPLE_TOKENS:
-            self.local[decode] = self._ewma(self.local.get(decode), seconds / computed_tokens)
+        """A turn served on D alone, timed to its first streamed token: D's own prefill rate, net of what
+        its D leg would have cost anyway (observe_first_token). Gross, a short turn's rate is mostly that
+        fixed part (on one H200 ~100 ms for ~150 tokens), which the P-then-D side pays too, so the rule
+        would send turns to P that D serves faster. Unknown until a P-then-D D leg was timed."""
+        base = self.d_base.get(decode)
+        if computed_tokens >= MIN_SAMPLE_TOKENS and base is not None:
+            self.local[decode] = self._ewma(self.local.get(decode), max(0.0, seconds - base) / computed_tokens)
 
     def prefill_rate(self) -> float | None:
         """Seconds per computed token of the fastest measured prefill server."""

@@ -18,6 +18,7 @@ from pdserve.router.backends import Backend, Pool
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import PREFILL_THEN_DECODE
 from pdserve.router.tokens import SequenceCollector, StreamRelay
 from pdserve.router.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
 from pdserve.router.upstream import Upstream
@@ -117,9 +118,11 @@ class DecodeLeg:
                             ttft = time.perf_counter() - turn.started
                             self.metrics.ttft.labels("true").observe(ttft)
                             tracing.note(ttft_ms=round(1000 * ttft, 1))
+                            d_first = time.perf_counter() - d_started
                             if turn.local_tokens:   # D alone: D's prefill rate
-                                self.costs.observe_local(backend.name, time.perf_counter() - d_started,
-                                                         turn.local_tokens)
+                                self.costs.observe_local(backend.name, d_first, turn.local_tokens)
+                            elif turn.plan == PREFILL_THEN_DECODE and not turn.degraded:
+                                self.costs.observe_first_token(backend.name, d_first)
                 tail = relay.close()
                 if ok is None and relay.done:
                     ok = await self._finished(turn, backend, relay, track)

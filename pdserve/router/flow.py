@@ -21,7 +21,9 @@ from pdserve.router.decode import DecodeLeg
 from pdserve.router.errors import UpstreamError, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import LOCAL_PARAMS, DecodeOnly, Degraded, RoutePolicy, TurnInputs, TurnPlan
+from pdserve.router.policy import (
+    LOCAL_PARAMS, TOO_LONG, DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs, TurnPlan,
+)
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import SequenceCollector
@@ -149,6 +151,10 @@ class Flow:
         turn.plan = plan.name
         self.metrics.plans.labels(plan.name).inc()
         tracing.note(plan=plan.name)
+        if isinstance(plan, PrefillThenDecode) and plan.local_refused:
+            tracing.note(decode_only_refused=plan.local_refused)
+            if plan.local_refused != TOO_LONG:
+                self.metrics.local_refused.labels(plan.local_refused).inc()
         if isinstance(plan, Degraded):
             if plan.role is None:
                 return json_answer(turn, error_body("no prefill or decode server available", "server_error", 503),

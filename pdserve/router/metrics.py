@@ -37,6 +37,12 @@ class RouterMetrics:
                              "Turns by the route plan chosen for them: prefill_then_decode, decode_only (served on "
                              "the holder decode server alone: no P leg, no pull), degraded (one role left).",
                              ["plan"], registry=r)
+        self.local_refused = Counter("pdserve_router_decode_only_refused",
+                                     "Turns D held whose new tokens were few enough for D alone but which went "
+                                     "P then D, by the rule's reason: unknown_length (no token count), "
+                                     "decode_busy (D is decoding others), prefill_faster (the measured rates "
+                                     "predict P then D no slower). Turns with too many new tokens are not counted.",
+                                     ["reason"], registry=r)
         self.degraded_now = Gauge(names.DEGRADED_NOW,
                                   "1 while no server of this role is usable (the last request found none).",
                                   ["missing"], registry=r)

@@ -35,6 +35,8 @@ PLANS = (PREFILL_THEN_DECODE, DECODE_ONLY, DEGRADED)
 # D's blocks published by a turn served on D alone: any non-empty kv_transfer_params without do_remote_decode
 # makes a bidirectional consumer keep the finished request's blocks and return their handles.
 LOCAL_PARAMS = {"do_remote_prefill": False}
+# Why a held turn went P then D (PrefillThenDecode.local_refused; pdserve_router_decode_only_refused_total).
+TOO_LONG, UNKNOWN_LENGTH, DECODE_BUSY, PREFILL_FASTER = "too_long", "unknown_length", "decode_busy", "prefill_faster"
 
 
 @dataclass(frozen=True)
@@ -103,15 +105,15 @@ class ShortTurns:
             return ""                      # nothing held for this conversation: not a candidate
         n = new_tokens(d, inputs.block_size)
         if n is None or d.prompt_tokens is None:
-            return "unknown_length"
+            return UNKNOWN_LENGTH
         if n > self.max_tokens:
-            return "too_long"
+            return TOO_LONG
         costs, k = self.costs, inputs.holder_load
         rate, saved, p_rate = costs.local_rate(d.holder), costs.handover(d.holder, d.tokens), costs.prefill_rate()
         if rate is None or saved is None or p_rate is None:
-            return DecodeOnly(d.holder, n, d.tokens) if k == 0 else "decode_busy"
+            return DecodeOnly(d.holder, n, d.tokens) if k == 0 else DECODE_BUSY
         if rate * n * (1 + k) > saved + p_rate * max(1, d.prompt_tokens - d.tokens):
-            return "decode_busy" if k else "prefill_faster"
+            return DECODE_BUSY if k else PREFILL_FASTER
         return DecodeOnly(d.holder, n, d.tokens)
 
 

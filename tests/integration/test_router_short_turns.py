@@ -81,3 +81,19 @@ async def test_d_alone_failing_is_served_whole_on_p():
             assert resp.status == 200
             assert resp.headers["X-PDServe-Plan"] == "degraded"
         assert dep.prefill[0][FAKE].received[-1]["body"].get("kv_transfer_params") is None
+
+
+async def test_a_held_short_turn_sent_to_p_is_counted_with_the_rules_reason():
+    async with deployment(decode_only=True, decode_only_max_tokens=32) as dep:
+        history: list = []
+        await turn(dep, "alpha " * LONG, history)
+        costs = dep.router[FLOW].prefill.costs            # measured: D slow, pulls nearly free
+        costs.recompute["prefill-0"], costs.local["decode-0"] = 1e-4, 1.0
+        costs.pull[("prefill-0", "decode-0")] = 1e-9
+        _, plan = await turn(dep, "yes " * SHORT, history)
+        assert plan == "prefill_then_decode"
+        _, plan = await turn(dep, "more " * 40, history)   # too many new tokens: not a candidate, not counted
+        assert plan == "prefill_then_decode"
+        m = await dep.metrics()
+        assert 'pdserve_router_decode_only_refused_total{reason="prefill_faster"} 1.0' in m
+        assert 'reason="too_long"' not in m

@@ -123,16 +123,38 @@ def test_prefill_pick_comes_from_the_registry():
     assert RoutePolicy(cfg(), CostModel()).anchor(("t", "conv-1"), "t", None) is None   # least_loaded: no pin
 
 
-def test_d_rate_is_measured_on_d_and_falls_back_to_p():
+def test_d_rate_is_measured_on_d_net_of_its_first_token_and_falls_back_to_p():
     costs = measured(recompute=2e-3)
     assert costs.local_rate("decode-0") == 2e-3
+    costs.observe_local("decode-0", 0.05, 100)               # no P-then-D D leg timed yet: no sample
+    assert costs.local_rate("decode-0") == 2e-3
+    costs.observe_first_token("decode-0", 0.03)              # what a D leg costs when D computes nothing
     costs.observe_local("decode-0", 0.05, 100)
-    assert costs.local_rate("decode-0") == pytest.approx(5e-4)
+    assert costs.local_rate("decode-0") == pytest.approx(2e-4)
     costs.observe_local("decode-0", 1.0, 5)                  # too few tokens: no sample
-    assert costs.local_rate("decode-0") == pytest.approx(5e-4)
+    assert costs.local_rate("decode-0") == pytest.approx(2e-4)
     assert costs.handover("decode-0", 1000) == pytest.approx(0.1)
     assert costs.prefill_rate() == 2e-3
     assert costs.handover("decode-9", 1000) is None
+    faster = measured()
+    faster.observe_first_token("decode-0", 0.2)
+    faster.observe_local("decode-0", 0.1, 100)               # faster than a D leg: computing cost ~nothing
+    assert faster.local_rate("decode-0") == 0.0
+
+
+def test_short_turns_stay_on_d_when_d_is_faster_by_its_fixed_cost_alone():
+    """One H200 (docs/benchmark.md): a D leg reaches its first token in ~100 ms whatever it computes, a D-alone
+    turn of ~170 tokens in ~120 ms, P then D costs ~80 ms more. Timed gross (120 ms / 170 tokens), D's rate
+    came out 0.7 ms a token, 25x P's, and the rule sent such turns to P; net of the fixed part it does not."""
+    costs = measured(recompute=3e-5, pull=2e-6)               # hand-over of 25k held tokens: 50 ms
+    for _ in range(3):
+        costs.observe_first_token("decode-0", 0.100)
+        costs.observe_local("decode-0", 0.120, 170)
+    got = RoutePolicy(cfg(), costs).plan(TurnInputs(decision=hit(25_000, 25_000 + 110), block_size=64))
+    assert isinstance(got, DecodeOnly), got
+    gross = measured(recompute=3e-5, pull=2e-6, local=0.120 / 170)
+    got = RoutePolicy(cfg(), gross).plan(TurnInputs(decision=hit(25_000, 25_000 + 110), block_size=64))
+    assert isinstance(got, PrefillThenDecode) and got.local_refused == "prefill_faster"
 
 
 def test_every_prefill_policy_the_schema_offers_has_a_pick():
