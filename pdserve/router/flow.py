@@ -22,9 +22,11 @@ from pdserve.router.errors import UpstreamError, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
-    LOCAL_PARAMS, TOO_LONG, DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs, TurnPlan,
+    LOCAL_PARAMS, TOO_LONG, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs, TurnPlan,
+    new_tokens_bound,
 )
 from pdserve.router.prefill import PrefillLeg
+from pdserve.router.reuse import HIT, Decision, ReuseEntry
 from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import SequenceCollector
 from pdserve.router.turn import (ANSWERED, CLIENT_GONE, DEGRADED, FAILED, NOT_STORED, STORED, TURN, UNAVAILABLE,
@@ -137,14 +139,45 @@ class Flow:
         if missing:
             return self.policy.plan(TurnInputs(missing=tuple(pool.role for pool in missing)))
         keys = await self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
+        if not keys:
+            return self.policy.plan(TurnInputs(anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
         decide_started = time.perf_counter()
-        decision = await self.prefill.decide(keys, turn.route, turn.body) if keys else None
-        if decision is not None:   # the entry lookup and, with an entry, P's /tokenize of the new prompt
+        entry, why = await self.prefill.take(keys)
+        quick = self._unverified_short_turn(turn, entry)
+        if quick is not None:
             turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
-        holder = self.decode.by_name(decision.holder) if decision and decision.holder else None
-        return self.policy.plan(TurnInputs(decision=decision, block_size=self.prefill.block_size,
-                                           holder_load=holder.in_flight if holder else 0,
-                                           anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
+            return quick
+        # P's /tokenize of the new prompt: the token-level check a pull needs (reuse.decide)
+        decision = await self.prefill.decide(entry, why, turn.route, turn.body)
+        turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
+        return self.policy.plan(self._inputs(turn, decision))
+
+    def _inputs(self, turn: Turn, decision: Decision) -> TurnInputs:
+        holder = self.decode.by_name(decision.holder) if decision.holder else None
+        return TurnInputs(decision=decision, block_size=self.prefill.block_size,
+                          holder_load=holder.in_flight if holder else 0,
+                          anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages))
+
+    def _unverified_short_turn(self, turn: Turn, entry: ReuseEntry | None) -> DecodeOnly | None:
+        """D alone without P's /tokenize (on one H200 a third of a D-alone turn at 25k tokens) when the new
+        messages are few enough bytes to bound their tokens (policy.new_tokens_bound). Only for a history
+        match: it proves every earlier message and the reply are the ones D computed, so D's prefix cache
+        holds them; under an explicit conversation id the history may have been edited, and the turn is
+        tokenized and checked as for a pull. A bound over the rule's limit, or a rule that prefers P,
+        falls through to the checked path (which may still choose D alone on the exact count)."""
+        if (entry is None or turn.explicit is not None or self.policy.short is None
+                or entry.num_tokens < max(1, self.cfg.kv_recompute_threshold) or not self.prefill.holds(entry)):
+            return None
+        bound = new_tokens_bound(turn.messages)
+        if bound is None:
+            return None
+        estimate = Decision(HIT, UNVERIFIED, tokens=entry.num_tokens, holder=entry.decode,
+                            prompt_tokens=entry.num_tokens + bound)
+        plan = self.policy.plan(self._inputs(turn, estimate))
+        if isinstance(plan, DecodeOnly):
+            tracing.note(decode_only_unverified=True)
+            return plan
+        return None
 
     async def _route(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         plan = await self._plan(turn)

@@ -82,6 +82,36 @@ def new_tokens(decision: Decision, block_size: int | None) -> int | None:
     return max(1, decision.prompt_tokens - held)
 
 
+# The chat template's tokens around one message (role header, end marker), generously: Qwen's and Llama 3's
+# take about 5, tool results a few more.
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+UNVERIFIED = "unverified"   # a Decision's reason: D's entry taken, the new prompt not tokenized (new_tokens_bound)
+
+
+def new_tokens_bound(messages: list[Any] | None) -> int | None:
+    """An upper bound of the tokens that the messages after the last assistant message add to the prompt,
+    without tokenizing: a token of a byte-level BPE (or SentencePiece) vocabulary covers at least one byte
+    of text, plus the template's tokens per message and the generation prompt. None when there is nothing
+    to bound by (no assistant message, a message that is not plain text)."""
+    if not messages:
+        return None
+    last = next((i for i in range(len(messages) - 1, -1, -1)
+                 if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), None)
+    if last is None:
+        return None
+    total = TEMPLATE_TOKENS_PER_MESSAGE                  # the generation prompt
+    for message in messages[last + 1:]:
+        if not isinstance(message, dict) or not set(message) <= {"role", "content", "name", "tool_call_id"}:
+            return None
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            return None
+        total += len(content.encode()) + TEMPLATE_TOKENS_PER_MESSAGE
+    return total
+
+
 class ShortTurns:
     """The DecodeOnly rule. A turn is a candidate when its new tokens (what D's prefix cache cannot serve:
     the prompt beyond the whole blocks D holds) are at most `max_tokens`. It is served on D alone when that

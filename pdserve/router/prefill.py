@@ -17,7 +17,7 @@ from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePolicy
-from pdserve.router.reuse import HIT, MISS, Decision, decide
+from pdserve.router.reuse import HIT, MISS, Decision, ReuseEntry, decide
 from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
 from pdserve.router.upstream import Upstream
@@ -42,9 +42,19 @@ class PrefillLeg:
         self.warned: set[str] = set()        # prefill servers said to run without NixlConnector
 
     # -- what may P read? --------------------------------------------------------------------------
-    async def decide(self, keys: list[Key], route: str, body: dict[str, Any]) -> Decision:
+    async def take(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]:
+        """The conversation's entry (single use: taken from the store), or why there is none."""
         entry, why = await self.store.take_first(keys)
         self.metrics.entries_live.set(len(self.store))
+        return entry, why
+
+    def holds(self, entry: ReuseEntry) -> bool:
+        """The entry's decode server is usable and still the process that made it (its blocks are there)."""
+        holder = self.decode.by_name(entry.decode)
+        return bool(holder and holder.healthy and (entry.generation is None or holder.generation == entry.generation))
+
+    async def decide(self, entry: ReuseEntry | None, why: str, route: str, body: dict[str, Any]) -> Decision:
+        """What of the taken entry P may read for this prompt, verified against P's /tokenize of it."""
         if entry is None:
             return Decision(MISS, why)
         if entry.num_tokens < max(1, self.cfg.kv_recompute_threshold):

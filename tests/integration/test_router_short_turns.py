@@ -97,3 +97,21 @@ async def test_a_held_short_turn_sent_to_p_is_counted_with_the_rules_reason():
         m = await dep.metrics()
         assert 'pdserve_router_decode_only_refused_total{reason="prefill_faster"} 1.0' in m
         assert 'reason="too_long"' not in m
+
+
+async def test_a_short_follow_up_matched_by_history_goes_to_d_without_tokenizing_on_p():
+    async with deployment(decode_only=True) as dep:
+        p = dep.prefill[0][FAKE]
+        history: list = []
+        for content in ("alpha " * LONG, "yes " * SHORT):
+            body = {"model": "fake", "messages": history + [{"role": "user", "content": content}], "max_tokens": 4}
+            async with dep.session.post(dep.url + CHAT, json=body) as resp:   # no conversation id: by history
+                assert resp.status == 200
+                plan = resp.headers["X-PDServe-Plan"]
+                history[:] = body["messages"] + [(await resp.json())["choices"][0]["message"]]
+        assert plan == "decode_only" and p.tokenized == 0 and len(p.received) == 1
+        # Under an explicit id the history may have been edited: the follow-up is tokenized and checked.
+        explicit: list = []
+        await turn(dep, "alpha " * LONG, explicit)
+        _, plan = await turn(dep, "yes " * SHORT, explicit)
+        assert plan == "decode_only" and p.tokenized == 1

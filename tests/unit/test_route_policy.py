@@ -161,3 +161,24 @@ def test_every_prefill_policy_the_schema_offers_has_a_pick():
     from pdserve.router.config import PREFILL_POLICIES
     from pdserve.router.policy import PREFILL_PICKS
     assert set(PREFILL_PICKS) == set(PREFILL_POLICIES)
+
+
+A = {"role": "assistant", "content": "done"}
+PER = 16    # TEMPLATE_TOKENS_PER_MESSAGE
+
+
+@pytest.mark.parametrize("messages,bound", [
+    ([{"role": "user", "content": "hi"}, A, {"role": "user", "content": "yes"}], PER + 3 + PER),
+    ([A, {"role": "user", "content": "é"}], PER + 2 + PER),                       # bytes, not characters
+    ([A, {"role": "tool", "content": "out", "tool_call_id": "1"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "bc"}]}], PER + (3 + PER) + (3 + PER)),
+    ([A], PER),                                                                  # nothing new: the generation prompt
+    ([{"role": "user", "content": "hi"}], None),                                 # no reply: nothing held to count from
+    ([A, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], None),
+    ([A, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], PER),  # the last reply is the anchor
+    ([A, {"role": "user", "content": "x", "extra": 1}], None),                   # a field the bound does not know
+    (None, None),
+])
+def test_new_tokens_are_bounded_by_the_bytes_of_the_messages_after_the_last_reply(messages, bound):
+    from pdserve.router.policy import new_tokens_bound
+    assert new_tokens_bound(messages) == bound
