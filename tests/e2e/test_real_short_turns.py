@@ -35,9 +35,10 @@ def counters(cluster: dict) -> dict:
             "d_computed": metric(d, "vllm:prompt_tokens_by_source_total", source="local_compute")}
 
 
-def chat(cluster: dict, messages: list, stream: bool = False) -> tuple[dict, str, dict]:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "conversation_id": "short-long",
-            "stream": stream}
+def chat(cluster: dict, messages: list, stream: bool = False, conversation: str | None = None
+         ) -> tuple[dict, str, dict]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "stream": stream,
+            **({"conversation_id": conversation} if conversation else {})}
     req = urllib.request.Request(cluster["router"] + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
@@ -52,8 +53,11 @@ def chat(cluster: dict, messages: list, stream: bool = False) -> tuple[dict, str
     return {}, text, headers
 
 
-def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cluster):
-    history: list = [{"role": "system", "content": "You are a coding agent. " + " ".join(
+# Under an explicit id the router checks the short turn's tokens (P's /tokenize) before D alone; matched by
+# its history it bounds them by their bytes and sends the turn to D untokenized (docs/router.md).
+@pytest.mark.parametrize("conversation", ["short-long", None], ids=["explicit_id", "by_history"])
+def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cluster, conversation):
+    history: list = [{"role": "system", "content": f"You are a coding agent ({conversation}). " + " ".join(
         f"tool {i}: reads files and reports status;" for i in range(60))}]
     rows = []
     plans0 = status_of(NAME)["router"]["turn_plans"]     # the supervisor's canary turns count there too
@@ -63,7 +67,7 @@ def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cl
                                               (long_user_turn(4), False)]):
         history.append(message)
         before = counters(cluster)
-        data, text, headers = chat(cluster, history, stream)
+        data, text, headers = chat(cluster, history, stream, conversation)
         after = counters(cluster)
         history.append({"role": "assistant", "content": text})
         rows.append({"turn": turn + 1, "plan": headers.get(PLAN), "pulled_header": headers.get(PULLED),
