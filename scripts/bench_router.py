@@ -8,6 +8,8 @@ tokens) requests at 1 and 64 concurrent clients:
 - pdserve:  the real router process (`python -m pdserve.router`);
 - baseline: vLLM's reference proxy design (FastAPI + httpx, as in vLLM's disaggregated-serving example
             proxies), written below with the same two legs;
+- pdserve-admission: pdserve with every admission check on and none binding;
+- pdserve-redis: pdserve with its reuse store in Redis (Debian's redis-server, on the load side's core);
 - vllm-router: vLLM's Rust router (PyPI `vllm-router`, the bench extra) in its P-D mode, started with the
             same arguments as `pdserve bench`'s vllm-router arm (pdserve/bench/vrouter.py).
 
@@ -50,7 +52,8 @@ TOKENS = 128
 PROXY_CORE, LOAD_CORE = {0}, {1}
 
 # ---------------------------------------------------------------------------------------------------------
-# The fast fake backend: answers the P leg (max_tokens 1 with do_remote_decode) and the D leg at once.
+# The fast fake backend: answers the P leg (max_tokens 1 with do_remote_decode) and the D leg at once, the D
+# leg with the handles of the blocks it keeps, as a bidirectional D does (so every turn is stored).
 
 
 def run_backend(port: int) -> None:
@@ -60,6 +63,13 @@ def run_backend(port: int) -> None:
                 "remote_request_id": "r", "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1",
                 "remote_port": 1}
     message = {"role": "assistant", "content": "ok"}
+    # What a bidirectional D returns with every answer (the blocks it keeps for the next turn): the router
+    # stores them (one put a turn, in memory or Redis) and scrubs them from the client's answer.
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "d",
+                "remote_request_id": "r", "remote_block_ids": [[4, 5, 6]], "remote_host": "127.0.0.1",
+                "remote_port": 2, "remote_num_tokens": 8 + TOKENS}
+    d_params_chunk = ('data: {"id":"d","object":"chat.completion.chunk","choices":[],"kv_transfer_params":'
+                      + json.dumps(d_params) + '}\n\n').encode()
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -71,12 +81,13 @@ def run_backend(port: int) -> None:
         if not body.get("stream"):
             return web.json_response({"id": "d", "object": "chat.completion", "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": "tok " * TOKENS}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 8, "completion_tokens": TOKENS}})
+                "usage": {"prompt_tokens": 8, "completion_tokens": TOKENS}, "kv_transfer_params": d_params})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         chunk = b'data: {"id":"d","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
         for _ in range(TOKENS):
             await out.write(chunk)
+        await out.write(d_params_chunk)
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -273,7 +284,8 @@ async def measure(name: str, target: str, proc: psutil.Process | None, stream: b
     return r
 
 
-ARMS = ("direct", "pdserve", "pdserve-admission", "baseline", "vllm-router")
+ARMS = ("direct", "pdserve", "pdserve-admission", "pdserve-redis", "baseline", "vllm-router")
+redis_servers: list[subprocess.Popen] = []   # the pdserve-redis arm's, stopped with the arms
 # Every admission check on (per-tenant rate and in-flight cap, global cap with a queue), none binding:
 # what admission costs a request that it lets through.
 ADMISSION_ON = {"tenant_rate": 1e9, "tenant_max_in_flight": 100_000, "max_in_flight": 100_000, "queue_size": 100}
@@ -286,10 +298,17 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict
         return backend_url, None, None
     port = free_port()
     if name.startswith("pdserve"):
+        extra = ADMISSION_ON if name == "pdserve-admission" else {}
+        if name == "pdserve-redis":
+            redis_port = free_port()
+            # Debian's redis-server, no persistence, on the load side's core (the router keeps core 0 alone)
+            redis_servers.append(spawn(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                                        "--save", "", "--appendonly", "no"], LOAD_CORE))
+            extra = {"store": f"redis://127.0.0.1:{redis_port}/0"}
         cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"prefill": [{"name": "prefill-0", "url": backend_url}],
                    "decode": [{"name": "decode-0", "url": decode_url}], "model": "m", "port": port,
-                   **router_cfg, **(ADMISSION_ON if name == "pdserve-admission" else {})}, cfg_file)
+                   **router_cfg, **extra}, cfg_file)
         cfg_file.close()
         return (f"http://127.0.0.1:{port}",
                 spawn([sys.executable, "-m", "pdserve.router", "--config", cfg_file.name], PROXY_CORE), cfg_file.name)
@@ -331,9 +350,9 @@ async def main_async(args) -> dict:
                                             clients, args)
                         rows.append({**row, "run": run})
     finally:
-        for p in procs:
+        for p in procs + redis_servers:
             p.terminate()
-        for p in procs:
+        for p in procs + redis_servers:
             p.wait(10)
         for f in files:
             os.unlink(f)

@@ -263,7 +263,7 @@ class Flow:
             return
         tracing.note(conversation=tracing.key_hash(key), decode_tokens=len(collector.generated),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
-        log.info("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,
+        log.debug("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,   # per turn
                  d_params.get("remote_num_tokens"))
         self.end(turn, STORED)
         self.metrics.entries_live.set(len(self.store))
