@@ -6,15 +6,9 @@
 # FAULTS_VLLM_ARG (default --enforce-eager: no torch.compile/CUDA graphs, so a start takes ~1 min, not ~4, on
 # a fresh machine) is added to both servers; set it to e.g. --seed=0 for the shipped behaviour.
 # FAULTS_BUDGET_S (default 570): a step is skipped when fewer than 250 s of it are left.
-set -u
-code=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/out}
+source "$(dirname "$0")/env.sh"
 mkdir -p "$out"
 cd "$code" || exit 1    # `python -m` puts the working directory first on sys.path: this tree's pdserve wins
-export PDSERVE_HOME=/tmp/pdhome NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-[ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$code
-[ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
 arg=${FAULTS_VLLM_ARG:---enforce-eager}
 budget=${FAULTS_BUDGET_S:-570}
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv

@@ -3,14 +3,7 @@
 # /tmp/parts), build the random-weight 8B-class model, then for each STEP: `pdserve up` of a variant of
 # configs/gpu-1p1d.yaml, a measurement (scripts/gpu/measure.py), `pdserve down`. Results under $OUT.
 #   scripts/gpu/run-pd.sh STEP...   STEP = curve | curve-b64 | guard   (see below)
-set -u
-code=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/out}
-export PDSERVE_HOME=/tmp/pdhome NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-[ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$code
-[ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
-pd() { python3 -m pdserve "$@"; }
+source "$(dirname "$0")/env.sh"
 up() {   # NAME, cluster.py options
   local name=$1; shift
   python3 "$code/scripts/gpu/cluster.py" "/tmp/$name.yaml" "$name" "$@" > "$out/$name.yaml"

@@ -6,14 +6,7 @@
 #                                      streamed and not (measure.py), status; the cluster stays up
 #   scripts/gpu/run-shipped.sh load    8 conversations of 10 turns to ~32k tokens, 4 at a time: `bench
 #                                      --attach` on the running shipped cluster, down, then the `off` arm
-set -u
-code=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/out}
-export PDSERVE_HOME=/tmp/pdhome PYTHONUNBUFFERED=1
-[ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$code
-[ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
-pd() { python3 -m pdserve "$@"; }
+source "$(dirname "$0")/env.sh"
 cfg=/tmp/shipped.yaml
 case $1 in
   curve)

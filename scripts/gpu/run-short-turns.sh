@@ -6,13 +6,8 @@
 #                                          install, then the bench in the background (it outlives the call
 #                                          while the machine is kept warm); prints its progress for a while
 #   scripts/gpu/run-short-turns.sh wait    wait for it (at most WAIT_S, default 560 s), copy results to $OUT
-set -u
-code=$(cd "$(dirname "$0")/../.." && pwd)
-out=${OUT:-/tmp/out}
-export PDSERVE_HOME=/tmp/pdhome PYTHONUNBUFFERED=1 NO_COLOR=1
-[ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
-export PYTHONPATH=/tmp/site:$code
-[ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
+source "$(dirname "$0")/env.sh"
+export NO_COLOR=1
 cfg=/tmp/short.yaml
 log=/tmp/short-bench.log
 wait_s=${WAIT_S:-560}
