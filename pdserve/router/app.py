@@ -23,6 +23,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body, json_error
 from pdserve.router.flow import Flow
+from pdserve.router import http1 as lean_http
 from pdserve.router.turn import FAILED, TURN
 from pdserve.router.inputs import BadInput, read_json
 from pdserve.router.metrics import RouterMetrics
@@ -171,7 +172,15 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     async def lifecycle(app: web.Application):
         # A bounded pool of kept-alive connections: under load requests wait for one (up to
         # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
-        connector = aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
+        # Whole-JSON calls go on the lean client (http1.py), unless traced: aiohttp's trace hooks carry the
+        # traceparent of every backend call. The two pools share upstream_max_connections (the descriptor
+        # budget), half each; the lean one splits its half evenly over the backends.
+        lean = spans is None and lean_http.AVAILABLE
+        lean_total = cfg.upstream_max_connections // 2 if lean else 0
+        backends = len(cfg.prefill) + len(cfg.decode)
+        http1 = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends))) \
+            if lean else None
+        connector = aiohttp.TCPConnector(limit=max(1, cfg.upstream_max_connections - lean_total),
                                          limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
         # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
         # filtering the jar was work on every backend call).
@@ -192,7 +201,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
             metrics.store_up.labels(scheme(cfg.store)).set(1)
         drops: set[asyncio.Task] = set()
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout,
-                            (prefill, decode))
+                            (prefill, decode), http1)
         # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
 
@@ -229,6 +238,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await session.close()
+        if http1 is not None:
+            await http1.close()
         if spans is not None:
             await asyncio.to_thread(spans.shutdown)     # export what is queued
         await store.close()

@@ -9,7 +9,6 @@ upstream_pool_timeout) and the client's bad input never do.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +16,10 @@ from typing import Any
 import aiohttp
 
 from pdserve.router.backends import Backend, Pool, Suspects
+from pdserve.router.http1 import ROUTER_ERRNOS, ConnectFailed, Http1Client, PoolTimeout
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
 
-ROUTER_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 def router_resource_error(err: BaseException) -> bool:
     os_error = getattr(err, "os_error", err)
     return isinstance(os_error, OSError) and os_error.errno in ROUTER_ERRNOS
@@ -28,8 +27,11 @@ def router_resource_error(err: BaseException) -> bool:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, request_timeout: float,
-                 api_key: str | None = None, pool_timeout: float | None = None, pools: tuple[Pool, ...] = ()):
+                 api_key: str | None = None, pool_timeout: float | None = None, pools: tuple[Pool, ...] = (),
+                 http1: Http1Client | None = None):
         self.session = session
+        self.http1 = http1                 # whole-JSON calls (http1.py); streams and probes stay on aiohttp
+        self.pool_timeout = pool_timeout
         self.pools = pools
         self.metrics = metrics
         self.request_timeout = request_timeout
@@ -46,6 +48,8 @@ class Upstream:
         connect timeout covers that wait and the TCP connect alike; more requests outstanding than pooled
         connections allowed means ours was waiting. (A trace callback told exactly, but aiohttp then fires
         every trace signal of every request: 14k for 1000 requests.)"""
+        if isinstance(err, PoolTimeout):
+            return True
         if not isinstance(err, aiohttp.ConnectionTimeoutError):
             return False
         connector = self.session.connector
@@ -71,7 +75,7 @@ class Upstream:
             return False, UpstreamError(504, error_body(f"backend {backend.name} did not answer within "
                                                         f"{self.request_timeout:g}s", "timeout", 504), backend.name)
         return False, UpstreamError.unreachable(backend.name, type(err).__name__,
-                                                isinstance(err, aiohttp.ClientConnectorError))
+                                                isinstance(err, (aiohttp.ClientConnectorError, ConnectFailed)))
 
     async def post_json(self, pool: Pool, backend: Backend, route: str, body: dict[str, Any],
                         headers: dict[str, str], blame: bool = True, suspects: Suspects | None = None,
@@ -84,32 +88,39 @@ class Upstream:
         ok: bool | None = None    # stays None when the client went away (cancelled): no verdict on the backend
         trial = pool.acquire(backend)
         try:
-            async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
-                                         timeout=self.timeout) as resp:
-                status = resp.status
-                try:
-                    data = await resp.json(content_type=None)
-                except (json.JSONDecodeError, aiohttp.ContentTypeError, UnicodeDecodeError):
-                    status, data = 502, error_body(f"backend {backend.name} sent a non-JSON body "
-                                                   f"(HTTP {resp.status})", "server_error", 502)
-                if not isinstance(data, dict):
-                    status, data = 502, error_body(f"backend {backend.name} sent an unexpected body",
-                                                   "server_error", 502)
-                at_fault = backend_at_fault(status, data) or (status == 200 and valid is not None
-                                                              and not valid(data))
-                self.count(backend, route, status == 200 and not at_fault)
-                if at_fault and status >= 500 and suspects is not None and blame:
-                    suspects.hold(pool, backend)          # ok stays None: no verdict yet
-                else:
-                    ok = not at_fault
-                if status == 200 and ok and suspects is not None:
-                    suspects.served()
-                return status, data
+            status, data = await self._post(backend, route, body, headers)
+            if not isinstance(data, dict):
+                status, data = 502, error_body(f"backend {backend.name} sent an unexpected body",
+                                               "server_error", 502)
+            at_fault = backend_at_fault(status, data) or (status == 200 and valid is not None
+                                                          and not valid(data))
+            self.count(backend, route, status == 200 and not at_fault)
+            if at_fault and status >= 500 and suspects is not None and blame:
+                suspects.hold(pool, backend)          # ok stays None: no verdict yet
+            else:
+                ok = not at_fault
+            if status == 200 and ok and suspects is not None:
+                suspects.served()
+            return status, data
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             ok, error = self.failure(backend, route, err)
             raise error from None
         finally:
             pool.release(backend, ok if blame else None, trial)
+
+    async def _post(self, backend: Backend, route: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> tuple[int, Any]:
+        if self.http1 is not None:
+            status, _, raw = await self.http1.post(backend.url, route, json.dumps(body).encode(),
+                                                   {**headers, **self.auth}, self.request_timeout, self.pool_timeout)
+        else:
+            async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
+                                         timeout=self.timeout) as resp:
+                status, raw = resp.status, await resp.read()
+        try:
+            return status, json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return 502, error_body(f"backend {backend.name} sent a non-JSON body (HTTP {status})", "server_error", 502)
 
     def open_stream(self, backend: Backend, route: str, body: dict[str, Any],
                     headers: dict[str, str]) -> Any:

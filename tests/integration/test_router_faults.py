@@ -92,13 +92,21 @@ async def test_router_out_of_descriptors_is_not_blamed_on_the_backend():
         def emfile(*args, **kwargs):
             raise aiohttp.ClientOSError(errno.EMFILE, "Too many open files")
 
+        async def emfile_lean(*args, **kwargs):   # the lean JSON client (router/http1.py) lets it through raw
+            raise OSError(errno.EMFILE, "Too many open files")
+
         upstream.session.post = emfile
+        lean = upstream.http1
+        if lean is not None:
+            lean.post = emfile_lean
         try:
             for _ in range(5):
                 status, data = await dep.post(CHAT, HI)
                 assert status == 503 and "out of resources" in data["error"]["message"]
         finally:
             upstream.session.post = real
+            if lean is not None:
+                del lean.post
         assert breaker_failures(dep, "prefill") == 0 and breaker_failures(dep, "decode") == 0
         assert (await dep.post(CHAT, HI))[0] == 200
 
