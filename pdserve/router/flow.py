@@ -166,7 +166,7 @@ class Flow:
         tokenized and checked as for a pull. A bound over the rule's limit, or a rule that prefers P,
         falls through to the checked path (which may still choose D alone on the exact count)."""
         if (entry is None or turn.explicit is not None or self.policy.short is None
-                or entry.num_tokens < max(1, self.cfg.kv_recompute_threshold) or not self.prefill.holds(entry)):
+                or self.prefill.below_threshold(entry) or not self.prefill.holds(entry)):
             return None
         bound = new_tokens_bound(turn.messages)
         if bound is None:

@@ -17,7 +17,7 @@ from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePolicy
-from pdserve.router.reuse import HIT, MISS, Decision, ReuseEntry, decide
+from pdserve.router.reuse import HIT, MISS, Decision, ReuseEntry, decide, held
 from pdserve.router.store import ReuseStore
 from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
 from pdserve.router.upstream import Upstream
@@ -49,23 +49,28 @@ class PrefillLeg:
         return entry, why
 
     def holds(self, entry: ReuseEntry) -> bool:
-        """The entry's decode server is usable and still the process that made it (its blocks are there)."""
+        """The entry's decode server is usable and still the process that made it (reuse.held)."""
+        return held(entry, **self._holder(entry))
+
+    def _holder(self, entry: ReuseEntry) -> dict[str, Any]:
         holder = self.decode.by_name(entry.decode)
-        return bool(holder and holder.healthy and (entry.generation is None or holder.generation == entry.generation))
+        return {"holder_healthy": bool(holder and holder.healthy),
+                "holder_generation": holder.generation if holder else -1}
+
+    def below_threshold(self, entry: ReuseEntry) -> bool:
+        """Too few tokens held to be worth reading (kv_recompute_threshold), whatever the new prompt is."""
+        return entry.num_tokens < max(1, self.cfg.kv_recompute_threshold)
 
     async def decide(self, entry: ReuseEntry | None, why: str, route: str, body: dict[str, Any]) -> Decision:
         """What of the taken entry P may read for this prompt, verified against P's /tokenize of it."""
         if entry is None:
             return Decision(MISS, why)
-        if entry.num_tokens < max(1, self.cfg.kv_recompute_threshold):
+        if self.below_threshold(entry):
             # Too little to pull whatever the new prompt is: no /tokenize (its cost grows with the prompt,
             # docs/gpu.md) for a turn that recomputes anyway.
             return Decision(MISS, "below_threshold", holder=entry.decode)
-        holder = self.decode.by_name(entry.decode)
         new_prompt = await self._prompt_ids(route, body) if entry.sequence is not None else None
-        decision = decide(entry, holder_healthy=bool(holder and holder.healthy),
-                          holder_generation=holder.generation if holder else -1,
-                          threshold=self.cfg.kv_recompute_threshold,
+        decision = decide(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold,
                           new_prompt=new_prompt, block_size=await self._block_size())
         return dataclasses.replace(decision, holder=entry.decode,
                                    prompt_tokens=len(new_prompt) if new_prompt is not None else None)

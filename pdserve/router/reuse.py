@@ -47,6 +47,11 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def held(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int) -> bool:
+    """The entry's decode server is usable and still the process that made it (so its blocks are there)."""
+    return holder_healthy and (entry.generation is None or holder_generation == entry.generation)
+
+
 def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, threshold: int,
            new_prompt: list[int] | None, block_size: int | None) -> Decision:
     """Whether (and how much of) D's blocks P may read for the new prompt.
@@ -57,7 +62,7 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
     cdiv(remote_num_tokens, block_size) blocks) and computes from there, overwriting the rest of the last
     block, as it does with D's own unaligned counts. Anything that cannot be verified is not offered.
     """
-    if not holder_healthy or (entry.generation is not None and holder_generation != entry.generation):
+    if not held(entry, holder_healthy=holder_healthy, holder_generation=holder_generation):
         return Decision(MISS, "holder_unhealthy")
     if entry.sequence is None or new_prompt is None:
         return Decision(MISS, "unverifiable")
