@@ -285,15 +285,15 @@ async def measure(name: str, target: str, proc: psutil.Process | None, stream: b
 
 
 ARMS = ("direct", "pdserve", "pdserve-admission", "pdserve-redis", "baseline", "vllm-router")
-redis_servers: list[subprocess.Popen] = []   # the pdserve-redis arm's, stopped with the arms
 # Every admission check on (per-tenant rate and in-flight cap, global cap with a queue), none binding:
 # what admission costs a request that it lets through.
 ADMISSION_ON = {"tenant_rate": 1e9, "tenant_max_in_flight": 100_000, "max_in_flight": 100_000, "queue_size": 100}
 
 
-def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict
+def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict, helpers: list[subprocess.Popen]
               ) -> tuple[str, subprocess.Popen | None, str | None]:
-    """(url, process, its config file) of one arm, started on the proxy core."""
+    """(url, process, its config file) of one arm, started on the proxy core; what the arm needs beside it
+    (the pdserve-redis arm's redis-server) is appended to `helpers`, stopped with the arms."""
     if name == "direct":
         return backend_url, None, None
     port = free_port()
@@ -302,8 +302,8 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict
         if name == "pdserve-redis":
             redis_port = free_port()
             # Debian's redis-server, no persistence, on the load side's core (the router keeps core 0 alone)
-            redis_servers.append(spawn(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                                        "--save", "", "--appendonly", "no"], LOAD_CORE))
+            helpers.append(spawn(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no"], LOAD_CORE))
             extra = {"store": f"redis://127.0.0.1:{redis_port}/0"}
         cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"prefill": [{"name": "prefill-0", "url": backend_url}],
@@ -333,7 +333,7 @@ async def main_async(args) -> dict:
     files: list[str] = []
     try:
         for name in args.arms:
-            url, proc, cfg = start_arm(name, backend_url, decode_url, json.loads(args.router_config))
+            url, proc, cfg = start_arm(name, backend_url, decode_url, json.loads(args.router_config), procs)
             arms.append((name, url, proc))
             procs += [proc] if proc else []
             files += [cfg] if cfg else []
@@ -350,9 +350,9 @@ async def main_async(args) -> dict:
                                             clients, args)
                         rows.append({**row, "run": run})
     finally:
-        for p in procs + redis_servers:
+        for p in procs:
             p.terminate()
-        for p in procs + redis_servers:
+        for p in procs:
             p.wait(10)
         for f in files:
             os.unlink(f)
