@@ -71,6 +71,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
+    flow = request.app.get(FLOW)
+    if flow is not None:
+        await flow.counted()
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

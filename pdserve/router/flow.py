@@ -56,6 +56,7 @@ class Flow:
         self.metrics = metrics
         self.missing: list[Pool] | None = None   # the roles pdserve_router_degraded shows as missing
         self.d_leg = DecodeLeg(upstream, metrics, self, prefill.costs)
+        self.storing: set[asyncio.Future[bool]] = set()   # puts sent whose reply is still to come
 
     def _turn(self, request: web.Request, route: str, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body)
@@ -258,16 +259,32 @@ class Flow:
             return
         key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply,
                                                   turn.history_digest)
-        if not await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence):
-            self.end(turn, NOT_STORED)     # the store is unavailable: the next turn recomputes
-            return
+        verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
         tracing.note(conversation=tracing.key_hash(key), decode_tokens=len(collector.generated),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
         log.debug("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,   # per turn
-                 d_params.get("remote_num_tokens"))
-        self.end(turn, STORED)
+                  d_params.get("remote_num_tokens"))
+        if verdict.done():
+            self._stored(turn, verdict)
+            return
+        # A shared store's reply comes after the answer: the turn is 'stored' from now on (later ends are
+        # no-ops, as for any answered turn) and is counted when Redis answers, as not_stored if it failed.
+        turn.outcome = STORED
+        self.storing.add(verdict)
+        verdict.add_done_callback(lambda v: self._stored(turn, v))
+
+    def _stored(self, turn: Turn, verdict: asyncio.Future[bool]) -> None:
+        self.storing.discard(verdict)
+        turn.outcome = None
+        self.end(turn, STORED if verdict.result() else NOT_STORED)   # not_stored: the next turn recomputes
         self.metrics.entries_live.set(len(self.store))
         self.metrics.entries_bytes.set(self.store.bytes)
+
+    async def counted(self) -> None:
+        """Wait for the turns answered but not yet counted (their shared store's reply; each ends within
+        the store's timeout): a scrape after an answer counts that answer's turn."""
+        if self.storing:
+            await asyncio.wait(list(self.storing))
 
 def _failed(err: UpstreamError) -> str:
     return f"{err.backend} failed: HTTP {err.status}"

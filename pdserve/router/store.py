@@ -46,7 +46,9 @@ class ReuseStore(Protocol):
     def bytes(self) -> int: ...            # their estimated memory (idem)
 
     async def put(self, key: Key, params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> bool: ...
+                  sequence: list[int] | None = None) -> asyncio.Future[bool]: ...
+    # Returns once every later take, by any replica, will find the entry (a remote store: its write is on
+    # the wire); the future says whether it was kept, off the answer's path (done at once in memory).
 
     async def take_first(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]: ...
 
@@ -55,6 +57,13 @@ class ReuseStore(Protocol):
     async def refresh(self) -> None: ...   # periodic: purge expired entries, update len/bytes, check health
 
     async def close(self) -> None: ...
+
+
+def kept(verdict: bool) -> asyncio.Future[bool]:
+    """A put's verdict known at once."""
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(verdict)
+    return done
 
 
 def scheme(url: str) -> str:
@@ -107,7 +116,8 @@ class GuardedStore:
     def bytes(self) -> int:
         return self.inner.bytes
 
-    async def _call(self, op: str, call: Callable[[], Any], fallback: Any, probe: bool = False) -> Any:
+    async def _call(self, op: str, call: Callable[[], Any], fallback: Any, probe: bool = False,
+                    settles: bool = True) -> Any:
         if not self.up and not probe and self.clock() < self.next_try:
             self.on_error(op, "down")
             return fallback
@@ -119,11 +129,15 @@ class GuardedStore:
         except Exception as err:  # noqa: BLE001 - any store failure means: serve without it
             self._failed(op, "error", f"{type(err).__name__}: {err}")
             return fallback
+        if settles:     # a put's send does not: its reply says whether the store is back
+            self._back()
+        return result
+
+    def _back(self) -> None:
         if not self.up:
             self.up = True
             self.on_health(True)
             log.info("reuse store is back: entries are shared again")
-        return result
 
     async def _bounded(self, call: Callable[[], Any]) -> Any:
         if TIMEOUT is None:     # Python 3.10
@@ -141,8 +155,26 @@ class GuardedStore:
                         detail, op)
 
     async def put(self, key: Key, params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> bool:
-        return await self._call("put", lambda: self.inner.put(key, params, decode, generation, sequence), False)
+                  sequence: list[int] | None = None) -> asyncio.Future[bool]:
+        sent = await self._call("put", lambda: self.inner.put(key, params, decode, generation, sequence), None,
+                                settles=False)
+        if sent is None:
+            return kept(False)
+        verdict = asyncio.get_running_loop().create_future()
+        sent.add_done_callback(lambda reply: verdict.set_result(self._verdict(reply)))
+        return verdict
+
+    def _verdict(self, reply: asyncio.Future[bool]) -> bool:
+        """The put's reply, as _call would have judged it had it waited."""
+        err = reply.exception() if not reply.cancelled() else asyncio.CancelledError()
+        if err is None:
+            self._back()
+            return reply.result()
+        if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
+            self._failed("put", "timeout", "no answer in %gs" % self.timeout)
+        else:
+            self._failed("put", "error", f"{type(err).__name__}: {err}")
+        return False
 
     async def take_first(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]:
         return await self._call("take", lambda: self.inner.take_first(keys), (None, UNAVAILABLE))

@@ -7,6 +7,7 @@ process and is never compared with anything here. A router restart loses them (a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from array import array
 from collections import OrderedDict
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.router.reuse import ReuseEntry
+from pdserve.router.store import kept
 
 ENTRY_OVERHEAD_BYTES = 1024   # the entry, its key and D's params dict, roughly
 
@@ -143,9 +145,9 @@ class MemoryStore:
         return self.table.bytes
 
     async def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> bool:
+                  sequence: list[int] | None = None) -> asyncio.Future[bool]:
         self.table.put(key, params, decode, generation, sequence)
-        return True
+        return kept(True)
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
         return self.table.take_first(keys)

@@ -16,6 +16,7 @@ redis-py's asyncio client. Every router replica sees the same entries, and a rou
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -29,7 +30,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from pdserve.router.redis_pipe import RedisPipe
 from pdserve.router.reuse import ReuseEntry
+from pdserve.router.store import kept
 
 log = logging.getLogger("pdserve.router")
 
@@ -88,8 +91,10 @@ class RedisStore:
         # call takes a fresh connection. GuardedStore bounds every call: no socket timeout per read on top.
         self.client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
                                               health_check_interval=0)
-        self._put = self.client.register_script(PUT)
-        self._take_first = self.client.register_script(TAKE_FIRST)
+        # A turn's put and take: one pipelined connection (redis_pipe.py); the rest through the client's pool.
+        # EVAL with the script's text: Redis caches it by its hash, and a Redis restarted (its cache empty)
+        # needs no reload.
+        self.pipe = RedisPipe(self.client, timeout)
         self._drop = self.client.register_script(DROP)
         self.entries = 0
         self.used = 0
@@ -107,20 +112,21 @@ class RedisStore:
         return self.prefix + "e:" + hashlib.sha256(f"{tenant}\0{conversation}".encode()).hexdigest()[:40]
 
     async def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> bool:
+                  sequence: list[int] | None = None) -> asyncio.Future[bool]:
         value = encode(params, decode, sequence)
         if len(value) > MAX_ENTRY_BYTES:
             self.on_evict("capacity", 1)
-            return True    # kept nowhere, by the bound: not the store's failure
+            return kept(True)    # kept nowhere, by the bound: not the store's failure
         engine = str(params.get("remote_engine_id"))
-        dropped = await self._put(keys=[self.key(key), self.prefix + "idx:" + decode, self.prefix + "eng:" + decode],
-                                  args=[value, self.ttl_ms, engine])
-        if dropped:
-            log.info("decode %s has a new engine id: dropped %d of its old handles", decode, dropped)
-        return True
+        reply = await self.pipe.send("EVAL", PUT, 3, self.key(key), self.prefix + "idx:" + decode,
+                                     self.prefix + "eng:" + decode, value, self.ttl_ms, engine)
+        verdict = asyncio.get_running_loop().create_future()
+        reply.add_done_callback(lambda r: _put_replied(r, verdict, decode))
+        return verdict
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
-        value = await self._take_first(keys=[self.key(k) for k in keys], args=[self.prefix + "idx:"])
+        value = await (await self.pipe.send("EVAL", TAKE_FIRST, len(keys), *[self.key(k) for k in keys],
+                                            self.prefix + "idx:"))
         if not value:
             return None, "no_entry"
         entry = decode_entry(value)
@@ -148,7 +154,18 @@ class RedisStore:
                             self.max_bytes // 2**20)
 
     async def close(self) -> None:
+        await self.pipe.close()
         await self.client.aclose()
+
+
+def _put_replied(reply: asyncio.Future, verdict: asyncio.Future[bool], decode: str) -> None:
+    if reply.cancelled() or reply.exception() is not None:
+        verdict.set_exception(reply.exception() if not reply.cancelled() else ConnectionError("cancelled"))
+        verdict.exception()    # retrieved: the guard reads it
+        return
+    if reply.result():
+        log.info("decode %s has a new engine id: dropped %d of its old handles", decode, reply.result())
+    verdict.set_result(True)
 
 
 def encode(params: dict[str, Any], decode: str, sequence: list[int] | None) -> bytes:

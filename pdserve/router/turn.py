@@ -33,7 +33,7 @@ class Turn:
     degraded: bool = False             # served whole by one role
     plan: str = ""                     # the route plan's name (policy.PLANS), as PLAN_HEADER
     local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
-    outcome: str | None = None         # set once, by Flow.end
+    outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
     history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
 

@@ -45,7 +45,7 @@ async def test_entries_are_single_use_under_concurrency_across_clients(redis_ser
     a, b = store_at(redis_server.url), store_at(redis_server.url)
     try:
         for round_ in range(5):
-            assert await a.put(("t", f"c{round_}"), PARAMS, "decode-0", 0, list(range(100)))
+            assert await (await a.put(("t", f"c{round_}"), PARAMS, "decode-0", 0, list(range(100))))
             takes = [s.take_first([("t", "other"), ("t", f"c{round_}")]) for s in (a, b) for _ in range(25)]
             got = [e for e, why in await asyncio.gather(*takes) if e is not None]
             assert len(got) == 1, len(got)
@@ -60,7 +60,7 @@ async def test_expiry_is_redis_own_and_keys_name_no_conversation(redis_server):
     store = store_at(redis_server.url, ttl=0.3)
     client = aioredis.Redis.from_url(redis_server.url)
     try:
-        await store.put(("tenant-hash", "id:my-secret-conversation"), PARAMS, "decode-0", 0, [5, 6, 7])
+        await (await store.put(("tenant-hash", "id:my-secret-conversation"), PARAMS, "decode-0", 0, [5, 6, 7]))
         keys = [k.decode() for k in await client.keys("*")]
         entry_keys = [k for k in keys if ":e:" in k]
         assert len(entry_keys) == 1 and not any("secret" in k or "tenant-hash" in k for k in keys), keys
@@ -70,7 +70,7 @@ async def test_expiry_is_redis_own_and_keys_name_no_conversation(redis_server):
         await asyncio.sleep(0.45)
         assert await store.take_first([("tenant-hash", "id:my-secret-conversation")]) == (None, "no_entry")
         assert await client.exists(entry_keys[0]) == 0
-        await store.put(("a", "c"), PARAMS, "decode-0", 0)
+        await (await store.put(("a", "c"), PARAMS, "decode-0", 0))
         assert (await store.take_first([("b", "c")]))[0] is None      # another tenant's key
         assert (await store.take_first([("a", "c")]))[0] is not None
     finally:
@@ -81,8 +81,8 @@ async def test_expiry_is_redis_own_and_keys_name_no_conversation(redis_server):
 async def test_new_engine_id_and_decode_down_drop_that_servers_handles(redis_server):
     store = store_at(redis_server.url)
     try:
-        await store.put(("t", "old"), PARAMS, "decode-0", 0)
-        await store.put(("t", "other"), PARAMS, "decode-1", 0)
+        await (await store.put(("t", "old"), PARAMS, "decode-0", 0))
+        await (await store.put(("t", "other"), PARAMS, "decode-1", 0))
         await store.put(("t", "new"), {**PARAMS, "remote_engine_id": "e2"}, "decode-0", 0)   # decode-0 restarted
         assert (await store.take_first([("t", "old")]))[0] is None
         assert (await store.take_first([("t", "new")]))[0] is not None
@@ -202,3 +202,45 @@ async def test_a_paused_redis_holds_up_no_request(redis_server):
         pre = _hits(await dep.metrics())
         await _turns(dep.url, dep.session, 2, "resumed", served)
         assert _hits(await dep.metrics()) == pre + 1
+
+
+async def test_an_answer_never_waits_for_redis_to_confirm_its_put(redis_server):
+    """The put is on the wire before the answer and its reply is awaited after: with Redis paused for
+    longer than the answer takes, the client is answered at once; once Redis resumes, the turn counts as
+    stored and its follow-up reuses it. (Before, the answer waited for the reply: the store timeout here,
+    then not_stored.)"""
+    async with deployment(store=redis_server.url, store_timeout=3.0) as dep:
+        await _turns(dep.url, dep.session, 1, "warm", [])            # the pipe's connection is open
+        body = chat("a first turn " * 20)                              # no history: nothing to take
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            async with dep.session.post(dep.url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                data = await resp.json()
+            took = time.monotonic() - started
+        finally:
+            redis_server.resume()
+        assert took < 1.5, took                                        # not the 3 s store timeout
+        m = await dep.metrics()                                        # waits for the put's reply
+        assert 'pdserve_router_turns_total{outcome="not_stored"}' not in m
+        assert 'pdserve_router_turns_total{outcome="stored"} 2.0' in m, m
+        follow_up = chat("and then? " * 5, body["messages"] + [data["choices"][0]["message"]])
+        async with dep.session.post(dep.url + CHAT, json=follow_up) as resp:
+            assert resp.status == 200
+        assert "remote_block_ids" in dep.prefill[0][FAKE].received[-1]["body"]["kv_transfer_params"]
+
+
+async def test_another_replica_takes_an_entry_the_moment_its_put_returns(redis_server):
+    """What lets the reply come after the answer: once put returns, a take through another connection
+    (another replica's) already finds the entry."""
+    a, b = store_at(redis_server.url), store_at(redis_server.url)
+    try:
+        for i in range(50):
+            verdict = await a.put(("t", f"c{i}"), PARAMS, "decode-0", 0, [1, 2, 3])
+            entry, why = await b.take_first([("t", f"c{i}")])
+            assert entry is not None, (i, why)
+            assert await verdict
+    finally:
+        await a.close()
+        await b.close()
