@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
-
-TIMEOUT = getattr(asyncio, "timeout", None)
 
 
 class RedisPipe:
@@ -29,71 +29,96 @@ class RedisPipe:
         self.pool = client.connection_pool
         self.timeout = timeout      # the longest wait for the next reply: then every call in flight fails
         self.conn: Any = None
-        self.waiting: deque[asyncio.Future] = deque()   # one per command sent, oldest first
+        # one per command sent, oldest first: its reply future and what turns the reply into its result
+        self.waiting: deque[tuple[asyncio.Future, Callable[[Any], Any] | None]] = deque()
         self.reader: asyncio.Task | None = None
+        self.wake: asyncio.Future | None = None     # the reader, idle, waits on it for the next command
+        self.last_reply = 0.0
+        self.stalled = False
         self.connecting = asyncio.Lock()
 
-    async def send(self, *args: Any) -> asyncio.Future:
-        """Send one command now (connecting first if needed); the future is its reply, or raises the
-        error reply, a lost connection or a timeout."""
-        if self.conn is None:
-            self.conn = self.pool.make_connection()
+    async def send(self, *args: str | bytes | int, then: Callable[[Any], Any] | None = None) -> asyncio.Future:
+        """Send one command now (connecting first if needed); the future is its reply (`then(reply)`, with
+        `then`), or raises the error reply, a lost connection or a timeout."""
         conn = self.conn
-        if not conn.is_connected:
-            async with self.connecting:
-                if not conn.is_connected:
-                    await conn.connect()
-        reply = asyncio.get_running_loop().create_future()
-        self.waiting.append(reply)      # before the write: a write that waits for the socket keeps its turn
+        if conn is None or not conn.is_connected:
+            conn = await self._connect()
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        if not self.waiting:
+            self.last_reply = loop.time()    # the wait for this reply starts now, not at the last one
+        self.waiting.append((reply, then))   # before the write: a write that waits for the socket keeps its turn
         try:
-            await conn.send_packed_command(conn.pack_command(*args), check_health=False)
+            # socket_timeout None (_connect): redis-py writes at once instead of through a task per call
+            await conn.send_packed_command(hiredis.pack_command(args), check_health=False)
         except BaseException as err:
-            self._fail_all(err)         # redis-py closed the connection: what was in flight on it is lost
+            self._fail_all(err)              # redis-py closed the connection: what was in flight on it is lost
             raise
         if self.reader is None:
             self.reader = asyncio.create_task(self._read(conn))
+            loop.call_later(self.timeout, self._watch, self.reader)
+        elif self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
         return reply
 
+    async def _connect(self) -> Any:
+        async with self.connecting:
+            if self.conn is None:
+                # No read timeout of redis-py's own: the watchdog bounds the wait for replies, and the
+                # store's guard the connect and handshake.
+                self.conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
+            if not self.conn.is_connected:
+                await self.conn.connect()
+            return self.conn
+
     async def _read(self, conn: Any) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            while self.waiting:
+            while True:
+                if not self.waiting:
+                    self.wake = loop.create_future()
+                    await self.wake
+                    self.wake = None
                 try:
-                    reply = await self._next_reply(conn)
-                except ResponseError as err:    # this command's error; the connection is fine
-                    self._pop(err)
+                    outcome = await conn.read_response(timeout=math.inf)   # math.inf: no timed read (it
+                except ResponseError as err:                                # would answer None, as nil does)
+                    outcome = err                # this command's error; the connection is fine
+                self.last_reply = loop.time()
+                reply, then = self.waiting.popleft()
+                if reply.done():
                     continue
-                self._pop(reply)
+                if isinstance(outcome, Exception):
+                    reply.set_exception(outcome)
+                    reply.exception()            # retrieved: a caller that gave up waiting leaves no warning
+                else:
+                    reply.set_result(then(outcome) if then is not None else outcome)
         # redis-py has closed the connection on any of these; the next send opens a new one
-        except (asyncio.TimeoutError, TimeoutError):
-            self._fail_all(TimeoutError(f"no reply from Redis in {self.timeout:g}s"))
         except asyncio.CancelledError:
-            self._fail_all(ConnectionError("the Redis connection was closed"))
-            raise
+            if not self.stalled:
+                self._fail_all(ConnectionError("the Redis connection was closed"))
+                raise
+            self._fail_all(TimeoutError(f"no reply from Redis in {self.timeout:g}s"))
         except Exception as err:  # noqa: BLE001 - a lost connection, or a reply redis-py could not read
             self._fail_all(err)
         finally:
             self.reader = None
+            self.stalled = False
 
-    async def _next_reply(self, conn: Any) -> Any:
-        # math.inf: no read timeout of redis-py's own (its timed read answers None, as a nil reply would)
-        if TIMEOUT is None:      # Python 3.10
-            return await asyncio.wait_for(conn.read_response(timeout=math.inf), self.timeout)
-        async with TIMEOUT(self.timeout):
-            return await conn.read_response(timeout=math.inf)
-
-    def _pop(self, outcome: Any) -> None:
-        reply = self.waiting.popleft()
-        if reply.done():
+    def _watch(self, reader: asyncio.Task) -> None:
+        """Every `timeout` while the reader lives: replies due and none for `timeout`: Redis is stalled."""
+        if self.reader is not reader:
             return
-        if isinstance(outcome, BaseException):
-            reply.set_exception(outcome)
-            reply.exception()    # retrieved: a caller that gave up waiting leaves no warning
-        else:
-            reply.set_result(outcome)
+        waited = asyncio.get_running_loop().time() - self.last_reply
+        if self.waiting and waited >= self.timeout:
+            self.stalled = True
+            reader.cancel()
+            return
+        asyncio.get_running_loop().call_later(self.timeout - waited if self.waiting else self.timeout, self._watch,
+                                             reader)
 
     def _fail_all(self, err: BaseException) -> None:
         while self.waiting:
-            reply = self.waiting.popleft()
+            reply, _ = self.waiting.popleft()
             if not reply.done():
                 reply.set_exception(err if isinstance(err, Exception) else ConnectionError(str(err)))
                 reply.exception()

@@ -118,11 +118,9 @@ class RedisStore:
             self.on_evict("capacity", 1)
             return kept(True)    # kept nowhere, by the bound: not the store's failure
         engine = str(params.get("remote_engine_id"))
-        reply = await self.pipe.send("EVAL", PUT, 3, self.key(key), self.prefix + "idx:" + decode,
-                                     self.prefix + "eng:" + decode, value, self.ttl_ms, engine)
-        verdict = asyncio.get_running_loop().create_future()
-        reply.add_done_callback(lambda r: _put_replied(r, verdict, decode))
-        return verdict
+        return await self.pipe.send("EVAL", PUT, 3, self.key(key), self.prefix + "idx:" + decode,
+                                    self.prefix + "eng:" + decode, value, self.ttl_ms, engine,
+                                    then=lambda dropped: _put_replied(dropped, decode))
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
         value = await (await self.pipe.send("EVAL", TAKE_FIRST, len(keys), *[self.key(k) for k in keys],
@@ -158,14 +156,10 @@ class RedisStore:
         await self.client.aclose()
 
 
-def _put_replied(reply: asyncio.Future, verdict: asyncio.Future[bool], decode: str) -> None:
-    if reply.cancelled() or reply.exception() is not None:
-        verdict.set_exception(reply.exception() if not reply.cancelled() else ConnectionError("cancelled"))
-        verdict.exception()    # retrieved: the guard reads it
-        return
-    if reply.result():
-        log.info("decode %s has a new engine id: dropped %d of its old handles", decode, reply.result())
-    verdict.set_result(True)
+def _put_replied(dropped: int, decode: str) -> bool:
+    if dropped:
+        log.info("decode %s has a new engine id: dropped %d of its old handles", decode, dropped)
+    return True
 
 
 def encode(params: dict[str, Any], decode: str, sequence: list[int] | None) -> bytes:

@@ -1,0 +1,79 @@
+"""RedisPipe (the reuse store's per-turn connection) against a real redis-server: replies matched to their
+commands in order, an error reply failing only its command, and a stalled or killed Redis failing what was in
+flight at once (never a caller waiting past the timeout) with the next command on a fresh connection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from pdserve.router.redis_pipe import RedisPipe
+from tests.integration.rediskit import RedisServer
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+async def test_replies_come_back_to_their_own_commands_in_order(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    pipe = RedisPipe(client, 1.0)
+    try:
+        sent = [await pipe.send("ECHO", f"reply-{i}") for i in range(200)]     # all in flight at once
+        failing = await pipe.send("EVAL", "return redis.error_reply('boom')", 0)
+        after = await pipe.send("ECHO", "still fine", then=lambda r: r.upper())
+        assert await asyncio.gather(*sent) == [f"reply-{i}".encode() for i in range(200)]
+        with pytest.raises(ResponseError, match="boom"):
+            await failing
+        assert await after == b"STILL FINE"                 # an error reply is its command's alone
+    finally:
+        await pipe.close()
+        await client.aclose()
+
+
+async def test_a_stalled_redis_fails_what_is_in_flight_within_the_timeout_and_the_pipe_recovers(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    pipe = RedisPipe(client, 0.3)
+    try:
+        assert await (await pipe.send("PING")) == b"PONG"
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            stuck = [await pipe.send("ECHO", str(i)) for i in range(5)]
+            outcomes = await asyncio.gather(*stuck, return_exceptions=True)
+            took = time.monotonic() - started
+        finally:
+            redis_server.resume()
+        assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+        assert took < 2, took
+        assert await (await pipe.send("ECHO", "back")) == b"back"
+    finally:
+        await pipe.close()
+        await client.aclose()
+
+
+async def test_a_killed_redis_fails_what_is_in_flight_and_a_restarted_one_is_reconnected(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    pipe = RedisPipe(client, 1.0)
+    try:
+        assert await (await pipe.send("SET", "k", "v")) == b"OK"
+        redis_server.pause()
+        in_flight = await pipe.send("GET", "k")
+        redis_server.kill()
+        with pytest.raises((ConnectionError, OSError, RedisConnectionError)):
+            await in_flight
+        with pytest.raises((ConnectionError, OSError, RedisConnectionError)):
+            await pipe.send("GET", "k")                      # nothing to connect to: raised at once
+        redis_server.start()
+        assert await (await pipe.send("GET", "k")) is None  # a new, empty Redis on the same port
+    finally:
+        await pipe.close()
+        await client.aclose()
