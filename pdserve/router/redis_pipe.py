@@ -23,8 +23,12 @@ import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+TIMEOUT = getattr(asyncio, "timeout", None)
+
 
 class RedisPipe:
+    """Every call ends within `timeout`: a connect by its own bound, a reply by the watchdog."""
+
     def __init__(self, client: aioredis.Redis, timeout: float):
         self.pool = client.connection_pool
         self.timeout = timeout      # the longest wait for the next reply: then every call in flight fails
@@ -68,7 +72,13 @@ class RedisPipe:
                 # store's guard the connect and handshake.
                 self.conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
             if not self.conn.is_connected:
-                await self.conn.connect()
+                # bounded here: with no socket timeout, a Redis that accepts and then stalls (SIGSTOP: the
+                # kernel still accepts) would hold the handshake's reads forever
+                if TIMEOUT is None:      # Python 3.10
+                    await asyncio.wait_for(self.conn.connect(), self.timeout)
+                else:
+                    async with TIMEOUT(self.timeout):
+                        await self.conn.connect()
             return self.conn
 
     async def _read(self, conn: Any) -> None:

@@ -79,6 +79,7 @@ return n
 
 class RedisStore:
     remote = True
+    turn_calls_bounded = True     # put and take: by the pipe (GuardedStore adds no timeout of its own)
 
     def __init__(self, url: str, *, ttl: float, max_bytes: int, cluster: str, decodes: list[str], timeout: float,
                  on_evict: Callable[[str, int], None]):

@@ -77,3 +77,23 @@ async def test_a_killed_redis_fails_what_is_in_flight_and_a_restarted_one_is_rec
     finally:
         await pipe.close()
         await client.aclose()
+
+
+async def test_a_redis_that_accepts_but_never_answers_fails_the_connect_within_the_timeout(redis_server):
+    """SIGSTOP before the first command: the kernel still accepts the connection, the handshake gets no
+    reply. The pipe has no socket timeout of redis-py's, so its connect carries its own bound."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    pipe = RedisPipe(client, 0.3)
+    redis_server.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            await pipe.send("PING")
+        assert time.monotonic() - started < 2
+    finally:
+        redis_server.resume()
+    try:
+        assert await (await pipe.send("PING")) == b"PONG"
+    finally:
+        await pipe.close()
+        await client.aclose()
