@@ -36,10 +36,11 @@ def ping(port: int, timeout: float = 0.5) -> bool:
 
 
 class RedisServer:
-    def __init__(self, data_dir: Path, port: int | None = None):
+    def __init__(self, data_dir: Path, port: int | None = None, args: tuple[str, ...] = ()):
         self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.dir = data_dir
         self.port = port or free_port()
+        self.args = args            # e.g. a password, TLS or a unix socket (then `--port 0`)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -49,14 +50,20 @@ class RedisServer:
     def start(self) -> "RedisServer":
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-                                      str(self.dir), "--save", "", "--appendonly", "no"],
+                                      str(self.dir), "--save", "", "--appendonly", "no", *self.args],
                                      stdout=open(self.dir / "redis.log", "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
-        while not ping(self.port):
+        while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start: {(self.dir / 'redis.log').read_text()[-500:]}")
             time.sleep(0.05)
         return self
+
+    def _ready(self) -> bool:
+        if not self.args:
+            return ping(self.port)
+        log = self.dir / "redis.log"
+        return log.exists() and "ready to accept connections" in log.read_text(errors="replace").lower()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
