@@ -1,10 +1,13 @@
 """One pipelined Redis connection for the reuse store's per-turn calls (put, take).
 
 Commands go out on one connection in call order, and Redis answers them in that order (RESP), so:
-- a put is on the wire when `send` returns. The store's put returns then, before the client is answered,
-  and every later take is behind it: this replica's on the same connection, another replica's because
-  the client only sends its next turn once it has the answer. The reply, which only says whether the
-  entry was kept, is awaited off the answer's path (one Redis round trip less per turn).
+- a put is on the wire when `send` returns. The store's put returns then, before the client is answered.
+  This replica's later takes are behind it on the same connection (Redis serves one connection in
+  order). Another replica's take, on another connection, comes a client round trip later (the client
+  sends its next turn only once it had the answer), while the kernel hands the put to Redis in
+  microseconds; no order is promised across connections, so a take sent at the same instant can
+  overtake it (a miss: recomputed, counted). The reply, which only says whether the entry was kept, is
+  awaited off the answer's path (one Redis round trip less per turn).
 - concurrent turns share the socket: no pool checkout per call, and Redis reads several commands a read.
 
 The connection (its handshake: AUTH, SELECT, TLS, unix sockets) and the RESP parser are redis-py's; this
@@ -14,7 +17,6 @@ adds only the matching of replies to callers, in order.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -90,8 +92,8 @@ class RedisPipe:
                     await self.wake
                     self.wake = None
                 try:
-                    outcome = await conn.read_response(timeout=math.inf)   # math.inf: no timed read (it
-                except ResponseError as err:                                # would answer None, as nil does)
+                    outcome = await conn.read_response()   # untimed: the connection has no socket timeout
+                except ResponseError as err:
                     outcome = err                # this command's error; the connection is fine
                 self.last_reply = loop.time()
                 reply, then = self.waiting.popleft()

@@ -47,8 +47,9 @@ class ReuseStore(Protocol):
 
     async def put(self, key: Key, params: dict[str, Any], decode: str, generation: int,
                   sequence: list[int] | None = None) -> asyncio.Future[bool]: ...
-    # Returns once every later take, by any replica, will find the entry (a remote store: its write is on
-    # the wire); the future says whether it was kept, off the answer's path (done at once in memory).
+    # Returns once this process's later takes will find the entry (a remote store: its write is on the
+    # wire, ahead of them); the future says whether it was kept, off the answer's path (done at once in
+    # memory). Another replica's take is behind it by the client's round trip (redis_pipe.py).
 
     async def take_first(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]: ...
 

@@ -231,16 +231,18 @@ async def test_an_answer_never_waits_for_redis_to_confirm_its_put(redis_server):
         assert "remote_block_ids" in dep.prefill[0][FAKE].received[-1]["body"]["kv_transfer_params"]
 
 
-async def test_another_replica_takes_an_entry_the_moment_its_put_returns(redis_server):
-    """What lets the reply come after the answer: once put returns, a take through another connection
-    (another replica's) already finds the entry."""
-    a, b = store_at(redis_server.url), store_at(redis_server.url)
+async def test_a_take_after_a_put_returns_finds_the_entry_before_the_put_is_confirmed(redis_server):
+    """What lets the reply come after the answer, on one replica: its put and take share one connection,
+    which Redis serves in order, so a take sent once put has returned finds the entry, its reply still due.
+    (Another replica's take comes through another connection; it is behind the put because the client
+    sends its next turn only once it had the answer: test_two_replicas_share_one_conversation...)"""
+    store = store_at(redis_server.url)
     try:
         for i in range(50):
-            verdict = await a.put(("t", f"c{i}"), PARAMS, "decode-0", 0, [1, 2, 3])
-            entry, why = await b.take_first([("t", f"c{i}")])
+            verdict = await store.put(("t", f"c{i}"), PARAMS, "decode-0", 0, [1, 2, 3])
+            assert not verdict.done()                  # the reply is still due
+            entry, why = await store.take_first([("t", f"c{i}")])
             assert entry is not None, (i, why)
             assert await verdict
     finally:
-        await a.close()
-        await b.close()
+        await store.close()
