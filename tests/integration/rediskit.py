@@ -55,6 +55,7 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
                 raise RuntimeError(f"redis-server did not start: {(self.dir / 'redis.log').read_text()[-500:]}")
             time.sleep(0.05)
         return self

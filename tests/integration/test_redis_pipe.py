@@ -5,6 +5,7 @@ flight at once (never a caller waiting past the timeout) with the next command o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -23,10 +24,19 @@ def redis_server(tmp_path):
     server.stop()
 
 
-async def test_replies_come_back_to_their_own_commands_in_order(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    pipe = RedisPipe(client, 1.0)
+@contextlib.asynccontextmanager
+async def pipe_to(server: RedisServer, timeout: float):
+    client = aioredis.Redis.from_url(server.url)
+    pipe = RedisPipe(client, timeout)
     try:
+        yield pipe
+    finally:
+        await pipe.close()
+        await client.aclose()
+
+
+async def test_replies_come_back_to_their_own_commands_in_order(redis_server):
+    async with pipe_to(redis_server, 1.0) as pipe:
         sent = [await pipe.send("ECHO", f"reply-{i}") for i in range(200)]     # all in flight at once
         failing = await pipe.send("EVAL", "return redis.error_reply('boom')", 0)
         after = await pipe.send("ECHO", "still fine", then=lambda r: r.upper())
@@ -34,15 +44,10 @@ async def test_replies_come_back_to_their_own_commands_in_order(redis_server):
         with pytest.raises(ResponseError, match="boom"):
             await failing
         assert await after == b"STILL FINE"                 # an error reply is its command's alone
-    finally:
-        await pipe.close()
-        await client.aclose()
 
 
 async def test_a_stalled_redis_fails_what_is_in_flight_within_the_timeout_and_the_pipe_recovers(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    pipe = RedisPipe(client, 0.3)
-    try:
+    async with pipe_to(redis_server, 0.3) as pipe:
         assert await (await pipe.send("PING")) == b"PONG"
         redis_server.pause()
         try:
@@ -55,15 +60,10 @@ async def test_a_stalled_redis_fails_what_is_in_flight_within_the_timeout_and_th
         assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
         assert took < 2, took
         assert await (await pipe.send("ECHO", "back")) == b"back"
-    finally:
-        await pipe.close()
-        await client.aclose()
 
 
 async def test_a_killed_redis_fails_what_is_in_flight_and_a_restarted_one_is_reconnected(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    pipe = RedisPipe(client, 1.0)
-    try:
+    async with pipe_to(redis_server, 1.0) as pipe:
         assert await (await pipe.send("SET", "k", "v")) == b"OK"
         redis_server.pause()
         in_flight = await pipe.send("GET", "k")
@@ -74,26 +74,18 @@ async def test_a_killed_redis_fails_what_is_in_flight_and_a_restarted_one_is_rec
             await pipe.send("GET", "k")                      # nothing to connect to: raised at once
         redis_server.start()
         assert await (await pipe.send("GET", "k")) is None  # a new, empty Redis on the same port
-    finally:
-        await pipe.close()
-        await client.aclose()
 
 
 async def test_a_redis_that_accepts_but_never_answers_fails_the_connect_within_the_timeout(redis_server):
     """SIGSTOP before the first command: the kernel still accepts the connection, the handshake gets no
     reply. The pipe has no socket timeout of redis-py's, so its connect carries its own bound."""
-    client = aioredis.Redis.from_url(redis_server.url)
-    pipe = RedisPipe(client, 0.3)
-    redis_server.pause()
-    try:
-        started = time.monotonic()
-        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
-            await pipe.send("PING")
-        assert time.monotonic() - started < 2
-    finally:
-        redis_server.resume()
-    try:
+    async with pipe_to(redis_server, 0.3) as pipe:
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+                await pipe.send("PING")
+            assert time.monotonic() - started < 2
+        finally:
+            redis_server.resume()
         assert await (await pipe.send("PING")) == b"PONG"
-    finally:
-        await pipe.close()
-        await client.aclose()
