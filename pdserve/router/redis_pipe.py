@@ -29,61 +29,82 @@ TIMEOUT = getattr(asyncio, "timeout", None)
 
 
 class RedisPipe:
-    """Every call ends within `timeout`: a connect by its own bound, a reply by the watchdog."""
+    """Every call ends within `timeout`: a connect by its own bound, a reply by its channel's watchdog."""
 
     def __init__(self, client: aioredis.Redis, timeout: float):
         self.pool = client.connection_pool
         self.timeout = timeout      # the longest wait for the next reply: then every call in flight fails
-        self.conn: Any = None
-        # one per command sent, oldest first: its reply future and what turns the reply into its result
-        self.waiting: deque[tuple[asyncio.Future, Callable[[Any], Any] | None]] = deque()
-        self.reader: asyncio.Task | None = None
-        self.wake: asyncio.Future | None = None     # the reader, idle, waits on it for the next command
-        self.last_reply = 0.0
-        self.stalled = False
+        self.channel: _Channel | None = None
         self.connecting = asyncio.Lock()
 
     async def send(self, *args: str | bytes | int, then: Callable[[Any], Any] | None = None) -> asyncio.Future:
         """Send one command now (connecting first if needed); the future is its reply (`then(reply)`, with
         `then`), or raises the error reply, a lost connection or a timeout."""
-        conn = self.conn
-        if conn is None or not conn.is_connected:
-            conn = await self._connect()
+        channel = self.channel
+        if channel is None or not channel.usable:
+            channel = await self._open()
+        return await channel.send(hiredis.pack_command(args), then)
+
+    async def _open(self) -> _Channel:
+        async with self.connecting:
+            if self.channel is None or not self.channel.usable:
+                # A new connection each time, never the failed one reconnected: a reply still due on the
+                # old socket can then never be matched to a call sent on the new one.
+                # No socket timeout: redis-py then writes at once instead of through a task per call; the
+                # channel's watchdog bounds the replies, and the connect is bounded here.
+                conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
+                if TIMEOUT is None:      # Python 3.10
+                    await asyncio.wait_for(conn.connect(), self.timeout)
+                else:
+                    # bounded: a Redis that accepts and then stalls (SIGSTOP: the kernel still accepts)
+                    # would hold the handshake's reads forever
+                    async with TIMEOUT(self.timeout):
+                        await conn.connect()
+                self.channel = _Channel(conn, self.timeout)
+            return self.channel
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
+class _Channel:
+    """One connection, the calls in flight on it (oldest first), the task that reads their replies in
+    order, and its watchdog. Once it fails, every call in flight fails and it is never used again."""
+
+    def __init__(self, conn: Any, timeout: float):
+        self.conn = conn
+        self.timeout = timeout
+        self.waiting: deque[tuple[asyncio.Future, Callable[[Any], Any] | None]] = deque()
+        self.failed = False
+        self.wake: asyncio.Future | None = None     # the reader, idle, waits on it for the next command
+        loop = asyncio.get_running_loop()
+        self.last_reply = loop.time()
+        self.stalled = False
+        self.reader = asyncio.create_task(self._read())
+        loop.call_later(timeout, self._watch)
+
+    @property
+    def usable(self) -> bool:
+        # not connected: redis-py closed it on an error the reader has not seen yet
+        return not self.failed and self.conn.is_connected
+
+    async def send(self, packed: Any, then: Callable[[Any], Any] | None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
         if not self.waiting:
             self.last_reply = loop.time()    # the wait for this reply starts now, not at the last one
         self.waiting.append((reply, then))   # before the write: a write that waits for the socket keeps its turn
         try:
-            # socket_timeout None (_connect): redis-py writes at once instead of through a task per call
-            await conn.send_packed_command(hiredis.pack_command(args), check_health=False)
+            await self.conn.send_packed_command(packed, check_health=False)
         except BaseException as err:
-            self._fail_all(err)              # redis-py closed the connection: what was in flight on it is lost
+            self._fail(err)                  # redis-py closed the connection: what was in flight on it is lost
             raise
-        if self.reader is None:
-            self.reader = asyncio.create_task(self._read(conn))
-            loop.call_later(self.timeout, self._watch, self.reader)
-        elif self.wake is not None and not self.wake.done():
+        if self.wake is not None and not self.wake.done():
             self.wake.set_result(None)
         return reply
 
-    async def _connect(self) -> Any:
-        async with self.connecting:
-            if self.conn is None:
-                # No read timeout of redis-py's own: the watchdog bounds the wait for replies, and the
-                # store's guard the connect and handshake.
-                self.conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
-            if not self.conn.is_connected:
-                # bounded here: with no socket timeout, a Redis that accepts and then stalls (SIGSTOP: the
-                # kernel still accepts) would hold the handshake's reads forever
-                if TIMEOUT is None:      # Python 3.10
-                    await asyncio.wait_for(self.conn.connect(), self.timeout)
-                else:
-                    async with TIMEOUT(self.timeout):
-                        await self.conn.connect()
-            return self.conn
-
-    async def _read(self, conn: Any) -> None:
+    async def _read(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -92,7 +113,7 @@ class RedisPipe:
                     await self.wake
                     self.wake = None
                 try:
-                    outcome = await conn.read_response()   # untimed: the connection has no socket timeout
+                    outcome = await self.conn.read_response()   # untimed: the connection has no socket timeout
                 except ResponseError as err:
                     outcome = err                # this command's error; the connection is fine
                 self.last_reply = loop.time()
@@ -104,31 +125,31 @@ class RedisPipe:
                     reply.exception()            # retrieved: a caller that gave up waiting leaves no warning
                 else:
                     reply.set_result(then(outcome) if then is not None else outcome)
-        # redis-py has closed the connection on any of these; the next send opens a new one
         except asyncio.CancelledError:
             if not self.stalled:
-                self._fail_all(ConnectionError("the Redis connection was closed"))
+                self._fail(ConnectionError("the Redis connection was closed"))
                 raise
-            self._fail_all(TimeoutError(f"no reply from Redis in {self.timeout:g}s"))
+            self._fail(TimeoutError(f"no reply from Redis in {self.timeout:g}s"))
         except Exception as err:  # noqa: BLE001 - a lost connection, or a reply redis-py could not read
-            self._fail_all(err)
-        finally:
-            self.reader = None
-            self.stalled = False
+            self._fail(err)
+        await self.conn.disconnect(nowait=True)   # mostly closed by redis-py already; this channel is done
 
-    def _watch(self, reader: asyncio.Task) -> None:
-        """Every `timeout` while the reader lives: replies due and none for `timeout`: Redis is stalled."""
-        if self.reader is not reader:
+    def _watch(self) -> None:
+        """Every `timeout` while the channel lives: replies due and none for `timeout`: Redis is stalled."""
+        if self.failed:
             return
-        waited = asyncio.get_running_loop().time() - self.last_reply
+        loop = asyncio.get_running_loop()
+        waited = loop.time() - self.last_reply
         if self.waiting and waited >= self.timeout:
             self.stalled = True
-            reader.cancel()
+            self.reader.cancel()
             return
-        asyncio.get_running_loop().call_later(self.timeout - waited if self.waiting else self.timeout, self._watch,
-                                             reader)
+        loop.call_later(self.timeout - waited if self.waiting else self.timeout, self._watch)
 
-    def _fail_all(self, err: BaseException) -> None:
+    def _fail(self, err: BaseException) -> None:
+        self.failed = True
+        if self.reader is not asyncio.current_task():
+            self.reader.cancel()             # idle or mid-read on a connection that is gone
         while self.waiting:
             reply, _ = self.waiting.popleft()
             if not reply.done():
@@ -136,7 +157,5 @@ class RedisPipe:
                 reply.exception()
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-        if self.conn is not None:
-            await self.conn.disconnect()
+        self.reader.cancel()
+        await self.conn.disconnect()

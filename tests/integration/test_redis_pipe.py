@@ -89,3 +89,20 @@ async def test_a_redis_that_accepts_but_never_answers_fails_the_connect_within_t
         finally:
             redis_server.resume()
         assert await (await pipe.send("PING")) == b"PONG"
+
+
+async def test_a_reply_due_on_a_lost_connection_is_never_given_to_a_call_on_the_next_one(redis_server):
+    """redis-py closes a connection on an error before the pipe's reader has seen it; a call sent right
+    then goes out on a new connection. The old connection's failure fails only its own calls, and every
+    later reply still goes to its own command (before: the new call failed with the old connection, its
+    reply stayed on the new socket, and each later call got the reply of the one before it)."""
+    async with pipe_to(redis_server, 2.0) as pipe:
+        assert await (await pipe.send("PING")) == b"PONG"
+        redis_server.pause()
+        lost = await pipe.send("ECHO", "lost")
+        await pipe.channel.conn.disconnect()          # as redis-py does on an error
+        redis_server.resume()
+        fresh = await pipe.send("ECHO", "fresh")
+        outcomes = await asyncio.gather(lost, fresh, return_exceptions=True)
+        assert isinstance(outcomes[0], Exception) and outcomes[1] == b"fresh", outcomes
+        assert [await (await pipe.send("ECHO", w)) for w in ("one", "two")] == [b"one", b"two"]
