@@ -45,12 +45,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.answer: asyncio.Future | None = None
-        self.status = 0
         self.content_type = ""
         self.body: list[bytes] = []
         self.closed = False
         self.idle_since = 0.0
-        self._name = b""
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -25,8 +25,6 @@ import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-TIMEOUT = getattr(asyncio, "timeout", None)
-
 
 class RedisPipe:
     """Every call ends within `timeout`: a connect by its own bound, a reply by its channel's watchdog."""
@@ -53,13 +51,10 @@ class RedisPipe:
                 # No socket timeout: redis-py then writes at once instead of through a task per call; the
                 # channel's watchdog bounds the replies, and the connect is bounded here.
                 conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
-                if TIMEOUT is None:      # Python 3.10
-                    await asyncio.wait_for(conn.connect(), self.timeout)
-                else:
-                    # bounded: a Redis that accepts and then stalls (SIGSTOP: the kernel still accepts)
-                    # would hold the handshake's reads forever
-                    async with TIMEOUT(self.timeout):
-                        await conn.connect()
+                # bounded: a Redis that accepts and then stalls (SIGSTOP: the kernel still accepts) would
+                # hold the handshake's reads forever
+                async with asyncio.timeout(self.timeout):
+                    await conn.connect()
                 self.channel = _Channel(conn, self.timeout)
             return self.channel
 

@@ -34,7 +34,6 @@ STORES = {
     "unix": "pdserve.router.store_redis:RedisStore",
 }
 UNAVAILABLE = "store_unavailable"   # the miss reason of a turn whose entry could not be read
-TIMEOUT = getattr(asyncio, "timeout", None)
 
 
 class ReuseStore(Protocol):
@@ -144,9 +143,7 @@ class GuardedStore:
             log.info("reuse store is back: entries are shared again")
 
     async def _bounded(self, call: Callable[[], Any]) -> Any:
-        if TIMEOUT is None:     # Python 3.10
-            return await asyncio.wait_for(call(), self.timeout)
-        async with TIMEOUT(self.timeout):   # no task per call, unlike wait_for
+        async with asyncio.timeout(self.timeout):   # no task per call, unlike wait_for
             return await call()
 
     def _failed(self, op: str, reason: str, detail: str) -> None:
