@@ -9,6 +9,10 @@
   prefix cache with what it read from D. The scheduler-side KV connector is wrapped: what
   `get_num_new_matched_tokens` promised to load from D (and P's local prefix hits it was given) is added to
   the `kv_transfer_params` P returns, under PULLED_KEY / LOCAL_KEY. The router takes them out before D.
+- D's token ids: `/v1/messages` and `/v1/responses` take no `return_token_ids`, so the same wrap adds the
+  finished request's prompt + generated ids under TOKENS_KEY to the params it returns when the request's own
+  `kv_transfer_params` ask for them (WANT_TOKENS_KEY). NIXL reads request params by key (`.get`), so the extra
+  key is ignored there.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+from pdserve.router.wire import LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
 
 log = logging.getLogger("pdserve.engine")
 
@@ -139,6 +143,9 @@ def _finished_with_counts(finished, counts: dict[str, tuple[int, int]]):
         got = counts.pop(request.request_id, None)
         if got is not None and isinstance(params, dict):
             params = {**params, PULLED_KEY: got[0], LOCAL_KEY: got[1]}
+        asked = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and isinstance(asked, dict) and asked.get(WANT_TOKENS_KEY) is True:
+            params = {**params, TOKENS_KEY: list(request.all_token_ids)}   # prompt + generated ids
         return delay, params
     return request_finished
 

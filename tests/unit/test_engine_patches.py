@@ -1,4 +1,5 @@
-"""pdserve.engine.patches: streamed turns carry D's handles, P reports pulled vs locally cached tokens."""
+"""pdserve.engine.patches: streamed turns carry D's handles (chat, completions, Anthropic messages), P reports
+pulled vs locally cached tokens, D returns its token ids when asked."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from types import SimpleNamespace
 
 from pdserve.engine import patches
-from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+from pdserve.router.wire import LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
 
 PARAMS = {"remote_block_ids": [[1, 2]], "remote_num_tokens": 40, "do_remote_decode": True}
 
@@ -80,3 +81,33 @@ def test_connector_reports_pulled_and_local_tokens_apart():
     assert params[PULLED_KEY] == 256 and params[LOCAL_KEY] == 128
     # single use: a later request with the same id that never asked the connector reports nothing
     assert PULLED_KEY not in conn.request_finished(req, [3])[1]
+
+
+def test_connector_returns_the_requests_token_ids_when_its_params_ask():
+    conn = patches.wrap_connector(FakeConnector(pulled=0))
+    asking = SimpleNamespace(request_id="d1", all_token_ids=[5, 6, 7, 8],
+                             kv_transfer_params={"do_remote_prefill": False, WANT_TOKENS_KEY: True})
+    _, params = conn.request_finished(asking, [3])
+    assert params[TOKENS_KEY] == [5, 6, 7, 8] and params["remote_block_ids"] == [3]
+    for params_in in (None, {"do_remote_prefill": False}, {WANT_TOKENS_KEY: False}):
+        quiet = SimpleNamespace(request_id="d2", all_token_ids=[5], kv_transfer_params=params_in)
+        assert TOKENS_KEY not in conn.request_finished(quiet, [3])[1]
+
+
+class FakeHMAConnector:
+    """NIXL's shape: the scheduler calls request_finished_all_groups; no params for an unfinished transfer."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def request_finished_all_groups(self, request, block_ids):
+        if not block_ids[0]:
+            return False, None
+        return True, {"do_remote_decode": True, "remote_block_ids": block_ids}
+
+
+def test_token_ids_through_request_finished_all_groups_and_never_into_no_params():
+    conn = patches.wrap_connector(FakeHMAConnector())
+    req = SimpleNamespace(request_id="d1", all_token_ids=[1, 2, 3], kv_transfer_params={WANT_TOKENS_KEY: True})
+    assert conn.request_finished_all_groups(req, ([4],))[1][TOKENS_KEY] == [1, 2, 3]
+    assert conn.request_finished_all_groups(req, ([],)) == (False, None)
