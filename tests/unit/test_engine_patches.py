@@ -111,3 +111,91 @@ def test_token_ids_through_request_finished_all_groups_and_never_into_no_params(
     req = SimpleNamespace(request_id="d1", all_token_ids=[1, 2, 3], kv_transfer_params={WANT_TOKENS_KEY: True})
     assert conn.request_finished_all_groups(req, ([4],))[1][TOKENS_KEY] == [1, 2, 3]
     assert conn.request_finished_all_groups(req, ([],)) == (False, None)
+
+
+# -- streamed /v1/messages -------------------------------------------------------------------------------
+D_PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1]], TOKENS_KEY: [1, 2, 3]}
+
+
+def chat_chunk(finish=None, content="x", params=None, choices=True) -> str:
+    data = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "tiny",
+            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}] if choices else []}
+    if not choices:
+        data["usage"] = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    if params is not None:
+        data["kv_transfer_params"] = params
+    return "data: " + json.dumps(data) + "\n\n"
+
+
+CHAT_STREAM = [chat_chunk(content=""), chat_chunk(), chat_chunk(finish="stop", params=D_PARAMS),
+               chat_chunk(choices=False), "data: [DONE]\n\n"]
+
+
+class FakeMessages:
+    """The shape of vLLM's message_stream_converter: Anthropic events made from the chat stream's strings."""
+
+    async def message_stream_converter(self, generator):
+        async for item in generator:
+            if item.startswith("data: [DONE]"):
+                yield 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+            else:
+                yield 'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n'
+
+
+def events_data(events: list[str]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for e in events:
+        name, data = e.split("\n")[0][len("event: "):], json.loads(e.split("\ndata: ", 1)[1])
+        out.setdefault(name, []).append(data)
+    return out
+
+
+def convert(cls, chunks, serving=None) -> dict[str, list[dict]]:
+    async def gen():
+        for c in chunks:
+            yield c
+    return events_data(asyncio.run(collect(cls.message_stream_converter(serving or cls(), gen()))))
+
+
+def test_message_stop_carries_the_chat_streams_kv_transfer_params():
+    class Messages(FakeMessages):
+        pass
+    assert patches.patch_message_stream(Messages)
+    assert not patches.patch_message_stream(type("NoConverter", (), {}))
+    assert convert(Messages, CHAT_STREAM)["message_stop"] == [{"type": "message_stop", "kv_transfer_params": D_PARAMS}]
+    # nothing to carry: message_stop as vLLM made it
+    plain = [c for c in CHAT_STREAM if "kv_transfer_params" not in c] + [chat_chunk(params={})]
+    assert convert(Messages, plain)["message_stop"] == [{"type": "message_stop"}]
+
+
+def test_message_stop_that_already_has_params_is_left_alone():
+    class Native(FakeMessages):
+        async def message_stream_converter(self, generator):
+            async for _ in generator:
+                pass
+            yield 'event: message_stop\ndata: {"type":"message_stop","kv_transfer_params":{"own":1}}\n\n'
+    assert patches.patch_message_stream(Native)
+    assert convert(Native, CHAT_STREAM)["message_stop"][0]["kv_transfer_params"] == {"own": 1}
+
+
+def test_installed_vllm_message_stop_carries_kv_transfer_params():
+    # vLLM's own converter, fed the chat stream as the patched chat generator makes it: fails when a vLLM
+    # layout change makes the patch miss (then streamed /v1/messages turns lose reuse).
+    done = patches.patch_message_stop_kv_params()
+    assert done and "AnthropicServingMessages" in done[0], done
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages as Messages
+    events = convert(Messages, CHAT_STREAM, serving=object.__new__(Messages))
+    assert "error" not in events, events
+    assert events["message_stop"] == [{"type": "message_stop", "kv_transfer_params": D_PARAMS}]
+    assert all("kv_transfer_params" not in d for name, ds in events.items() if name != "message_stop" for d in ds)
+
+
+def test_installed_vllm_responses_completed_event_carries_kv_transfer_params():
+    # Streamed /v1/responses is left unpatched because response.completed is the full response, whose
+    # kv_transfer_params come from the finished output; this fails when a vLLM version stops doing that.
+    import inspect
+
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses as Responses
+    stream = inspect.getsource(Responses.responses_stream_generator)
+    assert "response.completed" in stream and "self.responses_full_generator(" in stream
+    assert "kv_transfer_params=context.kv_transfer_params" in inspect.getsource(Responses.responses_full_generator)
