@@ -80,12 +80,13 @@ def patch_nixl_progress_delay() -> int:
 def apply_reuse_patches() -> None:
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
-    from pdserve.engine import patches
+    from pdserve.engine import held, patches
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
+    held_kv = held.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held.py)
     # One line in the server log says what this vLLM got (doctor and the e2e tests read it).
     print(f"pdserve-entry: streamed kv_transfer_params patched: {','.join(streamed) or 'none'}; "
-          f"pulled-token counts: {'yes' if counted else 'no'}", flush=True)
+          f"pulled-token counts: {'yes' if counted else 'no'}; held KV: {held_kv}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
