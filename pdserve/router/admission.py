@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pdserve.router import identity
+from pdserve.router.api import WireFormat
 from pdserve.router.errors import error_body
 
 # Outcomes, exactly one per request that reaches admission.
@@ -158,7 +159,8 @@ class Refusal(Exception):
         super().__init__(verdict.outcome)
         self.verdict = verdict
 
-    def response(self) -> web.Response:
+    def response(self, shape: Callable[[dict, int], dict] = lambda body, status: body) -> web.Response:
+        """The refusal (429 or 503, with Retry-After), its body in the client's shape (`shape`)."""
         v = self.verdict
         if v.outcome in TENANT_REJECTIONS:
             what = "request rate" if v.outcome == REJECTED_TENANT_RATE else "requests in flight"
@@ -168,7 +170,7 @@ class Refusal(Exception):
             why = "the wait queue is full" if v.outcome == REJECTED_SATURATED else "no slot freed in time"
             status, body = 503, error_body(f"the deployment is at capacity ({why}); retry after {v.retry_after} s",
                                            "server_overloaded", 503)
-        return web.json_response(body, status=status, headers={"Retry-After": str(v.retry_after)})
+        return web.json_response(shape(body, status), status=status, headers={"Retry-After": str(v.retry_after)})
 
 
 class Admission:
@@ -233,19 +235,21 @@ class Admission:
             fut.set_result(True)             # waiters leave the deque when they end: fut is never done here
 
 
-def middleware(admission: Admission, routes: tuple[str, ...], on_refused: Callable[[], None]):
-    """Admission in front of `routes` (the completion routes); every other path goes straight through."""
+def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[WireFormat], None]):
+    """Admission in front of the completion routes (`formats`: route -> wire format); every other path goes
+    straight through."""
 
     @web.middleware
     async def admit(request: web.Request, handler):
-        if request.path not in routes:
+        fmt = formats.get(request.path)
+        if fmt is None:
             return await handler(request)
         tenant = identity.tenant(request)
         try:
             await admission.enter(tenant)
         except Refusal as refusal:
-            on_refused()
-            return refusal.response()
+            on_refused(fmt)
+            return refusal.response(fmt.client_error)
         try:
             return await handler(request)
         finally:

@@ -1,4 +1,4 @@
-"""aiohttp routes: OpenAI-compatible completions, models, health, metrics."""
+"""aiohttp routes: every wire format's completion route (api/), models, health, metrics."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.router import tracing
+from pdserve.router import api, identity, tracing
 from pdserve.router import admission
 from pdserve.router.backends import Backend, HealthProber, Pool
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
-from pdserve.router.errors import error_body, json_error
+from pdserve.router.errors import error_body
 from pdserve.router.flow import Flow
 from pdserve.router import http1 as lean_http
 from pdserve.router.turn import FAILED, TURN
@@ -34,7 +34,8 @@ from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
 
-COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_ROUTES = api.ROUTES
+COUNT_TOKENS = "/v1/messages/count_tokens"   # Claude Code asks it before long turns: any prefill server answers
 FLOW = web.AppKey("flow", Flow)
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
@@ -52,12 +53,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _completions(request: web.Request, route: str) -> web.StreamResponse:
+    fmt = api.BY_ROUTE[route]
     try:
-        body = await read_json(request, request.app[CONFIG].body_timeout, route)
+        body = await read_json(request, request.app[CONFIG].body_timeout, fmt.validate)
     except BadInput as bad:
-        request.app[METRICS].turns.labels(FAILED).inc()   # refused for its content: a turn that failed
-        return bad.response()
-    return await request.app[FLOW].handle(request, route, body)
+        request.app[METRICS].turns.labels(FAILED, fmt.api).inc()   # refused for its content: a turn that failed
+        return bad.response(fmt)
+    return await request.app[FLOW].handle(request, fmt, body)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's token count, answered by a prefill server (not a turn: nothing is generated)."""
+    fmt = api.for_path(request.path)
+    try:
+        body = await read_json(request, request.app[CONFIG].body_timeout, fmt.validate)
+    except BadInput as bad:
+        return bad.response(fmt)
+    for field in api.base.ROUTER_ONLY:
+        body.pop(field, None)
+    return await request.app[FLOW].forward(fmt, COUNT_TOKENS, body)
+
+
+async def root(request: web.Request) -> web.Response:
+    """`HEAD /` and `GET /`: Claude Code checks the base URL answers before its first request."""
+    return web.json_response({"status": "ok"})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -106,25 +125,29 @@ async def openai_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return json_error(exc.status, exc.reason or "error")
+        return web.json_response(api.for_path(request.path).error(exc.status, exc.reason or "error"),
+                                 status=exc.status)
     except Exception:  # noqa: BLE001 - the client must get a JSON error, not a dropped connection
         request.app[METRICS].internal_errors.inc()
         log.exception("unhandled error on %s", request.path)
-        return json_error(500, "internal router error", "server_error")
+        return web.json_response(api.for_path(request.path).error(500, "internal router error", "server_error"),
+                                 status=500)
 
 
 @web.middleware
 async def require_api_key(request: web.Request, handler):
-    """With an API key configured, every endpoint but /health wants `Authorization: Bearer <key>`."""
+    """With an API key configured, every endpoint but /health wants `Authorization: Bearer <key>` (or, as
+    Anthropic clients send it, `x-api-key: <key>`)."""
     key = request.app[API_KEY]
     if key and request.path not in OPEN_PATHS:
         # Header bytes that are not UTF-8 arrive as surrogate escapes: encode them back, never fail.
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        scheme, _, given = identity.credential(request).partition(" ")
         # Compare digests: constant time whatever the lengths.
         if scheme.lower() != "bearer" or not hmac.compare_digest(
                 hashlib.sha256(given.encode("utf-8", "surrogateescape")).digest(), hashlib.sha256(key.encode()).digest()):
-            body = error_body("invalid or missing API key; send 'Authorization: Bearer <key>'",
-                              "invalid_request_error", "invalid_api_key")
+            fmt = api.for_path(request.path)
+            message = "invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            body = fmt.client_error(error_body(message, "invalid_request_error", "invalid_api_key"), 401)
             return web.json_response(body, status=401)
     return await handler(request)
 
@@ -158,8 +181,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     metrics = RouterMetrics()
     # Without a key, no key middleware, and without limits no admission: each is a coroutine more per request.
     limits = admission.Limits.from_config(cfg)
-    admit = [admission.middleware(admission.Admission(limits, metrics), COMPLETION_ROUTES,
-                                  metrics.turns.labels(FAILED).inc)] if limits.enabled else []
+    admit = [admission.middleware(admission.Admission(limits, metrics), api.BY_ROUTE,
+                                  lambda fmt: metrics.turns.labels(FAILED, fmt.api).inc())] if limits.enabled else []
     app = web.Application(client_max_size=cfg.max_body_bytes,
                           middlewares=[*observe, count_requests, openai_errors, *([require_api_key] if key else []),
                                        *admit])
@@ -168,6 +191,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app[API_KEY] = key
     for route in COMPLETION_ROUTES:
         app.router.add_post(route, completions)
+    app.router.add_post(COUNT_TOKENS, count_tokens)
+    app.router.add_get("/", root)          # add_get answers HEAD too
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)

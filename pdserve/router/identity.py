@@ -21,8 +21,17 @@ Key = tuple[str, str]
 MAX_CONVERSATION_ID = 256
 
 
-def tenant(request: web.Request) -> str:
+def credential(request: web.Request) -> str:
+    """The caller's credential as `Authorization` carries it; Anthropic clients' `x-api-key: K` counts as
+    `Authorization: Bearer K` (the same key is the same tenant whichever header carries it)."""
     auth = request.headers.get("Authorization", "")
+    if not auth and request.headers.get("x-api-key"):
+        auth = "Bearer " + request.headers["x-api-key"]
+    return auth
+
+
+def tenant(request: web.Request) -> str:
+    auth = credential(request)
     # Non-UTF-8 header bytes arrive as surrogate escapes: hash the original bytes.
     return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:16] if auth else ""
 
@@ -33,14 +42,18 @@ SESSION_SOURCES = (
     ("body", "session_id"),                 # vLLM's session identity (PR #48048), in vLLM's own order:
     ("header", "X-Session-ID"),             #   body, header, vllm_xargs; OpenCode sends this header too
     ("xargs", "session_id"),
+    ("header", "x-session-affinity"),       # OpenCode
     ("header", "X-Dynamo-Session-ID"),      # NVIDIA Dynamo's canonical header
     ("header", "X-Claude-Code-Session-Id"),  # Claude Code (a subagent adds X-Claude-Code-Agent-Id)
     ("header", "thread-id"),                # Codex (newer releases)
     ("header", "session-id"),               # Codex (earlier releases)
     ("header", "session_id"),               # Codex (earliest releases)
+    ("body", "prompt_cache_key"),           # OpenAI Responses (Codex sets it to its session id)
 )
 # A subagent shares its parent's session id; its own chain is told apart by this header.
-CHILD_HEADERS = {"X-Claude-Code-Session-Id": "X-Claude-Code-Agent-Id"}
+CHILD_HEADERS = {"X-Claude-Code-Session-Id": "X-Claude-Code-Agent-Id",
+                 **{name: "x-openai-subagent" for name in ("thread-id", "session-id", "session_id",
+                                                           "prompt_cache_key")}}
 
 
 def session_id(request: web.Request, body: dict[str, Any]) -> str | None:
@@ -60,10 +73,15 @@ def _source(request: web.Request, body: dict[str, Any], where: str, name: str) -
     return holder.get(name) if isinstance(holder, dict) else None
 
 
-def explicit_key(request: web.Request, body: dict[str, Any]) -> Key | None:
+def explicit_key(request: web.Request, body: dict[str, Any], fingerprint: str = "") -> Key | None:
+    """The conversation the request names. `fingerprint` (the wire format's: model, system prompt, tools)
+    is folded in, so a side request under the same session id (an agent's title or summary call on a
+    small model, a review with other instructions) never takes the main chain's entry."""
     conv = session_id(request, body)
     if conv is None or len(conv) > MAX_CONVERSATION_ID:
         return None
+    if fingerprint:
+        conv += "#" + hashlib.sha256(fingerprint.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return tenant(request), "id:" + conv
 
 
@@ -75,9 +93,21 @@ def _content(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
 
 
+def _arguments(arguments: Any) -> str:
+    """Tool-call arguments as canonical JSON: a client that re-serialises them (spacing, key order)
+    still matches the reply the router returned."""
+    if not isinstance(arguments, str):
+        return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _canonical(message: Any) -> bytes:
     """What identifies a message for matching: role, text and tool calls (ids and reasoning left out,
-    since clients commonly rewrite or drop them)."""
+    since clients commonly rewrite or drop them; arguments as canonical JSON)."""
     if not isinstance(message, dict):
         return json.dumps(message, sort_keys=True, default=str).encode()
     calls = []
@@ -85,7 +115,7 @@ def _canonical(message: Any) -> bytes:
     for call in tool_calls if isinstance(tool_calls, list) else []:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
-            calls.append([fn.get("name") or "", fn.get("arguments") or ""])
+            calls.append([fn.get("name") or "", _arguments(fn.get("arguments") or "")])
     return json.dumps([message.get("role"), _content(message.get("content")), calls]).encode()
 
 
@@ -112,8 +142,9 @@ def history(tenant_id: str, messages: list[Any]) -> tuple[list[Key], bytes]:
     return keys, digests[-1] if digests else b""
 
 
-def reply_key(tenant_id: str, messages: list[Any], reply: dict[str, Any], digest: bytes | None = None) -> Key:
-    """The key under which a finished turn is stored: its history (or `digest`, history's) plus the reply."""
+def reply_key(tenant_id: str, messages: list[Any], reply: list[dict[str, Any]], digest: bytes | None = None) -> Key:
+    """The key under which a finished turn is stored: its history (or `digest`, history's) plus the reply's
+    items (one assistant message in chat; a message and function calls, each an item, in Responses)."""
     if digest is None:
         digest = _chain(messages)[-1] if messages else b""
-    return tenant_id, "auto:" + _chain([reply], digest)[-1].hex()
+    return tenant_id, "auto:" + (_chain(reply, digest)[-1] if reply else digest).hex()

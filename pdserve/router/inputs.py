@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -23,19 +24,28 @@ LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0
                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
+class WireFormatLike(Protocol):
+    def error(self, status: int, message: str, err_type: str = ..., param: str | None = ...) -> dict: ...
+
+
 class BadInput(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
-    def response(self) -> web.Response:
-        resp = json_error(self.status, self.message, param=self.param)
+    def response(self, fmt: WireFormatLike | None = None) -> web.Response:
+        """The 4xx answer, in the shape of the client's wire format (`fmt`; OpenAI's without one)."""
+        if fmt is None:
+            resp = json_error(self.status, self.message, param=self.param)
+        else:
+            resp = web.json_response(fmt.error(self.status, self.message, param=self.param), status=self.status)
         if self.status == 408:
             resp.force_close()
         return resp
 
 
-async def read_json(request: web.Request, body_timeout: float, route: str) -> dict[str, Any]:
+async def read_json(request: web.Request, body_timeout: float,
+                    validate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """The request's JSON object, checked (see `checked`); raises BadInput. Compressed bodies are refused,
     not inflated: the server's auto_decompress is off, so a small gzip bomb cannot cost a gigabyte of
     memory. A big body is parsed and checked in a worker thread: the pure-Python passes over it would keep
@@ -56,12 +66,12 @@ async def read_json(request: web.Request, body_timeout: float, route: str) -> di
     except web.HTTPRequestEntityTooLarge:
         raise BadInput(413, "request body too large") from None
     if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(checked, raw, route)
-    return checked(raw, route)
+        return await asyncio.to_thread(checked, raw, validate)
+    return checked(raw, validate)
 
 
-def checked(raw: bytes, route: str) -> dict[str, Any]:
-    """Parse the body and check what the router relies on; raises BadInput."""
+def checked(raw: bytes, validate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Parse the body and check what the router relies on (`validate`: the wire format's); raises BadInput."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):   # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -73,10 +83,7 @@ def checked(raw: bytes, route: str) -> dict[str, Any]:
         raise BadInput(400, f"request body nests deeper than {MAX_DEPTH} levels")
     if SURROGATE_ESCAPE.search(raw) and LONE_SURROGATE.search(raw):   # the first is a fast literal scan
         _no_lone_surrogates(body)
-    key = "messages" if route.endswith("chat/completions") else "prompt"
-    if key not in body:
-        raise BadInput(400, f"'{key}' is required", key)
-    validate(route, body)
+    validate(body)
     return body
 
 
@@ -116,26 +123,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def validate(route: str, body: dict[str, Any]) -> None:
-    """Field types the router (or its identity and token code) relies on; raises BadInput. Anything
-    finer is left to vLLM, which answers bad values with a 400 of its own."""
-    if route.endswith("/chat/completions"):
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise BadInput(400, "'messages' must be a list of objects", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role", ""), str):
-                raise BadInput(400, f"messages[{i}].role must be a string", "messages")
-            if not isinstance(m.get("content"), (str, list, type(None))):
-                raise BadInput(400, f"messages[{i}].content must be a string or a list of parts", "messages")
-            calls = m.get("tool_calls")
-            if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-                raise BadInput(400, f"messages[{i}].tool_calls must be a list of objects", "messages")
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)):
-            raise BadInput(400, "'prompt' must be a string or a list", "prompt")
-    for name in ("max_tokens", "max_completion_tokens", "n", "min_tokens"):
+def check_common(body: dict[str, Any], counts: tuple[str, ...]) -> None:
+    """The fields every format shares: output caps (`counts`), flags and names; raises BadInput."""
+    for name in counts:
         value = body.get(name)
         if value is not None and not (_is_int(value) and value >= 0):
             raise BadInput(400, f"'{name}' must be an integer >= 0", name)

@@ -53,16 +53,17 @@ class RouterMetrics:
                              "Completion requests by how they ended, exactly one outcome each: stored (D's handles "
                              "kept for the next turn), unavailable (D reported none), untracked (no conversation "
                              "identity), degraded (served by one role), client_gone (the client left before the "
-                             "answer was complete), failed (an error answer or a broken stream).",
-                             ["outcome"], registry=r)
+                             "answer was complete), failed (an error answer or a broken stream); by wire format "
+                             "(api: chat, completions, messages, responses).",
+                             ["outcome", "api"], registry=r)
         self.identity = Counter("pdserve_router_conversation_identity",
                                 "How requests were tied to a conversation: explicit (conversation_id or "
                                 "X-Session-ID), history (automatic detection looked for an earlier turn), none.",
                                 ["source"], registry=r)
         self.reuse = Counter(names.REUSE_DECISIONS,
                              "Reuse outcome per turn that continues a conversation: hit (P read D's blocks) or "
-                             "miss and why.",
-                             ["result", "reason"], registry=r)
+                             "miss and why; by wire format (api).",
+                             ["result", "reason", "api"], registry=r)
         self.reuse_tokens_offered = Counter(names.REUSE_TOKENS_OFFERED,
                                             "Tokens of D's KV offered to P (D's remote_num_tokens).", registry=r)
         self.reuse_tokens_pulled = Counter(names.REUSE_TOKENS_PULLED,

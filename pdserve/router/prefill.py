@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from pdserve.router import tracing
-from pdserve.router.backends import Backend, Pool, Suspects
+from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
@@ -19,7 +19,9 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePolicy
 from pdserve.router.reuse import HIT, MISS, Decision, ReuseEntry, decide, held
 from pdserve.router.store import ReuseStore
-from pdserve.router.tokens import prompt_ids_if_given, tokenize_body
+from pdserve.router.api import WireFormat
+from pdserve.router.api.completions import prompt_ids_if_given
+from pdserve.router.turn import Turn
 from pdserve.router.upstream import Upstream
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
 
@@ -40,6 +42,7 @@ class PrefillLeg:
         self.metrics = metrics
         self.block_size: int | None = None   # P's KV block size, read once from its /metrics
         self.warned: set[str] = set()        # prefill servers said to run without NixlConnector
+        self.unrendered: set[str] = set()    # APIs whose render endpoint P refused (said once)
 
     # -- what may P read? --------------------------------------------------------------------------
     async def take(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]:
@@ -61,7 +64,7 @@ class PrefillLeg:
         """Too few tokens held to be worth reading (kv_recompute_threshold), whatever the new prompt is."""
         return entry.num_tokens < max(1, self.cfg.kv_recompute_threshold)
 
-    async def decide(self, entry: ReuseEntry | None, why: str, route: str, body: dict[str, Any]) -> Decision:
+    async def decide(self, entry: ReuseEntry | None, why: str, fmt: WireFormat, body: dict[str, Any]) -> Decision:
         """What of the taken entry P may read for this prompt, verified against P's /tokenize of it."""
         if entry is None:
             return Decision(MISS, why)
@@ -69,28 +72,36 @@ class PrefillLeg:
             # Too little to pull whatever the new prompt is: no /tokenize (its cost grows with the prompt,
             # docs/gpu.md) for a turn that recomputes anyway.
             return Decision(MISS, "below_threshold", holder=entry.decode)
-        new_prompt = await self._prompt_ids(route, body) if entry.sequence is not None else None
+        new_prompt = await self._prompt_ids(fmt, body) if entry.sequence is not None else None
         decision = decide(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold,
                           new_prompt=new_prompt, block_size=await self._block_size())
         return dataclasses.replace(decision, holder=entry.decode,
                                    prompt_tokens=len(new_prompt) if new_prompt is not None else None)
 
-    async def _prompt_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
-        """The token ids P will prefill for this request (P's own tokenizer and chat template)."""
-        given = prompt_ids_if_given(body)
+    async def _prompt_ids(self, fmt: WireFormat, body: dict[str, Any]) -> list[int] | None:
+        """The token ids P will prefill for this request (P's own tokenizer and chat template): its
+        /tokenize, or the format's render endpoint."""
+        given = prompt_ids_if_given(body) if fmt.native_token_ids else None
         if given is not None:
             return given
-        tok = tokenize_body(route, body, self.cfg.model)
+        tok = fmt.tokenize_body(body, self.cfg.model)
         backend = self.pool.least_loaded()   # no rotation: tokenizing must not shift where prefills go
         if tok is None or backend is None:
             return None
         try:
             # The client's content again: a failure here says nothing sure about P (its prefill follows).
-            status, data = await self.upstream.post_json(self.pool, backend, "/tokenize", tok, {}, blame=False)
+            status, data = await self.upstream.post_json(self.pool, backend, fmt.render_path or "/tokenize", tok,
+                                                         {}, blame=False)
         except UpstreamError:
             return None
-        tokens = data.get("tokens") if status == 200 else None
-        return tokens if isinstance(tokens, list) else None
+        if status != 200:
+            if fmt.render_path and fmt.api not in self.unrendered:
+                self.unrendered.add(fmt.api)     # said once: every turn of this API recomputes (unverifiable)
+                log.warning("%s on %s answered HTTP %d: %s turns cannot be checked for reuse and recompute; "
+                            "prefill servers need --enable-scale-out (pdserve's entry adds it where vLLM has it)",
+                            fmt.render_path, backend.name, status, fmt.api)
+            return None
+        return fmt.prompt_ids(data)
 
     async def _block_size(self) -> int | None:
         for backend in self.pool.backends if self.block_size is None else []:
@@ -101,8 +112,8 @@ class PrefillLeg:
         return self.block_size
 
     # -- prefill -----------------------------------------------------------------------------------
-    async def run(self, route: str, body: dict[str, Any], headers: dict[str, str], decision: Decision | None,
-                  anchor: str | None = None, suspects: Suspects | None = None) -> tuple[dict[str, Any], int | None]:
+    async def run(self, turn: Turn, decision: Decision | None,
+                  anchor: str | None = None) -> tuple[dict[str, Any], int | None]:
         """P's kv_transfer_params for D, and the tokens P pulled from D (None when P does not say). Records the reuse outcome: a hit only when P really read D's
         blocks; otherwise the reason (the decision's, pull_slower, or read_failed). The policy picks the
         server (`anchor` pins the conversation under the affinity pick) and guards the offer by cost."""
@@ -120,7 +131,7 @@ class PrefillLeg:
                 if guarded is not None:
                     outcome = guarded
                 try:
-                    answer = await self._once(backend, route, body, headers, use, suspects)
+                    answer = await self._once(backend, turn, use)
                     served = True
                     return answer
                 except UpstreamError as err:
@@ -133,7 +144,7 @@ class PrefillLeg:
                         tracing.note(prefill_read_retry=True)
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            answer = await self._once(backend, route, body, headers, None, suspects)
+                            answer = await self._once(backend, turn, None)
                             served = True
                             return answer
                         except UpstreamError as again:
@@ -148,28 +159,21 @@ class PrefillLeg:
                 # P refused or failed the request: nothing was read, so it is no hit.
                 outcome = Decision(MISS, "prefill_failed", holder=outcome.holder)
             if outcome is not None:
-                self.metrics.reuse.labels(outcome.result, outcome.reason).inc()
+                self.metrics.reuse.labels(outcome.result, outcome.reason, turn.fmt.api).inc()
                 tracing.note(reuse=outcome.result, reuse_reason=outcome.reason, tokens_offered=outcome.tokens)
                 if outcome.result == HIT:
                     self.metrics.reuse_tokens_offered.inc(outcome.tokens)
                 # Per turn: at debug level (a line a turn cost ~9% of the router's CPU at 1,800 turns/s);
                 # the same facts are in the metrics, on the trace span and in json_logs' line.
-                log.debug("%s: prefill on %s, reuse %s (%s, %d tokens offered)", headers.get("X-Request-Id"),
+                log.debug("%s: prefill on %s, reuse %s (%s, %d tokens offered)", turn.request_id,
                          ",".join(tried), outcome.result, outcome.reason, outcome.tokens)
 
-    async def _once(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str],
-                    use: Decision | None, suspects: Suspects | None = None) -> tuple[dict[str, Any], int | None]:
-        p_body = {**body, "max_tokens": 1, "stream": False,
-                  "kv_transfer_params": use.params if use else {"do_remote_decode": True,
-                                                                "do_remote_prefill": False}}
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        for field in ("stream_options", "min_tokens", "return_token_ids"):
-            p_body.pop(field, None)
+    async def _once(self, backend: Backend, turn: Turn, use: Decision | None) -> tuple[dict[str, Any], int | None]:
+        p_body = turn.fmt.prefill_body(turn.body, use.params if use else None, turn.request_id)
         started = time.perf_counter()
         # With D's blocks offered, a failure may be D's (blocks gone) as much as P's: not P's breaker.
-        status, data = await self.upstream.post_json(self.pool, backend, route, p_body, headers,
-                                                     blame=use is None, suspects=suspects, valid=has_kv_params)
+        status, data = await self.upstream.post_json(self.pool, backend, turn.route, p_body, turn.headers,
+                                                     blame=use is None, suspects=turn.suspects, valid=has_kv_params)
         if status != 200:
             raise UpstreamError(status, data, backend.name)
         params = data.get("kv_transfer_params")
@@ -179,7 +183,7 @@ class PrefillLeg:
             raise UpstreamError(502, error_body(
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
-        self._learn(backend, use, time.perf_counter() - started, data, counts)
+        self._learn(backend, use, time.perf_counter() - started, turn.fmt.prompt_tokens(data), counts)
         return params, counts[0] if counts is not None else None
 
     def _misconfigured(self, backend: Backend) -> None:
@@ -193,16 +197,14 @@ class PrefillLeg:
                       "NixlConnector (vllm --kv-transfer-config), so its requests are served again whole on a "
                       "decode server; counted in pdserve_router_prefill_without_kv_params_total", backend.name)
 
-    def _learn(self, backend: Backend, use: Decision | None, seconds: float, data: dict[str, Any],
+    def _learn(self, backend: Backend, use: Decision | None, seconds: float, prompt: int | None,
                counts: tuple[int, int] | None) -> None:
         # (pulled from D, P's own prefix-cache hits), from the entry's connector patch; None without it:
         # then nothing is learned about pulls (remote_prefill_cached_tokens mixes the two and 0.26 lacks it).
         pulled, local = counts if counts is not None else (0, 0)
         self.metrics.reuse_tokens_pulled.inc(pulled)
         self.metrics.prefill_tokens_local.inc(local)
-        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-        prompt = usage.get("prompt_tokens")
-        if not isinstance(prompt, int):
+        if prompt is None:
             return
         holder = use.holder if use else None
         if use is not None and counts is None:

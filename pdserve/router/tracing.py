@@ -18,11 +18,12 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.router import api
 from pdserve.router.identity import Key
 from pdserve.router.turn import CLIENT_GONE, FAILED, TURN
 
 NOTES: ContextVar[dict[str, Any] | None] = ContextVar("pdserve_router_notes", default=None)
-ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = api.ROUTES
 ATTRIBUTE_PREFIX = "pdserve."
 request_log = logging.getLogger("pdserve.router.requests")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.router.api import WireFormat
 from pdserve.router.backends import Suspects
 from pdserve.router.identity import Key
 
@@ -20,12 +21,13 @@ PLAN_HEADER = "X-PDServe-Plan"
 @dataclass
 class Turn:
     route: str
+    fmt: WireFormat                    # the request's wire format (chat, completions, messages, responses)
     body: dict[str, Any]
     request_id: str
     reply_id: str                      # X-Request-Id returned to the client
     tenant: str
     explicit: Key | None               # conversation_id / X-Session-ID
-    messages: list[Any] | None         # chat history, for automatic detection
+    messages: list[Any] | None         # the history as chat-like items (fmt.history), for automatic detection
     started: float = field(default_factory=time.perf_counter)
     decide_ms: float | None = None     # the reuse decision (Server-Timing, like the legs)
     prefill_ms: float | None = None    # reported to the client in Server-Timing
@@ -83,4 +85,7 @@ def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
 
 
 def json_answer(turn: Turn, data: dict[str, Any], status: int, decode_ms: float | None = None) -> web.Response:
+    """A whole answer; an error in the shape the client's wire format uses."""
+    if status >= 400:
+        data = turn.fmt.client_error(data, status)
     return web.json_response(data, status=status, headers=headers(turn, decode_ms))

@@ -123,7 +123,7 @@ def test_cost_model_prices_a_pull_by_pulled_tokens_only():
 def test_history_keys_match_the_stored_reply_only():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
     reply = {"role": "assistant", "content": "a1", "tool_calls": []}
-    stored = reply_key("t", msgs, reply)
+    stored = reply_key("t", msgs, [reply])
     nxt = msgs + [{"role": "assistant", "content": "a1", "refusal": None, "reasoning_content": "dropped"},
                   {"role": "user", "content": "u2"}]
     assert history_keys("t", nxt) == [stored]
@@ -139,9 +139,22 @@ def test_history_keys_longest_first_and_tool_calls_count():
          {"role": "tool", "content": "42", "tool_call_id": "x1"}, {"role": "assistant", "content": "a2"},
          {"role": "user", "content": "u3"}]
     keys = history_keys("t", h)
-    assert keys[0] == reply_key("t", h[:3], {"role": "assistant", "content": "a2"})
-    assert keys[1] == reply_key("t", h[:1], {"role": "assistant", "content": "",
-                                             "tool_calls": [{**call, "id": "other-id"}]})
+    assert keys[0] == reply_key("t", h[:3], [{"role": "assistant", "content": "a2"}])
+    assert keys[1] == reply_key("t", h[:1], [{"role": "assistant", "content": "",
+                                              "tool_calls": [{**call, "id": "other-id"}]}])
+
+
+def test_history_keys_match_tool_arguments_a_client_reserialised():
+    """The reply's arguments as D streamed them; the client sends them back re-serialised (spacing, order)."""
+    ours = {"type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": [1, 2]}'}}
+    theirs = {"id": "c9", "type": "function", "function": {"name": "f", "arguments": '{"a":[1,2],"b":1}'}}
+    msgs = [{"role": "user", "content": "u1"}]
+    stored = reply_key("t", msgs, [{"role": "assistant", "content": "", "tool_calls": [ours]}])
+    nxt = msgs + [{"role": "assistant", "content": None, "tool_calls": [theirs]},
+                  {"role": "tool", "content": "ok", "tool_call_id": "c9"}]
+    assert history_keys("t", nxt) == [stored]
+    changed = {**theirs, "function": {"name": "f", "arguments": '{"a":[1,2],"b":2}'}}
+    assert history_keys("t", msgs + [{"role": "assistant", "content": None, "tool_calls": [changed]}]) != [stored]
 
 
 def test_parse_router_metrics():

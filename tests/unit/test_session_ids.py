@@ -7,10 +7,13 @@ from aiohttp.test_utils import make_mocked_request
 from pdserve.router.identity import MAX_CONVERSATION_ID, SESSION_SOURCES, explicit_key, session_id
 
 # One request carrying every source, each with its own value.
-ALL_HEADERS = {"X-Session-ID": "hdr", "X-Dynamo-Session-ID": "dyn", "X-Claude-Code-Session-Id": "claude",
-               "thread-id": "codex-thread", "session-id": "codex-dash", "session_id": "codex-underscore"}
-ALL_BODY = {"conversation_id": "conv", "session_id": "vllm", "vllm_xargs": {"session_id": "xargs"}}
-EXPECTED_ORDER = ["conv", "vllm", "hdr", "xargs", "dyn", "claude", "codex-thread", "codex-dash", "codex-underscore"]
+ALL_HEADERS = {"X-Session-ID": "hdr", "x-session-affinity": "opencode", "X-Dynamo-Session-ID": "dyn",
+               "X-Claude-Code-Session-Id": "claude", "thread-id": "codex-thread", "session-id": "codex-dash",
+               "session_id": "codex-underscore"}
+ALL_BODY = {"conversation_id": "conv", "session_id": "vllm", "vllm_xargs": {"session_id": "xargs"},
+            "prompt_cache_key": "cache-key"}
+EXPECTED_ORDER = ["conv", "vllm", "hdr", "xargs", "opencode", "dyn", "claude", "codex-thread", "codex-dash",
+                  "codex-underscore", "cache-key"]
 
 
 def req(headers: dict[str, str] | None = None):
@@ -53,6 +56,29 @@ def test_a_claude_code_subagent_is_its_own_conversation():
     parent = explicit_key(req({"X-Claude-Code-Session-Id": "s1"}), {})
     child = explicit_key(req({"X-Claude-Code-Session-Id": "s1", "X-Claude-Code-Agent-Id": "a7"}), {})
     assert parent is not None and child is not None and parent != child
+
+
+def test_a_codex_subagent_is_its_own_conversation():
+    parent = explicit_key(req({"session-id": "s1"}), {})
+    child = explicit_key(req({"session-id": "s1", "x-openai-subagent": "review"}), {})
+    body_child = explicit_key(req({"x-openai-subagent": "compact"}), {"prompt_cache_key": "s1"})
+    assert None not in (parent, child, body_child) and len({parent, child, body_child}) == 3
+
+
+def test_side_requests_under_one_session_id_get_their_own_key():
+    """Claude Code's small-model calls share the session id but not the model, system prompt or tools."""
+    headers = {"X-Claude-Code-Session-Id": "s1"}
+    main = explicit_key(req(headers), {}, "sonnet|You are Claude Code|Bash,Read")
+    again = explicit_key(req(headers), {}, "sonnet|You are Claude Code|Bash,Read")
+    side = explicit_key(req(headers), {}, "haiku|Write a title|")
+    assert main == again and main != side
+
+
+def test_an_x_api_key_is_the_same_tenant_as_its_bearer_token():
+    bearer = explicit_key(req({"Authorization": "Bearer k1", "X-Session-ID": "c"}), {})
+    x_key = explicit_key(req({"x-api-key": "k1", "X-Session-ID": "c"}), {})
+    other = explicit_key(req({"x-api-key": "k2", "X-Session-ID": "c"}), {})
+    assert bearer == x_key and bearer != other
 
 
 def test_ids_stay_per_tenant_and_unusable_values_are_skipped():

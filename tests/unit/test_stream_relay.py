@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pdserve.router.tokens import SequenceCollector, StreamRelay
+from pdserve.router.api.chat import ChoicesCollector as SequenceCollector
+from pdserve.router.relay import StreamRelay
 
 
 def sse(obj) -> bytes:

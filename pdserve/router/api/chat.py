@@ -1,0 +1,125 @@
+"""OpenAI Chat Completions (`/v1/chat/completions`): the format the router started with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.router.api.base import Collector, HistoryItem, WireFormat
+from pdserve.router.inputs import BadInput, check_common
+
+TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                        "chat_template_kwargs", "tools", "mm_processor_kwargs")
+TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+class ChoicesCollector(Collector):
+    """Answers with `choices` (chat and completions): choice 0 only, since one conversation has one
+    continuation; the token ids vLLM returns (return_token_ids) removed unless the client asked for them."""
+
+    def __init__(self, keep_for_client: bool):
+        super().__init__(keep_for_client)
+        self._text: list[str] = []
+        self._calls: dict[int, list[str]] = {}    # tool call index -> [name, arguments]
+
+    def reset_reply(self) -> None:
+        self._text, self._calls = [], {}
+
+    def reply_items(self) -> list[HistoryItem]:
+        calls = [{"type": "function", "function": {"name": n, "arguments": a}}
+                 for _, (n, a) in sorted(self._calls.items())]
+        return [{"role": "assistant", "content": "".join(self._text), "tool_calls": calls}]
+
+    @property
+    def reply(self) -> HistoryItem:
+        return self.reply_items()[0]
+
+    def _collect_choice(self, choice: dict[str, Any]) -> None:
+        message = choice.get("message")
+        if isinstance(message, dict):            # a whole response
+            self._text = [message.get("content") or ""]
+            self._calls = {}
+            calls = message.get("tool_calls")
+            parts = list(enumerate(calls)) if isinstance(calls, list) else []
+        elif isinstance(choice.get("delta"), dict):   # a stream chunk
+            delta = choice["delta"]
+            self._text.append(delta.get("content") or "")
+            calls = delta.get("tool_calls")
+            parts = [(c.get("index", i), c) for i, c in enumerate(calls if isinstance(calls, list) else [])
+                     if isinstance(c, dict)]
+        elif isinstance(choice.get("text"), str):     # completions
+            self._text.append(choice["text"])
+            return
+        else:
+            return
+        for index, call in parts:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                slot = self._calls.setdefault(index, ["", ""])
+                slot[0] += fn.get("name") or ""
+                slot[1] += fn.get("arguments") or ""
+
+    def collect_event(self, event: dict[str, Any]) -> None:
+        for choice in event.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self._collect_choice(choice)
+
+    def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
+        changed = self.take_params(obj)
+        if isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt = obj["prompt_token_ids"]
+            if not self.keep:
+                del obj["prompt_token_ids"]
+                changed = True
+        choices = obj.get("choices")
+        for choice in choices if isinstance(choices, list) else []:   # D's output is checked, not trusted
+            if not isinstance(choice, dict):
+                continue
+            first = choice.get("index", 0) == 0
+            if first and collect_reply:
+                self._collect_choice(choice)
+            if first and isinstance(choice.get("prompt_token_ids"), list):
+                self.prompt = choice["prompt_token_ids"]
+            if first and isinstance(choice.get("token_ids"), list):
+                self.generated.extend(choice["token_ids"])
+            if not self.keep:
+                for f in TOKEN_FIELDS:
+                    if f in choice:
+                        del choice[f]
+                        changed = True
+        return changed
+
+
+class ChatFormat(WireFormat):
+    api = "chat"
+    routes = ("/v1/chat/completions",)
+    collector_class = ChoicesCollector
+    native_token_ids = True
+
+    def validate(self, body: dict[str, Any]) -> None:
+        messages = body.get("messages")
+        if "messages" not in body:
+            raise BadInput(400, "'messages' is required", "messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise BadInput(400, "'messages' must be a list of objects", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role", ""), str):
+                raise BadInput(400, f"messages[{i}].role must be a string", "messages")
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise BadInput(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+            calls = m.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                raise BadInput(400, f"messages[{i}].tool_calls must be a list of objects", "messages")
+        check_common(body, ("max_tokens", "max_completion_tokens", "n", "min_tokens"))
+
+    def history(self, body: dict[str, Any]) -> list[HistoryItem] | None:
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else None
+
+    def prefill_body(self, body: dict[str, Any], params: dict[str, Any] | None, request_id: str) -> dict[str, Any]:
+        out = super().prefill_body(body, params, request_id)
+        if "max_completion_tokens" in out:
+            out["max_completion_tokens"] = 1
+        return out
+
+    def tokenize_body(self, body: dict[str, Any], model: str) -> dict[str, Any] | None:
+        return {"model": model, **{k: body[k] for k in TOKENIZE_CHAT_FIELDS if k in body}}

@@ -1,0 +1,151 @@
+"""Anthropic Messages (`/v1/messages`): what Claude Code speaks. vLLM translates it to chat inside the server;
+D's handles come top-level in a whole answer and, with pdserve's entry, in the stream's `message_stop` event
+(engine/patches.py); D's token ids come in its handles (wire.TOKENS_KEY). The prompt's token ids come from P's
+`/v1/messages/render` (the entry enables it)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json
+from pdserve.router.inputs import BadInput, check_common
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+SKIPPED_BLOCKS = ("thinking", "redacted_thinking")   # clients drop or keep them; templates mostly drop them
+
+
+def _call(name: Any, arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name if isinstance(name, str) else "",
+                                             "arguments": canonical_json(arguments)}}
+
+
+def blocks_item(role: Any, content: Any) -> HistoryItem:
+    """One message (or a whole answer's content) as a history item: text joined, tool_use blocks as tool
+    calls, any other block (tool_result, image, ...) as its canonical JSON."""
+    if isinstance(content, str) or content is None:
+        return {"role": role, "content": content or ""}
+    parts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in content if isinstance(content, list) else [content]:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append(str(block.get("text", "")))
+        elif kind == "tool_use":
+            calls.append(_call(block.get("name"), block.get("input")))
+        elif kind not in SKIPPED_BLOCKS:
+            parts.append(canonical_json({k: v for k, v in block.items() if k != "cache_control"}
+                                        if isinstance(block, dict) else block))
+    return {"role": role, "content": "".join(parts), "tool_calls": calls}
+
+
+class MessagesCollector(Collector):
+    end_event = b"event: message_stop"
+
+    def __init__(self, keep_for_client: bool):
+        super().__init__(keep_for_client)
+        self._blocks: dict[int, dict[str, Any]] = {}    # stream: content block index -> block so far
+
+    def reset_reply(self) -> None:
+        self._blocks = {}
+
+    def reply_items(self) -> list[HistoryItem]:
+        blocks = []
+        for _, block in sorted(self._blocks.items()):
+            partial = block.get("partial")
+            if isinstance(partial, str):                # a streamed tool_use: its input as JSON text
+                block = {k: v for k, v in block.items() if k != "partial"}
+                try:
+                    block["input"] = json.loads(partial or "{}")
+                except ValueError:
+                    block["input"] = partial
+            blocks.append(block)
+        return [blocks_item("assistant", blocks)]
+
+    def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
+        changed = self.take_params(obj)
+        if collect_reply and isinstance(obj.get("content"), list):     # a whole answer
+            self._blocks = {i: b for i, b in enumerate(obj["content"]) if isinstance(b, dict)}
+        return changed
+
+    def collect_event(self, event: dict[str, Any]) -> None:
+        kind, index = event.get("type"), event.get("index")
+        if not isinstance(index, int):
+            return
+        if kind == "content_block_start" and isinstance(event.get("content_block"), dict):
+            block = dict(event["content_block"])
+            if block.get("type") == "tool_use":
+                block["partial"] = ""
+            self._blocks[index] = block
+        elif kind == "content_block_delta" and isinstance(event.get("delta"), dict) and index in self._blocks:
+            delta, block = event["delta"], self._blocks[index]
+            if delta.get("type") == "text_delta":
+                block["text"] = str(block.get("text", "")) + str(delta.get("text", ""))
+            elif delta.get("type") == "input_json_delta" and "partial" in block:
+                block["partial"] += str(delta.get("partial_json", ""))
+
+
+class MessagesFormat(WireFormat):
+    api = "messages"
+    routes = ("/v1/messages",)
+    collector_class = MessagesCollector
+    render_path = "/v1/messages/render"
+
+    def validate(self, body: dict[str, Any]) -> None:
+        messages = body.get("messages")
+        if "messages" not in body:
+            raise BadInput(400, "'messages' is required", "messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise BadInput(400, "'messages' must be a list of objects", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise BadInput(400, f"messages[{i}].role must be a string", "messages")
+            content = m.get("content")
+            if not (isinstance(content, str) or isinstance(content, list)
+                    and all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in content)):
+                raise BadInput(400, f"messages[{i}].content must be a string or a list of blocks with a type",
+                               "messages")
+        system = body.get("system")
+        if system is not None and not isinstance(system, (str, list)):
+            raise BadInput(400, "'system' must be a string or a list of text blocks", "system")
+        if body.get("tools") is not None and not isinstance(body["tools"], list):
+            raise BadInput(400, "'tools' must be a list", "tools")
+        check_common(body, ("max_tokens",))
+
+    def history(self, body: dict[str, Any]) -> list[HistoryItem] | None:
+        items = [blocks_item("system", body["system"])] if body.get("system") else []
+        items += [blocks_item(m.get("role"), m.get("content")) for m in body.get("messages") or []]
+        return items
+
+    def fingerprint(self, body: dict[str, Any]) -> str:
+        tools = sorted(t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict))
+        return canonical_json([body.get("model"), blocks_item("system", body.get("system"))["content"], tools])
+
+    def tokenize_body(self, body: dict[str, Any], model: str) -> dict[str, Any] | None:
+        return {**body, "stream": False}
+
+    def prompt_tokens(self, data: dict[str, Any]) -> int | None:
+        usage = data.get("usage")
+        value = usage.get("input_tokens") if isinstance(usage, dict) else None
+        return value if isinstance(value, int) else None
+
+    def error(self, status: int, message: str, err_type: str = "invalid_request_error",
+              param: str | None = None) -> dict[str, Any]:
+        kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def client_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
+        err = body.get("error") if isinstance(body, dict) else None
+        if body.get("type") == "error" or not isinstance(err, dict):
+            return body                               # vLLM's own answer is already in this shape
+        return self.error(status, str(err.get("message", "error")))
+
+    def stream_error(self, message: str) -> bytes:
+        data = json.dumps(self.error(502, message), separators=(",", ":")).encode()
+        return b"event: error\ndata: " + data + b"\n\n"
+
+    def stream_end(self) -> bytes:
+        return b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
