@@ -18,12 +18,20 @@ prefill many times slower and P's KV leases expire before D can read them (docs/
 The patches run when this module is a process's main module: as `python -m pdserve.engine.entry`, and as
 `__mp_main__` in the engine core and workers, which vLLM starts with multiprocessing's spawn, so every
 process of the server gets them. Importing it changes nothing.
+
+With the reuse patches the server also gets `--enable-scale-out` (when its CLI has it and the command line
+does not say either way): the router checks a new turn's tokens with `/v1/messages/render`,
+`/v1/responses/render` and `/v1/chat/completions/render`, which vLLM registers only with that flag. It
+registers `/inference/v1/generate` too: like every other endpoint of these servers, not for clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 import runpy
+import sys
 
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 
@@ -77,22 +85,66 @@ def patch_nixl_progress_delay() -> int:
     return delay
 
 
-def apply_reuse_patches() -> None:
+SCALE_OUT_FLAG = "--enable-scale-out"
+# Where FrontendArgs (the API server's own options) lives, newest layout first.
+FRONTEND_ARGS_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+# What the server process decided about SCALE_OUT_FLAG, for its spawned children's log line.
+SCALE_OUT_STATE_ENV = "PDSERVE_ENTRY_SCALE_OUT"
+
+
+def cli_knows_scale_out() -> bool:
+    """Whether this vLLM's API server has the option (FrontendArgs.enable_scale_out), whatever its version."""
+    for module in FRONTEND_ARGS_MODULES:
+        try:
+            args_cls = importlib.import_module(module).FrontendArgs
+        except (ImportError, AttributeError):
+            continue
+        if dataclasses.is_dataclass(args_cls):
+            return "enable_scale_out" in {f.name for f in dataclasses.fields(args_cls)}
+        return hasattr(args_cls, "enable_scale_out")
+    return False
+
+
+def scale_out_in(argv: list[str]) -> bool:
+    """Whether the command line sets the option either way (--enable-scale-out[=..], --no-enable-scale-out,
+    vLLM's parser also takes underscores)."""
+    names = {SCALE_OUT_FLAG, "--no-" + SCALE_OUT_FLAG[2:]}
+    return any(arg.split("=", 1)[0].replace("_", "-") in names for arg in argv[1:])
+
+
+def add_scale_out(argv: list[str], knows=cli_knows_scale_out) -> str:
+    """Append --enable-scale-out to argv (in place) when absent and the CLI has it; says what was done."""
+    if scale_out_in(argv):
+        return "as given"
+    if not knows():
+        return "not in this vLLM"
+    argv.append(SCALE_OUT_FLAG)
+    return SCALE_OUT_FLAG + " added"
+
+
+def apply_reuse_patches(argv: list[str] | None = None) -> None:
+    """The reuse patches; with argv (the server process's own), also the scale-out option."""
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
     from pdserve.engine import held, patches
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
     held_kv = held.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held.py)
-    # One line in the server log says what this vLLM got (doctor and the e2e tests read it).
+    message_stop = patches.patch_message_stop_kv_params()
+    if argv is not None:
+        os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
+    # One line in the server log says what this vLLM got (doctor and the e2e tests read it); the server's
+    # children print the same line.
     print(f"pdserve-entry: streamed kv_transfer_params patched: {','.join(streamed) or 'none'}; "
-          f"pulled-token counts: {'yes' if counted else 'no'}; held KV: {held_kv}", flush=True)
+          f"pulled-token counts: {'yes' if counted else 'no'}; "
+          f"message_stop kv_transfer_params: {','.join(message_stop) or 'none'}; "
+          f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
     pin_to_own_cores()
     patch_nixl_progress_delay()
-    apply_reuse_patches()
+    apply_reuse_patches(sys.argv if __name__ == "__main__" else None)
 
 if __name__ == "__main__":
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")

@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from pdserve.engine.entry import CORES_ENV, DELAY_ENV, own_cores
+from pdserve.engine.entry import (
+    CORES_ENV,
+    DELAY_ENV,
+    REUSE_PATCHES_ENV,
+    SCALE_OUT_STATE_ENV,
+    add_scale_out,
+    cli_knows_scale_out,
+    own_cores,
+)
 
 
 @pytest.mark.parametrize("bind, cores", [
@@ -23,12 +31,12 @@ def test_own_cores(bind, cores):
 AS_SPAWNED_CHILD = "import runpy; runpy.run_module('pdserve.engine.entry', run_name='__mp_main__', alter_sys=True)\n"
 
 
-def run_python(code: str, **env) -> str:
-    full_env = {k: v for k, v in os.environ.items() if k not in (DELAY_ENV, CORES_ENV)}
+def run_python(code: str, lines: int = 1, **env) -> str:
+    full_env = {k: v for k, v in os.environ.items() if k not in (DELAY_ENV, CORES_ENV, REUSE_PATCHES_ENV, SCALE_OUT_STATE_ENV)}
     full_env.update(env)
     res = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    return res.stdout.strip().splitlines()[-1]
+    return "\n".join(res.stdout.strip().splitlines()[-lines:])
 
 
 def test_pins_the_process_and_nixls_kv_core_to_its_own_cores():
@@ -67,3 +75,35 @@ def test_importing_it_for_its_constants_changes_nothing():
                      "'vllm' in sys.modules, 'nixl' in sys.modules)",
                      **{CORES_ENV: str(first), DELAY_ENV: "1000"})
     assert out == "True False False"
+
+
+@pytest.mark.parametrize("argv, knows, result, added", [
+    (["entry", "--model", "m"], True, "--enable-scale-out added", True),
+    (["entry", "--model", "m"], False, "not in this vLLM", False),
+    (["entry", "--enable-scale-out"], True, "as given", False),
+    (["entry", "--no-enable-scale-out"], True, "as given", False),
+    (["entry", "--enable_scale_out"], True, "as given", False),
+    (["entry", "--model", "m", "--enable-scale-out=false"], True, "as given", False),
+])
+def test_scale_out_is_added_only_when_the_cli_has_it_and_argv_says_nothing(argv, knows, result, added):
+    before = list(argv)
+    assert add_scale_out(argv, knows=lambda: knows) == result
+    assert argv == before + (["--enable-scale-out"] if added else [])
+
+
+def test_installed_vllm_cli_has_enable_scale_out():
+    # Fails when a vLLM version drops or renames the option (then the router's render checks get 403).
+    assert cli_knows_scale_out()
+
+
+def test_server_process_gets_scale_out_and_says_so_children_repeat_it():
+    env = {REUSE_PATCHES_ENV: "1"}
+    line, argv = run_python("import sys\nsys.argv = ['entry', '--model', 'm']\n"
+                            "from pdserve.engine.entry import apply_reuse_patches\n"
+                            "apply_reuse_patches(sys.argv)\nprint('|', sys.argv)", lines=2, **env).split("\n")[-2:]
+    assert argv == "| ['entry', '--model', 'm', '--enable-scale-out']"
+    assert line.startswith("pdserve-entry: streamed kv_transfer_params patched: ") and "OpenAIServingChat" in line
+    assert "; pulled-token counts: yes; " in line and "AnthropicServingMessages.message_stream_converter" in line
+    assert "; render endpoints: --enable-scale-out added" in line, line
+    child = run_python(AS_SPAWNED_CHILD, **env, **{SCALE_OUT_STATE_ENV: "--enable-scale-out added"})
+    assert child.split("\n")[-1] == line
