@@ -123,6 +123,10 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
         ended = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_outcomes") or {}).items())) or "none yet"
         plans = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_plans") or {}).items())) or "none yet"
         parts.append(Text(f"turns by outcome: {ended}; by route: {plans} (decode_only: served on D alone)"))
+        if r.get("by_api"):
+            apis = ", ".join(f"{api} {c['turns']} turns, {c['hits']}/{c['hits'] + c['misses']} reused"
+                             for api, c in r["by_api"].items())
+            parts.append(Text(f"by API: {apis}"))
         if r.get("admission"):
             admitted = ", ".join(f"{k} {v}" for k, v in sorted(r["admission"].items()))
             parts.append(Text(f"admission: {admitted}; queued now {r.get('admission_queue_depth', 0)}"))

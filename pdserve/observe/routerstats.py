@@ -60,6 +60,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     degraded_served: Counter[str] = Counter()
     admission: Counter[str] = Counter()
     plans: Counter[str] = Counter()
+    by_api: dict[str, Counter[str]] = {}     # api -> turns, hits, misses
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
     for (name, label_set), value in samples.items():
@@ -67,7 +68,10 @@ def summarize(samples: Samples) -> dict[str, Any]:
         if name == names.TURNS + "_total":
             out["turns"] += value
             outcomes[labels.get("outcome", "")] += int(value)
+            by_api.setdefault(labels.get("api", ""), Counter())["turns"] += int(value)
         elif name == names.REUSE_DECISIONS + "_total":
+            by_api.setdefault(labels.get("api", ""), Counter())[
+                "hits" if labels.get("result") == "hit" else "misses"] += int(value)
             if labels.get("result") == "hit":
                 out["reuse_hits"] += value
             else:
@@ -102,6 +106,9 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
     out["admission"] = {k: v for k, v in admission.items() if v}   # admission outcomes (empty while it is off)
+    # per wire format (chat, completions, messages, responses): turns, reuse hits and misses
+    out["by_api"] = {api: {k: c[k] for k in ("turns", "hits", "misses")} for api, c in sorted(by_api.items())
+                     if api and c["turns"]}
     out["turn_plans"] = {k: v for k, v in plans.items() if k}   # where turns were routed (router/policy.py PLANS)
     out["decode_only_turns"] = float(plans["decode_only"])      # served on the holder D alone
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role

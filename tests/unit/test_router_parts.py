@@ -178,6 +178,20 @@ pdserve_router_backend_in_flight{backend="decode-0"} 2.0
     assert r["backends"]["decode-0"] == {"healthy": 1, "breaker_open": 1, "in_flight": 2}
 
 
+def test_parse_router_metrics_by_api():
+    r = parse_metrics("""
+pdserve_router_turns_total{api="chat",outcome="stored"} 4.0
+pdserve_router_turns_total{api="messages",outcome="stored"} 2.0
+pdserve_router_turns_total{api="messages",outcome="failed"} 1.0
+pdserve_router_turns_total{api="responses",outcome="stored"} 0.0
+pdserve_router_reuse_decisions_total{api="messages",reason="continuation",result="hit"} 1.0
+pdserve_router_reuse_decisions_total{api="messages",reason="no_entry",result="miss"} 2.0
+""")
+    assert r["turns"] == 7 and r["turn_outcomes"] == {"stored": 6, "failed": 1}
+    assert r["by_api"] == {"chat": {"turns": 4, "hits": 0, "misses": 0},
+                           "messages": {"turns": 3, "hits": 1, "misses": 2}}
+
+
 def test_parse_router_metrics_degraded_mode():
     r = parse_metrics("""
 pdserve_router_degraded_requests_total{served_by="prefill"} 4.0
