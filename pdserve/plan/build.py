@@ -16,6 +16,7 @@ from pdserve.plan.routers import router_plans, store_plans, store_url
 from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan, connect_host
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 from pdserve.spec.topology import platform_env, replica_host
+from pdserve.plan.tools import tool_call_args
 from pdserve.plan.transport import transport_settings
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -65,7 +66,7 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
             "--port", str(http_port),
             "--tensor-parallel-size", str(role.tensor_parallel_size),
             "--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":")),
-            *role.vllm_args, *engine_tracing(spec, role)]
+            *tool_call_args(spec), *role.vllm_args, *engine_tracing(spec, role)]
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[0]),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": connect_host(bind),
