@@ -291,12 +291,36 @@ async def handle(engine_client: Any, op: str, raw_body: bytes | None) -> tuple[i
     return 200, out
 
 
-def make_router():
+def api_tokens(args: Any) -> list[str]:
+    """The server's --api-key values (or VLLM_API_KEY), as vLLM's own middleware takes them: it guards only
+    /v1, /v2, /inference and /cohere, so these routes check them themselves."""
+    import os
+    keys = getattr(args, "api_key", None)
+    if isinstance(keys, str):
+        keys = [keys]
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def authorized(header: str | None, tokens: list[str]) -> bool:
+    import hashlib
+    import secrets
+    if not tokens:
+        return True
+    scheme, _, param = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(param.encode()).digest()
+    return any([secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens])
+
+
+def make_router(tokens: list[str] | None = None):
     from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse
     router = APIRouter()
 
     async def answer(request: Request, op: str):
+        if not authorized(request.headers.get("Authorization"), tokens or []):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
         body = None if op == "list" else await request.body()
         status, payload = await handle(getattr(request.app.state, "engine_client", None), op, body)
         return JSONResponse(payload, status_code=status)
@@ -341,8 +365,9 @@ def add_routes(app: Any, args: Any) -> str:
         return f"none (kv_role {role}, bidirectional_kv_xfer {bidirectional}: not a decode server holding turns)"
     if not hasattr(app, "include_router"):
         return "none (the app has no include_router)"
-    app.include_router(make_router())
-    return f"{PATH}, {PATH}/release, {PATH}/renew"
+    tokens = api_tokens(args)
+    app.include_router(make_router(tokens))
+    return f"{PATH}, {PATH}/release, {PATH}/renew" + (" (API key required)" if tokens else "")
 
 
 def wrap_build_app(build_app):

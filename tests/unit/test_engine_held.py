@@ -286,6 +286,13 @@ def test_routes_on_a_fastapi_app_only_for_a_bidirectional_decode_server():
         assert client.post("/pdserve/held/renew", content=b"{").status_code == 400
     with testclient.TestClient(build(prefill)) as client:
         assert client.get("/pdserve/held").status_code == 404
+    keyed = SimpleNamespace(**vars(decode), api_key=["k1", "k2"])
+    app = build(keyed)
+    app.state.engine_client = FakeEngineClient([held_core()])
+    with testclient.TestClient(app) as client:     # vLLM's own middleware does not guard /pdserve
+        assert client.get("/pdserve/held").status_code == 401
+        assert client.get("/pdserve/held", headers={"Authorization": "Bearer k3"}).status_code == 401
+        assert client.get("/pdserve/held", headers={"Authorization": "Bearer k2"}).status_code == 200
     assert held.server_role(SimpleNamespace(kv_transfer_config=SimpleNamespace(
         kv_role="kv_both", kv_connector_extra_config=extra))) == ("kv_both", True)
     assert held.server_role(SimpleNamespace()) == (None, False)
