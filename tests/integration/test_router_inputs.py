@@ -117,7 +117,7 @@ async def test_a_lone_surrogate_is_a_400_that_never_reaches_a_backend_and_a_fail
                                       + content + b'"}]}', json_ct)
             assert _is_openai_4xx(status, data) and data["error"]["param"] == "messages", data
         assert not dep.prefill[0][FAKE].received and not dep.decode[0][FAKE].received
-        assert 'pdserve_router_turns_total{outcome="failed"} 3.0' in await dep.metrics()
+        assert 'pdserve_router_turns_total{api="chat",outcome="failed"} 3.0' in await dep.metrics()
         # A pair (an escaped emoji) and an escaped backslash before "ud800" are valid text.
         for content in (rb"\ud83d\ude00", rb"\\ud800"):
             status, _ = await _raw(dep, CHAT, b'{"model": "fake", "messages": [{"role": "user", "content": "'

@@ -51,7 +51,7 @@ async def test_a_short_follow_up_is_served_on_d_alone_and_the_next_long_turn_pul
         m = await dep.metrics()
         assert 'pdserve_router_turn_plans_total{plan="decode_only"} 1.0' in m
         assert 'pdserve_router_turn_plans_total{plan="prefill_then_decode"} 2.0' in m
-        assert 'pdserve_router_turns_total{outcome="stored"} 3.0' in m
+        assert 'pdserve_router_turns_total{api="chat",outcome="stored"} 3.0' in m
         assert flow.prefill.costs is not None
 
 

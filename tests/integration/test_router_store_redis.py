@@ -156,8 +156,8 @@ async def test_redis_killed_mid_run_fails_no_request_and_reuse_resumes(redis_ser
         await asyncio.gather(*(_turns(dep.url, dep.session, 3, f"during-{i}", served) for i in range(4)))
         assert time.monotonic() - started < 10
         m = await dep.metrics()
-        assert f'pdserve_router_reuse_decisions_total{{reason="{UNAVAILABLE}",result="miss"}}' in m
-        assert 'pdserve_router_turns_total{outcome="not_stored"}' in m
+        assert f'pdserve_router_reuse_decisions_total{{api="chat",reason="{UNAVAILABLE}",result="miss"}}' in m
+        assert 'pdserve_router_turns_total{api="chat",outcome="not_stored"}' in m
         assert 'pdserve_router_store_up{store="redis"} 0.0' in m
         assert 'outcome="failed"' not in m
         redis_server.start()                                              # back, same port, empty
@@ -223,8 +223,8 @@ async def test_an_answer_never_waits_for_redis_to_confirm_its_put(redis_server):
             redis_server.resume()
         assert took < 1.5, took                                        # not the 3 s store timeout
         m = await dep.metrics()                                        # waits for the put's reply
-        assert 'pdserve_router_turns_total{outcome="not_stored"}' not in m
-        assert 'pdserve_router_turns_total{outcome="stored"} 2.0' in m, m
+        assert 'pdserve_router_turns_total{api="chat",outcome="not_stored"}' not in m
+        assert 'pdserve_router_turns_total{api="chat",outcome="stored"} 2.0' in m, m
         follow_up = chat("and then? " * 5, body["messages"] + [data["choices"][0]["message"]])
         async with dep.session.post(dep.url + CHAT, json=follow_up) as resp:
             assert resp.status == 200
