@@ -160,7 +160,7 @@ R_STREAM = (event("response.created", {"type": "response.created",
 @pytest.mark.parametrize("size", [1, 17, len(R_STREAM)])
 def test_responses_stream_ends_at_completed_and_loses_handles(size):
     out, collector, r, _ = relay(RESPONSES, R_STREAM, size)
-    assert r.done and b"remote_block_ids" not in out and TOKENS_KEY.encode() not in out
+    assert r.done and b"kv_transfer_params" not in out and TOKENS_KEY.encode() not in out   # the null one too
     assert collector.kv_params["remote_num_tokens"] == 9 and collector.sequence == list(range(10))
     stored = reply_key("t", RESPONSES.history(R_REQUEST), collector.reply_items())
     assert history_keys("t", RESPONSES.history(R_NEXT))[0] == stored

@@ -51,10 +51,13 @@ class Collector:
         return None if self.prompt is None else self.prompt + self.generated
 
     def take_params(self, holder: dict[str, Any]) -> bool:
-        """Pop `holder`'s kv_transfer_params (and the token ids the entry put in them); True if present."""
-        params = holder.pop("kv_transfer_params", None)
-        if params is None:
+        """Pop `holder`'s kv_transfer_params (and the token ids the entry put in them); True if the field was
+        there (a null one too: vLLM's Responses events carry `"kv_transfer_params": null`, no client's business)."""
+        if "kv_transfer_params" not in holder:
             return False
+        params = holder.pop("kv_transfer_params")
+        if params is None:
+            return True
         if isinstance(params, dict):
             tokens = params.pop(TOKENS_KEY, None)
             if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
