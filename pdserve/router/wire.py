@@ -13,3 +13,9 @@ LOCAL_KEY = "pdserve_local_cached_tokens"
 # before the client (the Anthropic and Responses endpoints take no `return_token_ids`).
 WANT_TOKENS_KEY = "pdserve_return_token_ids"
 TOKENS_KEY = "pdserve_token_ids"
+
+# Where P cannot tell the router its prompt's token ids before the P leg (no render endpoint for the format,
+# e.g. /v1/messages and /v1/responses on vLLM 0.26), the router hands P D's sequence under EXPECT_KEY in the
+# offered kv_transfer_params; the entry's connector patch on P cuts the offer to the common token prefix of
+# that sequence and P's own prompt (remote_num_tokens and the blocks) before vLLM's NIXL connector reads it.
+EXPECT_KEY = "pdserve_expect_token_ids"
