@@ -19,3 +19,5 @@ TOKENS_KEY = "pdserve_token_ids"
 # offered kv_transfer_params; the entry's connector patch on P cuts the offer to the common token prefix of
 # that sequence and P's own prompt (remote_num_tokens and the blocks) before vLLM's NIXL connector reads it.
 EXPECT_KEY = "pdserve_expect_token_ids"
+# ... and adds to P's returned params the common prefix it found (before vLLM's recompute threshold).
+CHECKED_KEY = "pdserve_checked_tokens"
