@@ -17,13 +17,13 @@ from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import RoutePolicy
-from pdserve.router.reuse import HIT, MISS, Decision, ReuseEntry, decide, held
+from pdserve.router.reuse import ENGINE_CHECKED, HIT, MISS, Decision, ReuseEntry, decide, engine_checked, engine_outcome, held
 from pdserve.router.store import ReuseStore
 from pdserve.router.api import WireFormat
 from pdserve.router.api.completions import prompt_ids_if_given
 from pdserve.router.turn import Turn
 from pdserve.router.upstream import Upstream
-from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
 
 log = logging.getLogger("pdserve.router")
 BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
@@ -43,6 +43,9 @@ class PrefillLeg:
         self.block_size: int | None = None   # P's KV block size, read once from its /metrics
         self.warned: set[str] = set()        # prefill servers said to run without NixlConnector
         self.unrendered: set[str] = set()    # APIs whose render endpoint P refused (said once)
+        # Prefill servers seen answering with pdserve's connector counts (PULLED_KEY): their engine cuts an
+        # offer to the common token prefix itself (wire.EXPECT_KEY). Only they get engine-checked offers.
+        self.engine_checks: set[str] = set()
 
     # -- what may P read? --------------------------------------------------------------------------
     async def take(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]:
@@ -73,6 +76,10 @@ class PrefillLeg:
             # docs/gpu.md) for a turn that recomputes anyway.
             return Decision(MISS, "below_threshold", holder=entry.decode)
         new_prompt = await self._prompt_ids(fmt, body) if entry.sequence is not None else None
+        if new_prompt is None and fmt.render_path and entry.sequence is not None:
+            # No render endpoint on P (vLLM 0.26 has none for messages and responses): P's engine checks.
+            return dataclasses.replace(engine_checked(entry, **self._holder(entry),
+                                                      threshold=self.cfg.kv_recompute_threshold), holder=entry.decode)
         decision = decide(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold,
                           new_prompt=new_prompt, block_size=await self._block_size())
         return dataclasses.replace(decision, holder=entry.decode,
@@ -130,10 +137,14 @@ class PrefillLeg:
                 use, guarded = self.policy.offer(backend.name, offer)
                 if guarded is not None:
                     outcome = guarded
+                if use is not None and use.reason == ENGINE_CHECKED and backend.name not in self.engine_checks:
+                    use, outcome = None, Decision(MISS, "unverifiable", holder=use.holder)   # its engine may not cut
                 try:
-                    answer = await self._once(backend, turn, use)
+                    params, pulled, checked = await self._once(backend, turn, use)
                     served = True
-                    return answer
+                    if use is not None and use.reason == ENGINE_CHECKED:
+                        outcome = engine_outcome(use, pulled, checked)
+                    return params, pulled
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
                         # Reading D's blocks failed (stale handle, D restarted, transfer error): recompute
@@ -144,9 +155,9 @@ class PrefillLeg:
                         tracing.note(prefill_read_retry=True)
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            answer = await self._once(backend, turn, None)
+                            params, pulled, _ = await self._once(backend, turn, None)
                             served = True
-                            return answer
+                            return params, pulled
                         except UpstreamError as again:
                             err = again
                     # Nothing has reached the client yet: another prefill server may answer.
@@ -168,7 +179,10 @@ class PrefillLeg:
                 log.debug("%s: prefill on %s, reuse %s (%s, %d tokens offered)", turn.request_id,
                          ",".join(tried), outcome.result, outcome.reason, outcome.tokens)
 
-    async def _once(self, backend: Backend, turn: Turn, use: Decision | None) -> tuple[dict[str, Any], int | None]:
+    async def _once(self, backend: Backend, turn: Turn,
+                    use: Decision | None) -> tuple[dict[str, Any], int | None, int | None]:
+        """P's params for D, the tokens it pulled from D, and the common prefix its engine found (an
+        engine-checked offer only); the last two None when P does not say."""
         p_body = turn.fmt.prefill_body(turn.body, use.params if use else None, turn.request_id)
         started = time.perf_counter()
         # With D's blocks offered, a failure may be D's (blocks gone) as much as P's: not P's breaker.
@@ -178,13 +192,16 @@ class PrefillLeg:
             raise UpstreamError(status, data, backend.name)
         params = data.get("kv_transfer_params")
         counts = pop_counts(params) if isinstance(params, dict) else None   # never forwarded to D
+        checked = params.pop(CHECKED_KEY, None) if isinstance(params, dict) else None
+        if counts is not None:
+            self.engine_checks.add(backend.name)
         if not isinstance(params, dict):
             self._misconfigured(backend)
             raise UpstreamError(502, error_body(
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
         self._learn(backend, use, time.perf_counter() - started, turn.fmt.prompt_tokens(data), counts)
-        return params, counts[0] if counts is not None else None
+        return params, counts[0] if counts is not None else None, checked if isinstance(checked, int) else None
 
     def _misconfigured(self, backend: Backend) -> None:
         """P answered a prefill without handles: it runs without NixlConnector, so every request it gets is

@@ -10,8 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.wire import EXPECT_KEY
+
 HIT = "hit"
 MISS = "miss"
+ENGINE_CHECKED = "engine_checked"   # a hit offered with D's sequence for P's engine to cut (wire.EXPECT_KEY)
 
 
 @dataclass
@@ -82,6 +85,30 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
     return Decision(HIT, reason, params, offered)
+
+
+def engine_checked(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, threshold: int) -> Decision:
+    """The offer when the router cannot learn the new prompt's token ids (no render endpoint for the format):
+    D's handles with D's sequence, which P's engine (pdserve's entry) compares with its own prompt and cuts the
+    offer to their common prefix before it reads anything. The outcome is known from P's answer."""
+    if not held(entry, holder_healthy=holder_healthy, holder_generation=holder_generation):
+        return Decision(MISS, "holder_unhealthy")
+    if entry.sequence is None:
+        return Decision(MISS, "unverifiable")
+    offered = entry.num_tokens
+    if offered < max(1, threshold):
+        return Decision(MISS, "below_threshold")
+    params = {**entry.params, "do_remote_decode": True, "do_remote_prefill": False,
+              EXPECT_KEY: list(entry.sequence[:offered])}
+    return Decision(HIT, ENGINE_CHECKED, params, offered)
+
+
+def engine_outcome(offer: Decision, pulled: int | None, checked: int | None) -> Decision:
+    """What an engine-checked offer came to, from P's own counts: a hit of what P pulled, or why not."""
+    if not pulled:
+        reason = "unverifiable" if checked is None else "below_threshold" if checked else "not_a_continuation"
+        return Decision(MISS, reason, holder=offer.holder)
+    return Decision(HIT, "continuation" if checked == offer.tokens else "trimmed", holder=offer.holder, tokens=pulled)
 
 
 def _trim_blocks(blocks: Any, keep: int) -> Any:

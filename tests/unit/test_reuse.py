@@ -170,3 +170,21 @@ def test_store_operations_do_not_scan_the_table():
     rate(60_000, 3000)
     large = max(rate(1000, 63_000 + i * 1000) for i in range(3))
     assert large > small / 6      # the old store scanned every entry on each put: ~30x slower here
+
+
+def test_engine_checked_offer_hands_p_ds_sequence_and_reads_its_outcome():
+    from pdserve.router.reuse import ENGINE_CHECKED, engine_checked, engine_outcome
+    from pdserve.router.wire import EXPECT_KEY
+    seq = list(range(61))
+    d = engine_checked(entry(seq), holder_healthy=True, holder_generation=0, threshold=16)
+    assert d.result == HIT and d.reason == ENGINE_CHECKED and d.tokens == 60
+    assert d.params[EXPECT_KEY] == seq[:60] and d.params["remote_block_ids"] == [[10, 11, 12, 13]]
+    assert EXPECT_KEY not in PARAMS                                       # the stored entry is untouched
+    assert engine_checked(entry(None), holder_healthy=True, holder_generation=0, threshold=16).reason == "unverifiable"
+    assert engine_checked(entry(seq), holder_healthy=True, holder_generation=1, threshold=16).result == MISS
+    assert engine_checked(entry(seq), holder_healthy=True, holder_generation=0, threshold=61).reason == "below_threshold"
+    # P's own counts decide what it was: all of it, a cut, too little, nothing in common, a P that did not say
+    assert (engine_outcome(d, 60, 60).result, engine_outcome(d, 60, 60).reason) == (HIT, "continuation")
+    assert (engine_outcome(d, 40, 40).reason, engine_outcome(d, 40, 40).tokens) == ("trimmed", 40)
+    assert engine_outcome(d, 0, 10).reason == "below_threshold" and engine_outcome(d, 0, 0).reason == "not_a_continuation"
+    assert engine_outcome(d, None, None).result == MISS
