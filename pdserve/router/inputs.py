@@ -123,6 +123,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def objects(body: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The required field `name`, a list of objects; raises BadInput."""
+    if name not in body:
+        raise BadInput(400, f"'{name}' is required", name)
+    value = body[name]
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise BadInput(400, f"'{name}' must be a list of objects", name)
+    return value
+
+
 def check_common(body: dict[str, Any], counts: tuple[str, ...]) -> None:
     """The fields every format shares: output caps (`counts`), flags and names; raises BadInput."""
     for name in counts:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat
-from pdserve.router.inputs import BadInput, check_common
+from pdserve.router.inputs import BadInput, check_common, objects
 
 TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                         "chat_template_kwargs", "tools", "mm_processor_kwargs")
@@ -96,12 +96,7 @@ class ChatFormat(WireFormat):
     native_token_ids = True
 
     def validate(self, body: dict[str, Any]) -> None:
-        messages = body.get("messages")
-        if "messages" not in body:
-            raise BadInput(400, "'messages' is required", "messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise BadInput(400, "'messages' must be a list of objects", "messages")
-        for i, m in enumerate(messages):
+        for i, m in enumerate(objects(body, "messages")):
             if not isinstance(m.get("role", ""), str):
                 raise BadInput(400, f"messages[{i}].role must be a string", "messages")
             if not isinstance(m.get("content"), (str, list, type(None))):

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json
-from pdserve.router.inputs import BadInput, check_common
+from pdserve.router.inputs import BadInput, check_common, objects
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -95,12 +95,7 @@ class MessagesFormat(WireFormat):
     render_path = "/v1/messages/render"
 
     def validate(self, body: dict[str, Any]) -> None:
-        messages = body.get("messages")
-        if "messages" not in body:
-            raise BadInput(400, "'messages' is required", "messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise BadInput(400, "'messages' must be a list of objects", "messages")
-        for i, m in enumerate(messages):
+        for i, m in enumerate(objects(body, "messages")):
             if not isinstance(m.get("role"), str):
                 raise BadInput(400, f"messages[{i}].role must be a string", "messages")
             content = m.get("content")
