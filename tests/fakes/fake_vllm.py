@@ -25,6 +25,10 @@ import zlib
 from aiohttp import web
 
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+try:
+    from tests.fakes.fake_agent_wire import AgentWire
+except ModuleNotFoundError:      # run as a script (python tests/fakes/fake_vllm.py): its folder is on the path
+    from fake_agent_wire import AgentWire  # type: ignore[no-redef]
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 147456    # an 8B-class model in bf16 (36 layers x 8 KV heads x 128 x 2 x 2 bytes ~ 144 KiB)
@@ -255,6 +259,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     app.router.add_post("/v1/chat/completions", fake.completions)
     app.router.add_post("/v1/completions", fake.completions)
     app.router.add_post("/tokenize", fake.tokenize)
+    AgentWire(fake).add_routes(app)   # /v1/messages (+ count_tokens, render), /v1/responses (+ render)
     app.router.add_get("/health", fake.health)
     app.router.add_get("/metrics", fake.metrics)
     app.router.add_get("/fake/received", fake.received_endpoint)
