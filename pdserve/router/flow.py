@@ -89,7 +89,8 @@ class Flow:
         try:
             refused = fmt.refuse(body)
             if refused is not None:
-                resp: web.StreamResponse = json_answer(turn, fmt.error(400, *refused), 400)
+                message, param = refused
+                resp: web.StreamResponse = json_answer(turn, fmt.error(400, message, param=param), 400)
             else:
                 resp = await self._route(request, turn)
         except asyncio.CancelledError:
