@@ -131,6 +131,7 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
             admitted = ", ".join(f"{k} {v}" for k, v in sorted(r["admission"].items()))
             parts.append(Text(f"admission: {admitted}; queued now {r.get('admission_queue_depth', 0)}"))
         parts += _store_lines(r)
+        parts += _held_lines(r)
         if r.get("degraded_missing") or r.get("degraded_requests"):
             now = ", ".join(f"no usable {role} server" for role in r.get("degraded_missing") or []) or "none now"
             served = ", ".join(f"{n} on {role}" for role, n in sorted((r.get("degraded_requests") or {}).items()))
@@ -161,6 +162,24 @@ def _store_lines(r: dict) -> list[Text]:
         out.append(Text("router replicas: " + ", ".join(
             f"{name} " + (f"{v['turns']:.0f} turns" if v["answers"] else "NOT ANSWERING")
             for name, v in r["replicas"].items())))
+    return out
+
+
+def _held_lines(r: dict) -> list[Text]:
+    """The KV the decode servers hold for next turns (router/held.py): per server against its budget,
+    releases by reason, renewals; a server without the control routes said in red."""
+    held = r.get("held_kv") or {}
+    if not held.get("tokens") and not held.get("control"):
+        return []       # held_kv off, or no decode server seen yet
+    per = ", ".join(f"{d} {t}/{held['budget'].get(d) or '-'}" for d, t in sorted(held["tokens"].items()))
+    released = ", ".join(f"{k} {v}" for k, v in sorted(held.get("releases", {}).items()) if v) or "none"
+    failed = sum(held.get("failures", {}).values())
+    out = [Text(f"held KV on decode (tokens/budget): {per or '-'}; released: {released}; renewed "
+                f"{held.get('renewals', 0)}" + (f"; failed control calls {failed}" if failed else ""))]
+    blind = sorted(d for d, ok in (held.get("control") or {}).items() if not ok)
+    if blind:
+        out.append(Text(f"no held-KV control on {', '.join(blind)}: held blocks wait for decoder_kv_blocks_ttl "
+                        "(not budgeted, released or renewed)", style="bold red"))
     return out
 
 

@@ -12,6 +12,8 @@ from pdserve.router import metric_names as names
 ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_tokens_offered", "reuse_tokens_pulled",
          "prefill_tokens_local_cached", "store_errors")
 ADDED_BY_LABEL = ("misses_by_reason", "turn_outcomes", "degraded_requests")
+HELD_BY_DECODE = {names.HELD_TOKENS: "tokens", names.HELD_BUDGET: "budget", names.HELD_CAPACITY: "capacity",
+                  names.HELD_CONTROL: "control"}
 BACKEND_GAUGES = {names.BACKEND_HEALTHY: "healthy", names.BACKEND_BREAKER_OPEN: "breaker_open",
                   names.BACKEND_IN_FLIGHT: "in_flight"}
 
@@ -36,6 +38,7 @@ def read_routers(replicas: dict[str, str], api_key: str | None = None, timeout: 
         for key in ADDED_BY_LABEL:
             out[key] = dict(Counter(out[key]) + Counter(other[key]))
         out["degraded_missing"] = sorted(set(out["degraded_missing"]) | set(other["degraded_missing"]))
+        out["held_kv"] = add_held(out["held_kv"], other["held_kv"])
         if other.get("store") and not other["store"]["up"]:
             out["store"] = other["store"]
     decided = out["reuse_hits"] + out["reuse_misses"]
@@ -63,6 +66,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
     by_api: dict[str, Counter[str]] = {}     # api -> turns, hits, misses
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
+    held: dict[str, Any] = {"tokens": {}, "budget": {}, "capacity": {}, "control": {}, "releases": {},
+                            "renewals": 0, "failures": {}}
     for (name, label_set), value in samples.items():
         labels = dict(label_set)
         if name == names.TURNS + "_total":
@@ -97,6 +102,14 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["store"] = {"kind": labels.get("store", ""), "up": bool(value)}
         elif name == names.STORE_ERRORS + "_total":
             out["store_errors"] += value
+        elif name in HELD_BY_DECODE:
+            held[HELD_BY_DECODE[name]][labels.get("decode", "")] = int(value)
+        elif name == names.HELD_RELEASES + "_total":
+            held["releases"][labels.get("reason", "")] = int(value)
+        elif name == names.HELD_RENEWALS + "_total":
+            held["renewals"] += int(value)
+        elif name == names.HELD_FAILURES + "_total":
+            held["failures"][labels.get("op", "")] = int(value)
         elif name in BACKEND_GAUGES:
             backends.setdefault(labels.get("backend", ""), {})[BACKEND_GAUGES[name]] = int(value)
     decided = out["reuse_hits"] + out["reuse_misses"]
@@ -113,4 +126,18 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out["decode_only_turns"] = float(plans["decode_only"])      # served on the holder D alone
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
     out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now
+    # D's held KV (router/held.py): tokens and budget per decode server, releases by reason, renewals
+    out["held_kv"] = held
     return out
+
+
+def add_held(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two replicas' held-KV views: each holds its own entries (tokens and counts add up); a decode server's
+    capacity and budget are the same for both, its control the same unless one could not reach it."""
+    return {"tokens": dict(Counter(a["tokens"]) + Counter(b["tokens"])),
+            "budget": {**b["budget"], **a["budget"]}, "capacity": {**b["capacity"], **a["capacity"]},
+            "control": {d: min(a["control"].get(d, 1), b["control"].get(d, 1))
+                        for d in {*a["control"], *b["control"]}},
+            "releases": dict(Counter(a["releases"]) + Counter(b["releases"])),
+            "renewals": a["renewals"] + b["renewals"],
+            "failures": dict(Counter(a["failures"]) + Counter(b["failures"]))}

@@ -23,6 +23,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body
 from pdserve.router.flow import Flow
+from pdserve.router.held import HeldKV, HttpControl
 from pdserve.router import http1 as lean_http
 from pdserve.router.turn import FAILED, TURN
 from pdserve.router.inputs import BadInput, read_json
@@ -255,16 +256,22 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
                 metrics.entries_bytes.set(store.bytes)
 
         prober = HealthProber([prefill, decode], session, cfg.health_interval, on_down)
+        # D's held KV: released when no longer needed, under a budget, renewed while used (held.py)
+        held = HeldKV(cfg, [d.name for d in cfg.decode], metrics,
+                      HttpControl(session, lambda name: getattr(decode.by_name(name), "url", None), upstream.auth))
+        held.attach(store)
         app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics,
                                                           RoutePolicy(cfg, costs)),
-                         decode, store, metrics, recheck=prober.recheck)
+                         decode, store, metrics, recheck=prober.recheck, held=held)
         tasks = [asyncio.create_task(prober.forever()),
-                 asyncio.create_task(purge_forever())]
+                 asyncio.create_task(purge_forever()),
+                 asyncio.create_task(held.forever())]
         yield
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await held.close()
         await session.close()
         if http1 is not None:
             await http1.close()

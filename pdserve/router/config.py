@@ -31,6 +31,11 @@ class RouterConfig:
     reuse_max_bytes: int = 256 * 1024 * 1024      # ... and their estimated memory at most
     kv_recompute_threshold: int = 64
     bidirectional_kv_xfer: bool = True
+    decoder_kv_blocks_ttl: float = 480.0   # D keeps a finished turn's blocks this long (kv_transfer's)
+    # Held KV on the decode servers (held.py): released when no longer needed, a budget, a lease.
+    held_kv: bool = True               # off: D frees held blocks only at its own timer (or P's read)
+    held_kv_share: float = 0.5         # held tokens per D stay under this share of its KV capacity (0: no budget)
+    held_kv_lease: float = 3600.0      # renew a conversation's blocks while it was used less than this ago (0: no lease)
     request_timeout: float = 600.0
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024

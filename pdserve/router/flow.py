@@ -20,6 +20,7 @@ from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode import DecodeLeg
 from pdserve.router.errors import UpstreamError, error_body
+from pdserve.router.held import HeldKV, NoHeld
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
@@ -44,7 +45,8 @@ OFF_LOOP_MESSAGES = 2000   # histories longer than this are hashed in a worker t
 
 class Flow:
     def __init__(self, cfg: RouterConfig, upstream: Upstream, prefill: PrefillLeg, decode: Pool,
-                 store: ReuseStore, metrics: RouterMetrics, recheck: Callable[[Pool], Awaitable[None]]):
+                 store: ReuseStore, metrics: RouterMetrics, recheck: Callable[[Pool], Awaitable[None]],
+                 held: HeldKV | NoHeld | None = None):
         self.cfg = cfg
         self.policy: RoutePolicy = prefill.policy
         self.recheck = recheck
@@ -56,6 +58,7 @@ class Flow:
         self.missing: list[Pool] | None = None   # the roles pdserve_router_degraded shows as missing
         self.d_leg = DecodeLeg(upstream, metrics, self, prefill.costs)
         self.storing: set[asyncio.Future[bool]] = set()   # puts sent whose reply is still to come
+        self.held = held or NoHeld()     # D's held KV: released when no longer needed (held.py)
 
     def _turn(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body, fmt.fingerprint(body))
@@ -124,6 +127,7 @@ class Flow:
             turn.outcome = outcome
             self.metrics.turns.labels(outcome, turn.fmt.api).inc()
             self._settle(turn)
+            self.held.ended(turn)
 
     def _settle(self, turn: Turn) -> None:
         """The 5xx answers held for this turn: answered means another server served the very request, so
@@ -163,6 +167,7 @@ class Flow:
             return self.policy.plan(TurnInputs(anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
         decide_started = time.perf_counter()
         entry, why = await self.prefill.take(keys)
+        why = self.held.taken(turn, keys, entry, why)
         quick = self._unverified_short_turn(turn, entry)
         if quick is not None:
             turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
@@ -269,6 +274,7 @@ class Flow:
     async def remember(self, turn: Turn, backend: Backend, collector: Collector, track: bool) -> None:
         """The answer is complete: keep D's handles for the next turn, and end the turn."""
         if not track:
+            self.held.untracked(turn, backend.name, collector.kv_params)
             self.end(turn, DEGRADED if turn.degraded else UNTRACKED)
             return
         d_params = collector.kv_params
@@ -279,6 +285,7 @@ class Flow:
         key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply_items(),
                                                   turn.history_digest)
         verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
+        self.held.stored(turn, backend.name)
         tracing.note(conversation=tracing.key_hash(key),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
         log.debug("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,   # per turn

@@ -102,6 +102,24 @@ class RouterMetrics:
         self.entries_evicted = Counter("pdserve_router_reuse_entries_evicted",
                                        "Reuse entries dropped unused: expired (reuse_ttl) or capacity "
                                        "(reuse_max_entries / reuse_max_bytes).", ["reason"], registry=r)
+        # Held KV on the decode servers (held.py, docs/router.md "Held KV on the decode servers")
+        self.held_tokens = Gauge(names.HELD_TOKENS, "KV tokens the router's entries hold on each decode server "
+                                 "(whole blocks): the budget's count.", ["decode"], registry=r)
+        self.held_budget = Gauge(names.HELD_BUDGET, "The held-KV budget of each decode server: held_kv_share of its "
+                                 "KV capacity (0: not enforced).", ["decode"], registry=r)
+        self.held_capacity = Gauge(names.HELD_CAPACITY, "Each decode server's KV capacity in tokens, from its "
+                                   "vllm:cache_config_info.", ["decode"], registry=r)
+        self.held_control = Gauge(names.HELD_CONTROL, "1 while the decode server answers the held-KV control "
+                                  "routes (pdserve's entry), 0 when it has none.", ["decode"], registry=r)
+        self.held_releases = Counter(names.HELD_RELEASES, "Held turns the router had a decode server release, by "
+                                     "reason: lru (over budget), replaced, evicted (table bounds), expired "
+                                     "(table TTL), unused (taken by a turn that did not pull it), untracked (a turn "
+                                     "with no entry kept).", ["reason"], registry=r)
+        self.held_renewals = Counter(names.HELD_RENEWALS, "Held turns renewed on their decode server (the lease).",
+                                     registry=r)
+        self.held_failures = Counter(names.HELD_FAILURES, "Held-KV control calls that failed (release, renew, "
+                                     "list) or a capacity the server's /metrics did not give (capacity).",
+                                     ["op"], registry=r)
         self.admission = Counter(names.ADMISSION,
                                  "Completion requests by admission outcome, one each (with admission on): admitted, "
                                  "queued (served after a wait), rejected_tenant_rate and rejected_tenant_in_flight "

@@ -12,7 +12,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.router.reuse import ReuseEntry
 from pdserve.router.store import kept
@@ -20,9 +20,19 @@ from pdserve.router.store import kept
 ENTRY_OVERHEAD_BYTES = 1024   # the entry, its key and D's params dict, roughly
 
 
+class TableWatcher(Protocol):
+    """Told of every entry that enters the table and every one that leaves it without being taken for a turn
+    (held.py: D's blocks behind it are then released). Reasons: replaced, capacity, expired, restart."""
+
+    def put(self, key: tuple[str, str], entry: ReuseEntry) -> None: ...
+
+    def dropped(self, key: tuple[str, str], entry: ReuseEntry, reason: str) -> None: ...
+
+
 class MemoryTable:
     """Entries in insertion order, which is also expiry order (one TTL, a monotonic clock, and `put`
-    re-inserts) and least-recently-used order (an entry is used once, by `take`, which removes it).
+    re-inserts; a renewed entry is re-inserted with the new expiry, held.py's lease) and
+    least-recently-used order (an entry is used once, by `take`, which removes it).
     So expiry and the size bounds both evict from the front, and every operation is O(1) amortized;
     a per-decode-server index makes a restarted server's handles cheap to drop."""
 
@@ -38,6 +48,7 @@ class MemoryTable:
         self._entries: OrderedDict[tuple[str, str], ReuseEntry] = OrderedDict()
         self._by_decode: dict[str, dict[tuple[str, str], None]] = {}   # decode -> its keys (an ordered set)
         self._engine: dict[str, Any] = {}                               # decode -> engine id of its entries
+        self.watcher: TableWatcher | None = None                        # held.py's ledger, when it is on
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -51,15 +62,18 @@ class MemoryTable:
         if decode in self._engine and self._engine[decode] != engine:
             self.drop_decode(decode)
         self._engine[decode] = engine
-        self._remove(key)
+        self._dropped(key, self._remove(key), "replaced")
         entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl, _compact(sequence))
         entry.size = _entry_bytes(entry)
         self._entries[key] = entry
         self._by_decode.setdefault(decode, {})[key] = None
         self.bytes += entry.size
+        if self.watcher is not None:
+            self.watcher.put(key, entry)
         evicted = 0
         while self._entries and (len(self._entries) > self.max_entries or self.bytes > self.max_bytes):
-            self._remove(next(iter(self._entries)))
+            first = next(iter(self._entries))
+            self._dropped(first, self._remove(first), "capacity")
             evicted += 1
         if evicted:
             self.on_evict("capacity", evicted)
@@ -74,14 +88,39 @@ class MemoryTable:
                 keys.pop(key, None)
         return entry
 
+    def _dropped(self, key: tuple[str, str], entry: ReuseEntry | None, reason: str) -> None:
+        if entry is not None and self.watcher is not None:
+            self.watcher.dropped(key, entry, reason)
+
     def take(self, key: tuple[str, str]) -> tuple[ReuseEntry | None, str]:
         """Remove and return the entry (single use: two concurrent turns can't both get it)."""
         entry = self._remove(key)
         if entry is None:
             return None, "no_entry"
         if self.clock() >= entry.expires:
+            self._dropped(key, entry, "expired")
             return None, "expired"
         return entry, "ok"
+
+    def withdraw(self, key: tuple[str, str], request_id: str) -> ReuseEntry | None:
+        """Take out the entry under `key` if it is still D's request `request_id` (held.py's release: the
+        entry must leave the table before its blocks are freed, so no turn can hand it to P after)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.params.get("remote_request_id") != request_id:
+            return None
+        return self._remove(key)
+
+    def renewed(self, key: tuple[str, str], request_id: str, deadline: float, expires: float) -> bool:
+        """D renewed the entry's blocks (held.py's lease): hand P the new deadline from now on, and keep the
+        entry until `expires`. False when the entry under `key` is no longer that request's."""
+        entry = self._entries.get(key)
+        if entry is None or entry.params.get("remote_request_id") != request_id:
+            return False
+        # A new dict: a turn that took the entry before holds its own copy of the params.
+        entry.params = {**entry.params, "remote_blocks_expiry_time": deadline}
+        entry.expires = expires
+        self._entries.move_to_end(key)      # insertion order stays (about) expiry order
+        return True
 
     def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
         """`take` the first of `keys` that has an entry (candidate histories, longest first)."""
@@ -93,7 +132,7 @@ class MemoryTable:
     def drop_decode(self, decode: str) -> int:
         keys = list(self._by_decode.pop(decode, {}))
         for k in keys:
-            self._remove(k)
+            self._dropped(k, self._remove(k), "restart")
         return len(keys)
 
     def purge_expired(self) -> int:
@@ -102,7 +141,7 @@ class MemoryTable:
             key, entry = next(iter(self._entries.items()))
             if now < entry.expires:
                 break
-            self._remove(key)
+            self._dropped(key, self._remove(key), "expired")
             old += 1
         if old:
             self.on_evict("expired", old)
