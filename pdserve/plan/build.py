@@ -181,6 +181,7 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
         "max_body_bytes": int(spec.router.max_body_mb * MIB),
         "kv_recompute_threshold": spec.kv_transfer.kv_recompute_threshold,
+        "decoder_kv_blocks_ttl": spec.kv_transfer.decoder_kv_blocks_ttl,
         "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
         "health_interval": spec.supervisor.health_interval,
         # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window

@@ -143,6 +143,20 @@ class RouterSpec(Strict):
     decode_only_max_tokens: int = router_field(
         "decode_only_max_tokens", "Most new tokens (beyond the whole blocks the decode server holds) a turn may "
         "have to be served on D alone; a busy D takes fewer, as measured (docs/router.md).", ge=1)
+    held_kv: bool = router_field(
+        "held_kv", "Manage the KV blocks decode servers hold for the next turns (docs/router.md, 'Held KV on the "
+        "decode servers'): release at once what the router no longer needs, keep each server's held tokens under "
+        "held_kv_share of its KV cache (least recently used released first), and renew the blocks of conversations "
+        "still in use past decoder_kv_blocks_ttl. Off: decode servers free held blocks only at their timer, so a "
+        "full KV cache makes new turns wait for it. Needs the decode servers run through pdserve's entry (the "
+        "default with bidirectional_kv_xfer).")
+    held_kv_share: float = router_field(
+        "held_kv_share", "Share of each decode server's KV cache (its vllm:cache_config_info) the blocks held for "
+        "next turns may fill; the rest stays for the requests running. 0: no budget (and no lease).", ge=0, le=1)
+    held_kv_lease: float = router_field(
+        "held_kv_lease", "Seconds a conversation's held blocks are renewed after its last turn, while its decode "
+        "server is under budget (the lease); after that, or with 0, they go at decoder_kv_blocks_ttl as before.",
+        ge=0)
     breaker_failures: int = router_field("breaker_failures", "Consecutive failed requests that open a "
                                          "backend's circuit breaker.", ge=1)
     breaker_cooldown: float = router_field("breaker_cooldown", "Seconds an open breaker waits before one trial "
