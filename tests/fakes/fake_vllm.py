@@ -6,6 +6,13 @@ It mimics the request shapes of vLLM's P/D flow: P answers `max_tokens: 1` reque
 transfer, handles to its finished blocks. Tokens: one per whitespace-separated word (ids from a stable
 hash); generated tokens are ids >= 50000 whose text re-tokenizes differently, as real replies often do.
 
+As D it also holds each finished turn's blocks (--held-ttl seconds, on the perf_counter clock its handles
+export) and answers pdserve's held-KV control routes (GET /pdserve/held, POST /pdserve/held/release and /renew,
+as pdserve/engine/held.py does); its /metrics shows a KV capacity (--kv-capacity tokens). As P, a read of D's
+blocks is declined within --read-margin seconds of the deadline it is handed (vLLM's P with policy fail), and
+otherwise frees them on D (P's read notification); a read of blocks D no longer holds is counted on D
+(`stale_reads`: the hazard a router must never cause).
+
 Run: python -m tests.fakes.fake_vllm --port 8100 [--fail-reads] [--stream-kv-params] [--die-mid-stream]
 """
 
@@ -22,6 +29,7 @@ import time
 import uuid
 import zlib
 
+import aiohttp
 from aiohttp import web
 
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
@@ -58,6 +66,103 @@ class FakeVLLM:
         self.tokenized = 0                  # /tokenize calls
         self.xfer_bytes = self.xfer_seconds = 0.0   # like vllm:nixl_bytes_transferred / nixl_xfer_time_seconds
         self.xfer_count = 0
+        # As D: turns held for P's read, by remote_request_id: {"deadline", "tokens", "blocks"} (perf_counter)
+        self.held: dict[str, dict] = {}
+        self.releases: list[tuple[str, float]] = []    # (request id, grace) of every release call's ids
+        self.renewals: list[tuple[str, float]] = []    # (request id, ttl)
+        self.stale_reads = 0                            # P read blocks this D no longer held
+        self.max_held_tokens = 0                        # the most held at once (whole blocks)
+        self.stalled = 0                                # requests that waited for room (--stall-when-full)
+
+    def held_tokens(self) -> int:
+        self.expire_held()
+        return sum(h["blocks"] * BLOCK for h in self.held.values())
+
+    def expire_held(self) -> None:
+        now = time.perf_counter()
+        for rid in [rid for rid, h in self.held.items() if now >= h["deadline"]]:
+            del self.held[rid]
+
+    def hold(self, rid: str, tokens: int, blocks: int) -> float:
+        deadline = time.perf_counter() + self.args.held_ttl
+        self.held[rid] = {"deadline": deadline, "tokens": tokens, "blocks": blocks}
+        self.max_held_tokens = max(self.max_held_tokens, self.held_tokens())
+        return deadline
+
+    async def wait_for_room(self, tokens: int) -> None:
+        """Like vLLM's scheduler with held blocks filling the KV cache: the request waits for room."""
+        if not self.args.stall_when_full:
+            return
+        started, waited = time.monotonic(), False
+        while self.held_tokens() + tokens > self.args.kv_capacity and time.monotonic() - started < 60:
+            waited = True
+            await asyncio.sleep(0.02)
+        self.stalled += waited
+
+    async def read_from_d(self, request: web.Request, kv: dict) -> web.Response | None:
+        """P's read of D's blocks: declined near the deadline it is handed; otherwise D frees them."""
+        deadline = kv.get("remote_blocks_expiry_time")
+        if isinstance(deadline, int | float) and time.perf_counter() + self.args.read_margin >= deadline:
+            return web.json_response({"error": {"message": "Declining expired remote read", "type":
+                                                "InternalServerError", "param": None, "code": 500}}, status=500)
+        url = kv.get("fake_d_url")
+        if url:
+            async with aiohttp.ClientSession() as s, s.post(url + "/fake/read",
+                                                            json={"request_id": kv.get("remote_request_id")}) as r:
+                await r.read()
+        return None
+
+    async def read_endpoint(self, request: web.Request) -> web.Response:
+        rid = (await request.json()).get("request_id")
+        self.expire_held()
+        if self.held.pop(rid, None) is None:
+            self.stale_reads += 1
+        return web.json_response({})
+
+    async def held_list(self, request: web.Request) -> web.Response:
+        if self.args.no_held_control:
+            raise web.HTTPNotFound()
+        key = os.environ.get("VLLM_API_KEY")
+        if key and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        self.expire_held()
+        now = time.perf_counter()
+        held = [{"request_id": rid, "deadline": h["deadline"], "remaining_s": h["deadline"] - now,
+                 "blocks": h["blocks"], "tokens": h["tokens"]} for rid, h in self.held.items()]
+        return web.json_response({"now": now, "clock": "perf_counter", "engine_id": self.engine_id,
+                                  "count": len(held), "blocks": sum(h["blocks"] for h in held), "held": held})
+
+    async def held_change(self, request: web.Request) -> web.Response:
+        if self.args.no_held_control:
+            raise web.HTTPNotFound()
+        if self.args.held_status != 200:
+            return web.json_response({"error": {"message": "fake"}}, status=self.args.held_status)
+        key = os.environ.get("VLLM_API_KEY")
+        if key and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        body = await request.json()
+        release = request.path.endswith("/release")
+        seconds = float(body.get("grace", 5.0) if release else body["ttl"])
+        self.expire_held()
+        now = time.perf_counter()
+        results = {}
+        for rid in body["request_ids"]:
+            h = self.held.get(rid)
+            if h is None:
+                results[rid] = {"status": "unknown"}
+                continue
+            if release:
+                self.releases.append((rid, seconds))
+                h["deadline"] = min(h["deadline"], now + seconds)
+                if seconds == 0:
+                    del self.held[rid]      # freed at the engine's next step
+            else:
+                self.renewals.append((rid, seconds))
+                h["deadline"] = max(h["deadline"], now + seconds)
+            results[rid] = {"status": "released" if release else "renewed", "deadline": h["deadline"],
+                            "blocks": h["blocks"], "tokens": h["tokens"]}
+        return web.json_response({"now": now, "clock": "perf_counter", "engine_id": self.engine_id,
+                                  "results": results})
 
     def read_kv(self, tokens: int) -> None:
         """Account one NIXL read of `tokens` tokens' KV at --xfer-gbps."""
@@ -124,6 +229,9 @@ class FakeVLLM:
             if self.args.fail_reads:
                 return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
                                                     "param": None, "code": 500}}, status=500)
+            declined = await self.read_from_d(request, kv)
+            if declined is not None:
+                return declined
             pulled = min(int(kv.get("remote_num_tokens", 0)), len(prompt) - 1)
             self.external_tokens += pulled
             self.read_kv(pulled)
@@ -136,6 +244,8 @@ class FakeVLLM:
             self.computed_tokens += len(prompt) - pulled
             await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
         n = int(body.get("max_tokens") or 8)
+        if kv and not kv.get("do_remote_decode") and self.args.bidirectional:
+            await self.wait_for_room(len(prompt) + n)
         generated = [50000 + i for i in range(n)]
         text = " ".join(f"w{i}" for i in range(n))
         params = None
@@ -150,10 +260,12 @@ class FakeVLLM:
             # Decode leg, or a request served on D alone ({"do_remote_prefill": false}): as vLLM's pull
             # scheduler, any kv_transfer_params without do_remote_decode make D hand out its finished blocks.
             total = len(prompt) + n - 1
+            rid, blocks = uuid.uuid4().hex, total // BLOCK + 1
             params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": self.engine_id,
-                      "remote_request_id": uuid.uuid4().hex, "remote_block_ids": [list(range(total // BLOCK + 1))],
+                      "remote_request_id": rid, "remote_block_ids": [list(range(blocks))],
                       "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": total,
-                      "remote_blocks_expiry_time": time.perf_counter() + 480, "transfer_mode": "pull", "tp_size": 1}
+                      "remote_blocks_expiry_time": self.hold(rid, total, blocks), "transfer_mode": "pull",
+                      "tp_size": 1, "fake_d_url": f"http://{request.host}"}
         chat = "messages" in body
         ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
@@ -224,7 +336,8 @@ class FakeVLLM:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=(
-            f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0"}} 1.0\n'
+            f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0",'
+            f'num_gpu_blocks="{self.args.kv_capacity // BLOCK}"}} 1.0\n'
             f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="external_kv_transfer"}} '
             f"{float(self.external_tokens)}\n"
             f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="local_compute"}} '
@@ -264,6 +377,10 @@ def build_app(args: argparse.Namespace) -> web.Application:
     app.router.add_get("/metrics", fake.metrics)
     app.router.add_get("/fake/received", fake.received_endpoint)
     app.router.add_post("/fake/set", fake.set_endpoint)
+    app.router.add_post("/fake/read", fake.read_endpoint)
+    app.router.add_get("/pdserve/held", fake.held_list)
+    app.router.add_post("/pdserve/held/release", fake.held_change)
+    app.router.add_post("/pdserve/held/renew", fake.held_change)
     return app
 
 
@@ -295,6 +412,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-delay", type=float, default=0.0, help="prefill seconds per computed token")
     p.add_argument("--pull-delay", type=float, default=0.0, help="prefill seconds per token pulled from D")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
+    p.add_argument("--kv-capacity", type=int, default=1_000_000, help="KV tokens its /metrics says it has")
+    p.add_argument("--held-ttl", type=float, default=480.0, help="as D: seconds a finished turn is held")
+    p.add_argument("--read-margin", type=float, default=5.0, help="as P: decline a read this close to its deadline")
+    p.add_argument("--stall-when-full", action="store_true", help="as D: a request waits while held blocks fill "
+                   "--kv-capacity (vLLM's scheduler)")
+    p.add_argument("--no-held-control", action="store_true", help="no /pdserve/held routes (404)")
+    p.add_argument("--held-status", type=int, default=200, help="answer release/renew with this status")
     p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
     p.add_argument("--spawn-child", action="store_true", help="start a long-lived child, like vLLM's EngineCore")
     p.add_argument("--child-without-marker", action="store_true", help="the child's environment is empty")
