@@ -18,10 +18,16 @@ clients. The proxy under test runs alone on core 0; the backend and the load gen
 the proxy's CPU use is printed so a run where the proxy was not the bottleneck is visible.
 
 Usage: .venv/bin/python scripts/bench_router.py [--duration 5] [--out bench-router.json]
-       [--arms pdserve vllm-router] [--runs N] [--clients 1 64] [--no-stream]
+       [--arms pdserve vllm-router] [--runs N] [--clients 1 64] [--no-stream] [--api chat messages responses]
 
 `--runs N` repeats the measurement N times, the arms interleaved in each run (a noisy neighbour hits both
 alike), and prints every run's figures, not only a mean.
+
+`--api chat messages responses` sends the same two-leg turn as OpenAI chat completions, Anthropic Messages
+(`/v1/messages`) or OpenAI Responses (`/v1/responses`, message items, store off), each API's cells interleaved
+with the others'; the backend answers each in vLLM's shapes (Messages' handles on message_stop, Responses'
+in response.completed after a response.created with a null kv_transfer_params), every arm sends the API's own
+legs (P's output cap: `max_tokens`, or `max_output_tokens` for Responses). With `--cpu`, per API too.
 
 `--cpu REV [REV ...]` compares router revisions instead (`.` is the working tree): each one's `pdserve`
 package is exported to a temporary folder and run on core 0 against the same backend; printed side by side:
@@ -52,8 +58,109 @@ TOKENS = 128
 PROXY_CORE, LOAD_CORE = {0}, {1}
 
 # ---------------------------------------------------------------------------------------------------------
-# The fast fake backend: answers the P leg (max_tokens 1 with do_remote_decode) and the D leg at once, the D
-# leg with the handles of the blocks it keeps, as a bidirectional D does (so every turn is stored).
+# The fast fake backend: answers the P leg (output cap 1 with do_remote_decode) and the D leg at once, the D
+# leg with the handles of the blocks it keeps, as a bidirectional D does (so every turn is stored), in the shapes
+# of each API (--api): chat completions, Anthropic Messages, OpenAI Responses.
+
+
+CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+APIS = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}
+CAP = {CHAT: "max_tokens", MESSAGES: "max_tokens", RESPONSES: "max_output_tokens"}   # set to 1 on the P leg
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def request_body(api: str, stream: bool) -> dict:
+    """One client request of the API: a one-message conversation, TOKENS tokens out (Codex's Responses
+    shape: message items, store off)."""
+    if api == "messages":
+        return {"model": "m", "max_tokens": TOKENS, "messages": [{"role": "user", "content": "hello"}],
+                "stream": stream}
+    if api == "responses":
+        return {"model": "m", "input": [{"type": "message", "role": "user", "content": "hello"}],
+                "max_output_tokens": TOKENS, "store": False, "stream": stream}
+    return {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS, "stream": stream}
+
+
+def _json(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _sse(name: str | None, obj: dict) -> bytes:
+    return (f"event: {name}\n".encode() if name else b"") + b"data: " + _json(obj) + b"\n\n"
+
+
+def chat_shapes(p_params: dict, d_params: dict) -> tuple[bytes, bytes, tuple[bytes, bytes, bytes]]:
+    """P's answer, D's whole answer and D's stream (head, one token's event, tail) as vLLM sends them."""
+    def answer(text: str, n: int, kv: dict) -> dict:
+        return {"id": "d", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 8, "completion_tokens": n}, "kv_transfer_params": kv}
+    token = _sse(None, {"id": "d", "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {"content": "tok "}}]})
+    tail = _sse(None, {"id": "d", "object": "chat.completion.chunk", "choices": [], "kv_transfer_params": d_params})
+    return _json(answer("ok", 1, p_params)), _json(answer("tok " * TOKENS, TOKENS, d_params)), \
+        (b"", token, tail + b"data: [DONE]\n\n")
+
+
+def messages_shapes(p_params: dict, d_params: dict) -> tuple[bytes, bytes, tuple[bytes, bytes, bytes]]:
+    """Anthropic Messages as vLLM serves them; D's handles on message_stop (pdserve's entry puts them there)."""
+    def answer(text: str, n: int, kv: dict) -> dict:
+        return {"id": "msg_d", "type": "message", "role": "assistant", "model": "m",
+                "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens",
+                "usage": {"input_tokens": 8, "output_tokens": n}, "kv_transfer_params": kv}
+    head = (_sse("message_start", {"type": "message_start", "message": {
+                "id": "msg_d", "type": "message", "role": "assistant", "content": [], "model": "m",
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 8, "output_tokens": 0}}})
+            + _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "text", "text": ""}}))
+    token = _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                         "delta": {"type": "text_delta", "text": "tok "}})
+    tail = (_sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            + _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens",
+                                                                        "stop_sequence": None},
+                                     "usage": {"input_tokens": 8, "output_tokens": TOKENS}})
+            + _sse("message_stop", {"type": "message_stop", "kv_transfer_params": d_params}))
+    return _json(answer("ok", 1, p_params)), _json(answer("tok " * TOKENS, TOKENS, d_params)), (head, token, tail)
+
+
+def responses_shapes(p_params: dict, d_params: dict) -> tuple[bytes, bytes, tuple[bytes, bytes, bytes]]:
+    """OpenAI Responses as vLLM serves them: the whole response in response.created / in_progress (with a
+    null kv_transfer_params) and in response.completed (with D's handles)."""
+    def usage(n: int) -> dict:
+        return {"input_tokens": 8, "output_tokens": n, "total_tokens": 8 + n,
+                "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+
+    def message(text: str, status: str = "completed") -> dict:
+        return {"id": "msg_d", "type": "message", "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]}
+
+    def response(status: str, output: list, used: dict | None, kv: dict | None) -> dict:
+        return {"id": "resp_d", "object": "response", "created_at": 0, "model": "m", "status": status,
+                "output": output, "usage": used, "instructions": None, "incomplete_details": None,
+                "metadata": None, "parallel_tool_calls": True, "temperature": 1.0, "tool_choice": "auto",
+                "tools": [], "top_p": 1.0, "background": False, "max_output_tokens": TOKENS,
+                "previous_response_id": None, "service_tier": "auto", "truncation": "disabled",
+                "kv_transfer_params": kv}
+
+    def ev(name: str, seq: int, **data) -> bytes:
+        return _sse(name, {"type": name, "sequence_number": seq, **data})
+    text = "tok " * TOKENS
+    where = {"item_id": "msg_d", "output_index": 0, "content_index": 0}
+    part = message(text)["content"][0]
+    started = response("in_progress", [], None, None)
+    head = (ev("response.created", 0, response=started) + ev("response.in_progress", 1, response=started)
+            + ev("response.output_item.added", 2, output_index=0, item={**message("", "in_progress"), "content": []})
+            + ev("response.content_part.added", 3, **where, part={**part, "text": ""}))
+    token = ev("response.output_text.delta", 4, **where, delta="tok ", logprobs=[])
+    tail = (ev("response.output_text.done", 5, **where, text=text, logprobs=[])
+            + ev("response.content_part.done", 6, **where, part=part)
+            + ev("response.output_item.done", 7, output_index=0, item=message(text))
+            + ev("response.completed", 8, response=response("completed", [message(text)], usage(TOKENS), d_params)))
+    return (_json(response("completed", [message("ok")], usage(1), p_params)),
+            _json(response("completed", [message(text)], usage(TOKENS), d_params)), (head, token, tail))
+
+
+BACKEND_SHAPES = {CHAT: chat_shapes, MESSAGES: messages_shapes, RESPONSES: responses_shapes}
 
 
 def run_backend(port: int) -> None:
@@ -62,35 +169,33 @@ def run_backend(port: int) -> None:
     p_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
                 "remote_request_id": "r", "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1",
                 "remote_port": 1}
-    message = {"role": "assistant", "content": "ok"}
     # What a bidirectional D returns with every answer (the blocks it keeps for the next turn): the router
     # stores them (one put a turn, in memory or Redis) and scrubs them from the client's answer.
     d_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "d",
                 "remote_request_id": "r", "remote_block_ids": [[4, 5, 6]], "remote_host": "127.0.0.1",
                 "remote_port": 2, "remote_num_tokens": 8 + TOKENS}
-    d_params_chunk = ('data: {"id":"d","object":"chat.completion.chunk","choices":[],"kv_transfer_params":'
-                      + json.dumps(d_params) + '}\n\n').encode()
+    # Every answer of every API, made once: (P's answer, D's whole answer, D's stream as (head, token, tail)).
+    answers = {path: shapes(p_params, d_params) for path, shapes in BACKEND_SHAPES.items()}
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        kv = body.get("kv_transfer_params") or {}
-        if kv.get("do_remote_decode"):
-            return web.json_response({"id": "p", "object": "chat.completion", "choices": [
-                {"index": 0, "message": message, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 8, "completion_tokens": 1}, "kv_transfer_params": p_params})
-        if not body.get("stream"):
-            return web.json_response({"id": "d", "object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "tok " * TOKENS}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 8, "completion_tokens": TOKENS}, "kv_transfer_params": d_params})
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        chunk = b'data: {"id":"d","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
-        for _ in range(TOKENS):
-            await out.write(chunk)
-        await out.write(d_params_chunk)
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
+    def completions(path: str):
+        p_answer, d_answer, (head, token, tail) = answers[path]
+
+        async def answer(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            kv = body.get("kv_transfer_params") or {}
+            if kv.get("do_remote_decode"):
+                return web.Response(body=p_answer, content_type="application/json")
+            if not body.get("stream"):
+                return web.Response(body=d_answer, content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(head)
+            for _ in range(TOKENS):
+                await out.write(token)
+            await out.write(tail)
+            await out.write_eof()
+            return out
+        return answer
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -100,7 +205,8 @@ def run_backend(port: int) -> None:
         return web.Response(body=b"", content_type="application/x-protobuf")
 
     app = web.Application(client_max_size=64 * 1024 * 1024)   # the huge-body case of --cpu reaches it
-    app.router.add_post("/v1/chat/completions", completions)
+    for path in answers:
+        app.router.add_post(path, completions(path))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", lambda r: health(r))
     app.router.add_post("/v1/traces", traces)
@@ -128,22 +234,24 @@ def run_baseline(port: int, backend: str) -> None:
     app = FastAPI()
     client = httpx.AsyncClient(timeout=None, base_url=backend, limits=httpx.Limits(max_connections=None))
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def legs(request: Request):
+        path = request.url.path
         body = await request.json()
-        p_body = {**body, "max_tokens": 1, "stream": False,
-                  "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
-        p = await client.post("/v1/chat/completions", json=p_body)
+        p_body = {**body, CAP[path]: 1, "stream": False, "kv_transfer_params": REMOTE_DECODE}
+        p = await client.post(path, json=p_body)
         d_body = {**body, "kv_transfer_params": p.json().get("kv_transfer_params")}
         if not body.get("stream"):
-            d = await client.post("/v1/chat/completions", json=d_body)
+            d = await client.post(path, json=d_body)
             return JSONResponse(d.json())
 
         async def relay():
-            async with client.stream("POST", "/v1/chat/completions", json=d_body) as resp:
+            async with client.stream("POST", path, json=d_body) as resp:
                 async for chunk in resp.aiter_bytes():
                     yield chunk
         return StreamingResponse(relay(), media_type="text/event-stream")
+
+    for route in CAP:
+        app.post(route)(legs)
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -200,12 +308,12 @@ async def wait_up(url: str, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def one_request(session: aiohttp.ClientSession, target: str, stream: bool, direct: bool) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS, "stream": stream}
-    url = target + "/v1/chat/completions"
+async def one_request(session: aiohttp.ClientSession, target: str, stream: bool, direct: bool,
+                      api: str = "chat") -> None:
+    body = request_body(api, stream)
+    url = target + APIS[api]
     if direct:   # the client does the two legs itself
-        p_body = {**body, "max_tokens": 1, "stream": False,
-                  "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        p_body = {**body, CAP[APIS[api]]: 1, "stream": False, "kv_transfer_params": REMOTE_DECODE}
         async with session.post(url, json=p_body) as r:
             body["kv_transfer_params"] = (await r.json())["kv_transfer_params"]
     async with session.post(url, json=body) as r:
@@ -245,7 +353,7 @@ def preemptions(pid: int) -> int:
 
 
 async def load(target: str, clients: int, stream: bool, direct: bool, duration: float,
-               proc: psutil.Process | None = None) -> tuple[list[float], dict[str, float]]:
+               proc: psutil.Process | None = None, api: str = "chat") -> tuple[list[float], dict[str, float]]:
     """Latencies of the measured phase, and what the proxy and the load generator used during it."""
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
@@ -253,7 +361,7 @@ async def load(target: str, clients: int, stream: bool, direct: bool, duration: 
         async def worker(deadline: float, record: bool) -> None:
             while time.monotonic() < deadline:
                 t = time.perf_counter()
-                await one_request(session, target, stream, direct)
+                await one_request(session, target, stream, direct, api)
                 if record:
                     latencies.append(time.perf_counter() - t)
         await asyncio.gather(*(worker(time.monotonic() + 0.5, False) for _ in range(clients)))   # warm up
@@ -267,17 +375,18 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
 
 
-async def measure(name: str, target: str, proc: psutil.Process | None, stream: bool, clients: int, args) -> dict:
-    lat, used = await load(target, clients, stream, name == "direct", args.duration, proc)
+async def measure(name: str, target: str, proc: psutil.Process | None, stream: bool, clients: int, args,
+                  api: str = "chat") -> dict:
+    lat, used = await load(target, clients, stream, name == "direct", args.duration, proc, api)
     n = len(lat)
-    r = {"proxy": name, "stream": stream, "clients": clients, "requests": n,
+    r = {"proxy": name, "api": api, "stream": stream, "clients": clients, "requests": n,
          "rps": n / args.duration, "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99),
          "proxy_cpu_percent": 100 * used["proxy_cpu_s"] / args.duration if proc else None,
          "proxy_cpu_us_per_request": 1e6 * used["proxy_cpu_s"] / n if proc else None,
          "proxy_preempted_per_s": used["proxy_preempted"] / args.duration if proc else None,
          "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration,
          "cores_busy_percent": [round(100 * v / args.duration) for k, v in sorted(used.items()) if k.startswith("core")]}
-    print(f"  {name:11s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
+    print(f"  {name:11s} {api:9s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
           f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  load cpu {r['load_cpu_percent']:.0f}%"
           + (f"  proxy cpu {r['proxy_cpu_percent']:.0f}%, {r['proxy_cpu_us_per_request']:.0f} us/req, "
              f"preempted {r['proxy_preempted_per_s']:.0f}/s" if proc else ""), file=sys.stderr)
@@ -345,10 +454,11 @@ async def main_async(args) -> dict:
         for run in range(args.runs):
             for stream in (False, True) if args.stream else (False,):
                 for clients in args.clients:
-                    for name, url, proc in arms:
-                        row = await measure(name, url, psutil.Process(proc.pid) if proc else None, stream,
-                                            clients, args)
-                        rows.append({**row, "run": run})
+                    for api in args.api:
+                        for name, url, proc in arms:
+                            row = await measure(name, url, psutil.Process(proc.pid) if proc else None, stream,
+                                                clients, args, api)
+                            rows.append({**row, "run": run})
     finally:
         for p in procs:
             p.terminate()
@@ -357,7 +467,7 @@ async def main_async(args) -> dict:
         for f in files:
             os.unlink(f)
     return summarize(rows) if {"direct", "pdserve", "baseline"} <= set(args.arms) and args.runs == 1 \
-        and args.clients == [1, 64] and args.stream else {"rows": rows}
+        and args.clients == [1, 64] and args.stream and args.api == ["chat"] else {"rows": rows}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -398,20 +508,20 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-async def requests_cpu(proc: psutil.Process, url: str, n: int, stream: bool) -> float:
+async def requests_cpu(proc: psutil.Process, url: str, n: int, stream: bool, api: str = "chat") -> float:
     """Router CPU seconds for n requests from 16 clients."""
     left = n
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(50):
-            await one_request(session, url, stream, False)      # warm up
+            await one_request(session, url, stream, False, api)      # warm up
         before = cpu_seconds(proc)
 
         async def worker() -> None:
             nonlocal left
             while left > 0:
                 left -= 1
-                await one_request(session, url, stream, False)
+                await one_request(session, url, stream, False, api)
         await asyncio.gather(*(worker() for _ in range(16)))
         return cpu_seconds(proc) - before
 
@@ -444,7 +554,7 @@ async def huge_body_stall(url: str) -> tuple[float, float, int]:
     return worst, took, status
 
 
-async def compare_cpu(revs: list[str], n: int, tracing: bool = False) -> list[dict]:
+async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tuple[str, ...] = ("chat",)) -> list[dict]:
     os.sched_setaffinity(0, LOAD_CORE)
     backend_port = free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
@@ -470,18 +580,19 @@ async def compare_cpu(revs: list[str], n: int, tracing: bool = False) -> list[di
                     await wait_up(url)
                     await asyncio.sleep(2.5)   # the first health probe marks the backend healthy
                     proc = psutil.Process(router.pid)
-                    json_cpu = await requests_cpu(proc, url, n, False)
-                    stream_cpu = await requests_cpu(proc, url, n, True)
+                    cpu = {api: (await requests_cpu(proc, url, n, False, api), await requests_cpu(proc, url, n, True, api))
+                           for api in apis}
                     stall, took, status = await huge_body_stall(url)
                 finally:
                     router.terminate()
                     router.wait(10)
             rev_label = f"{rev}+trace" if traced else rev
-            rows.append({"rev": rev_label, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu, "health_stall_s": stall,
-                         "huge_body_s": took, "huge_body_status": status})
-            print(f"  {rev_label}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s, "
-                  f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s)",
-                  file=sys.stderr)
+            for api, (json_cpu, stream_cpu) in cpu.items():
+                rows.append({"rev": rev_label, "api": api, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu,
+                             "health_stall_s": stall, "huge_body_s": took, "huge_body_status": status})
+                print(f"  {rev_label} {api}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s, "
+                      f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s)",
+                      file=sys.stderr)
     finally:
         backend.terminate()
         backend.wait(10)
@@ -505,22 +616,24 @@ def main() -> None:
     ap.add_argument("--no-stream", dest="stream", action="store_false", help="non-streamed requests only")
     ap.add_argument("--router-config", default="{}", help="extra pdserve router settings, as JSON")
     ap.add_argument("--tracing", action="store_true", help="with --cpu: each revision with tracing off and on")
+    ap.add_argument("--api", nargs="+", choices=tuple(APIS), default=["chat"],
+                    help="wire formats to send (chat completions, Anthropic Messages, OpenAI Responses), interleaved")
     args = ap.parse_args()
     if args.cpu:
-        rows = run(compare_cpu(args.cpu, args.n, args.tracing))
-        print(f"{'revision':12s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
+        rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api)))
+        print(f"{'revision':12s} {'api':9s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
               f"{'/health stall s':>16s} {'13 MB body s':>13s}")
         for r in rows:
-            print(f"{r['rev']:12s} {r['json_cpu_s']:16.2f} {r['stream_cpu_s']:19.2f} {r['health_stall_s']:16.2f} "
-                  f"{r['huge_body_s']:13.2f}")
+            print(f"{r['rev']:12s} {r['api']:9s} {r['json_cpu_s']:16.2f} {r['stream_cpu_s']:19.2f} "
+                  f"{r['health_stall_s']:16.2f} {r['huge_body_s']:13.2f}")
         return
     result = run(main_async(args))
     Path(args.out).write_text(json.dumps(result, indent=1))
     if "summary" not in result:
-        print(f"{'run':>3s} {'arm':12s} {'stream':6s} {'clients':>7s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "
+        print(f"{'run':>3s} {'arm':12s} {'api':9s} {'stream':6s} {'clients':>7s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "
               f"{'cpu %':>6s} {'us/req':>7s} {'preempt/s':>9s} {'load cpu %':>10s}  cores busy %")
         for r in result["rows"]:
-            print(f"{r['run']:3d} {r['proxy']:12s} {str(r['stream']):6s} {r['clients']:7d} {r['rps']:7.0f} "
+            print(f"{r['run']:3d} {r['proxy']:12s} {r['api']:9s} {str(r['stream']):6s} {r['clients']:7d} {r['rps']:7.0f} "
                   f"{r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {r['proxy_cpu_percent'] or 0:6.0f} "
                   f"{r['proxy_cpu_us_per_request'] or 0:7.0f} {r['proxy_preempted_per_s'] or 0:9.0f} "
                   f"{r['load_cpu_percent']:10.0f}  {'/'.join(map(str, r['cores_busy_percent']))}")
