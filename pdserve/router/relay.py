@@ -14,7 +14,7 @@ class StreamRelay:
 
     def __init__(self, collector: Collector, keep_lines: bool):
         self.collector = collector
-        self.keep_lines = keep_lines
+        self.keep_lines = keep_lines and collector.reply_from_lines
         self.blocks: list[bytes] = []  # what D sent, split into lines only if the reply is wanted
         self.done = False              # D sent the end of its answer (the format's end marker)
         self._partial = b""

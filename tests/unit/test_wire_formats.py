@@ -196,3 +196,43 @@ def test_responses_string_input_is_one_user_message():
         {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
     with pytest.raises(BadInput):
         RESPONSES.validate({"input": 5})
+
+
+def compact(name: str, data: dict) -> bytes:
+    """An event as vLLM writes it (pydantic's compact JSON)."""
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def test_responses_null_params_are_cut_as_bytes_and_the_reply_is_the_final_events_output():
+    started = {"id": "resp_1", "output": [], "kv_transfer_params": None, "metadata": {"k": "v"}}
+    stream = (compact("response.created", {"type": "response.created", "response": started})
+              + compact("response.in_progress", {"type": "response.in_progress", "response": started})
+              + compact("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Running it."})
+              + compact("response.completed", {"type": "response.completed", "response": {
+                  "id": "resp_1", "output": OUTPUT, "kv_transfer_params": {**D_PARAMS, TOKENS_KEY: list(range(10))}}}))
+    collector = RESPONSES.collector()
+    r = StreamRelay(collector, keep_lines=True)
+    assert not r.keep_lines                       # the reply is in response.completed: no line kept
+    out = r.feed(stream) + r.close()
+    r.finish()
+    assert r.done and b"kv_transfer_params" not in out and TOKENS_KEY.encode() not in out
+    first = json.loads(out.split(b"\n")[1][6:])
+    assert first == {"type": "response.created", "response": {"id": "resp_1", "output": [], "metadata": {"k": "v"}}}
+    assert collector.kv_params["remote_num_tokens"] == 9 and collector.sequence == list(range(10))
+    stored = reply_key("t", RESPONSES.history(R_REQUEST), collector.reply_items())
+    assert history_keys("t", RESPONSES.history(R_NEXT))[0] == stored
+
+
+def test_a_null_params_line_with_token_ids_or_a_second_mention_is_parsed():
+    line = b'data: {"kv_transfer_params":{"a":1},"x":{"y":1,"kv_transfer_params":null}}\n'
+    collector = RESPONSES.collector()
+    assert json.loads(collector.scrub_sse_line(line)[6:]) == {"x": {"y": 1, "kv_transfer_params": None}}
+    assert collector.kv_params == {"a": 1}
+
+
+def test_fingerprints_take_odd_tool_names_and_tell_system_prompts_apart():
+    tools = [{"name": 3}, {"name": "Bash"}, "not a tool"]
+    base = {"model": "m", "messages": [], "tools": tools, "system": [{"type": "text", "text": "main"}]}
+    assert MESSAGES.fingerprint(base) == MESSAGES.fingerprint({**base, "system": "main"})
+    assert MESSAGES.fingerprint(base) != MESSAGES.fingerprint({**base, "system": "title"})
+    assert RESPONSES.fingerprint({"model": "m", "tools": tools}) != RESPONSES.fingerprint({"model": "m"})

@@ -21,6 +21,9 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 # Fields only the router sets on a backend request; taken out of every client body.
 ROUTER_ONLY = ("kv_transfer_params", "conversation_id")
 HistoryItem = dict[str, Any]     # {"role", "content", "tool_calls"?}: what identity.py hashes
+# vLLM's Responses events before the last each carry the response so far with a null kv_transfer_params
+# (pydantic's compact JSON): taken out as bytes, no parse.
+NULL_PARAMS = b',"kv_transfer_params":null'
 
 
 class Collector:
@@ -35,6 +38,9 @@ class Collector:
     end_line: bytes = b"data: [DONE]"
     # ... or, for formats of named events, the data line after this event line (it carries D's handles).
     end_event: bytes | None = None
+    # The reply is rebuilt from the stream's lines (kept while it streams); False: the event with D's handles
+    # carries the whole reply, taken when the handles are (Responses' response.completed).
+    reply_from_lines = True
 
     def __init__(self, keep_for_client: bool):
         self.keep = keep_for_client
@@ -92,6 +98,8 @@ class Collector:
 
     def scrub_sse_line(self, line: bytes, collect_reply: bool = True) -> bytes:
         """One SSE line from D, with router-only fields removed."""
+        if NULL_PARAMS in line and line.count(b"kv_transfer_params") == 1 and b"token_ids" not in line:
+            return line.replace(NULL_PARAMS, b"", 1)     # nothing to take: no parse, no new JSON text
         event = sse_event(line)
         if event is None or not self.scrub(event, collect_reply):
             return line

@@ -116,8 +116,14 @@ class MessagesFormat(WireFormat):
         return items
 
     def fingerprint(self, body: dict[str, Any]) -> str:
-        tools = sorted(t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict))
-        return canonical_json([body.get("model"), blocks_item("system", body.get("system"))["content"], tools])
+        # Made for every request: plain JSON of strings (json.dumps' default encoder is cached; canonical_json
+        # builds one a call, most of this method's cost), tool names as strings (sorting mixed types failed).
+        tools = body.get("tools")
+        names = sorted(str(t.get("name", "")) for t in tools if isinstance(t, dict)) if tools else []
+        system = body.get("system")
+        if system and not isinstance(system, str):
+            system = blocks_item("system", system)["content"]
+        return json.dumps([body.get("model"), system or "", names])
 
     def tokenize_body(self, body: dict[str, Any], model: str) -> dict[str, Any] | None:
         return {**body, "stream": False}

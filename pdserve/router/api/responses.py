@@ -56,6 +56,7 @@ def history_items(items: Any) -> list[HistoryItem]:
 
 class ResponsesCollector(Collector):
     end_event = b"event: response.completed"
+    reply_from_lines = False      # response.completed carries the whole response, parsed for D's handles
 
     def __init__(self, keep_for_client: bool):
         super().__init__(keep_for_client)
@@ -70,7 +71,9 @@ class ResponsesCollector(Collector):
     def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
         response = obj.get("response") if isinstance(obj.get("response"), dict) else obj   # an event, or whole
         changed = self.take_params(response)
-        if collect_reply and isinstance(response.get("output"), list):
+        # The reply: a whole answer's output, or the final event's (kept even for a relayed stream: the
+        # stream's lines are not kept, reply_from_lines)
+        if (response is obj or obj.get("type") == "response.completed") and isinstance(response.get("output"), list):
             self._output = response["output"]
         return changed
 
@@ -116,8 +119,9 @@ class ResponsesFormat(WireFormat):
         return items + history_items(body.get("input"))
 
     def fingerprint(self, body: dict[str, Any]) -> str:
-        tools = sorted(str(t.get("name", t.get("type", ""))) for t in body.get("tools") or [] if isinstance(t, dict))
-        return canonical_json([body.get("model"), body.get("instructions") or "", tools])
+        tools = body.get("tools")       # made for every request: plain JSON of strings (see messages.py)
+        names = sorted(str(t.get("name", t.get("type", ""))) for t in tools if isinstance(t, dict)) if tools else []
+        return json.dumps([body.get("model"), body.get("instructions") or "", names])
 
     def _leg(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         # vLLM's engine request id and the response id the client sees are the body's request_id: the router's.
