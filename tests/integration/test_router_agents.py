@@ -319,15 +319,17 @@ async def test_responses_legs_carry_the_routers_request_id_not_the_clients(strea
 
 
 # -- Claude Code's side calls ---------------------------------------------------------------------------
-async def test_a_side_call_under_the_same_session_leaves_the_main_chains_entry():
-    """Claude Code titles and summarises on a small model under the same X-Claude-Code-Session-Id: that call
-    must not take (and so waste) the entry the main conversation's next turn reads."""
+@pytest.mark.parametrize("model", ["fake-haiku", "fake"], ids=["small-model", "same-model"])
+async def test_a_side_call_under_the_same_session_leaves_the_main_chains_entry(model):
+    """Claude Code titles and summarises (on a small model, or the main one with another system prompt) under
+    the same X-Claude-Code-Session-Id: that call must not take (and so waste) the entry the main conversation's
+    next turn reads."""
     session = {SESSION[MESSAGES]: "cc-main"}
     async with deployment() as dep:
         main = first(MESSAGES, "nu " * 40)
         status, _, raw = await call(dep, MESSAGES, main, session)
         assert status == 200
-        side = {"model": "fake-haiku", "max_tokens": 6, "system": "Write a 5-word title for the conversation.",
+        side = {"model": model, "max_tokens": 6, "system": "Write a 5-word title for the conversation.",
                 "messages": [{"role": "user", "content": "nu " * 40}]}
         for stream in (False, True):
             assert (await call(dep, MESSAGES, side, session, stream))[0] == 200
