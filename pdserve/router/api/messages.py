@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json
+from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text
 from pdserve.router.inputs import BadInput, check_common, objects
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
@@ -116,14 +116,12 @@ class MessagesFormat(WireFormat):
         return items
 
     def fingerprint(self, body: dict[str, Any]) -> str:
-        # Made for every request: plain JSON of strings (json.dumps' default encoder is cached; canonical_json
-        # builds one a call, most of this method's cost), tool names as strings (sorting mixed types failed).
-        tools = body.get("tools")
+        tools = body.get("tools")      # names as strings: sorting mixed types failed (a 500)
         names = sorted(str(t.get("name", "")) for t in tools if isinstance(t, dict)) if tools else []
         system = body.get("system")
         if system and not isinstance(system, str):
             system = blocks_item("system", system)["content"]
-        return json.dumps([body.get("model"), system or "", names])
+        return fingerprint_text(body.get("model") or "", system or "", names)
 
     def tokenize_body(self, body: dict[str, Any], model: str) -> dict[str, Any] | None:
         return {**body, "stream": False}

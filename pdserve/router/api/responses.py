@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json
+from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text
 from pdserve.router.inputs import BadInput, check_common
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -119,9 +119,9 @@ class ResponsesFormat(WireFormat):
         return items + history_items(body.get("input"))
 
     def fingerprint(self, body: dict[str, Any]) -> str:
-        tools = body.get("tools")       # made for every request: plain JSON of strings (see messages.py)
+        tools = body.get("tools")
         names = sorted(str(t.get("name", t.get("type", ""))) for t in tools if isinstance(t, dict)) if tools else []
-        return json.dumps([body.get("model"), body.get("instructions") or "", names])
+        return fingerprint_text(body.get("model") or "", body.get("instructions") or "", names)
 
     def _leg(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         # vLLM's engine request id and the response id the client sees are the body's request_id: the router's.
