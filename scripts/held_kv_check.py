@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,22 +42,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
+from engine_agent_check import free_ports  # noqa: E402
 
 EXTERNAL = {"source": "external_kv_transfer"}
 LOG_LINES = {"P declined": "Declining expired remote read", "D expired": "Releasing expired KV blocks",
              "D unrecognized pull": "Potentially invalid KV blocks"}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:

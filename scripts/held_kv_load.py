@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,22 +39,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
+from engine_agent_check import free_ports  # noqa: E402
 from pdserve.observe.routerstats import read_router  # noqa: E402
 from pdserve.spec.load import DEFAULT_CONFIG  # noqa: E402
 
 SLOW_S = 10.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def pdserve(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
