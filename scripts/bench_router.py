@@ -320,7 +320,9 @@ async def one_request(session: aiohttp.ClientSession, target: str, stream: bool,
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         if stream:
-            async for _ in r.content:
+            # Read as it arrives, not line by line: Messages and Responses events are three lines each (chat's
+            # two), and parsing lines here made the load generator, not the proxy, the limit of streamed cells.
+            async for _ in r.content.iter_any():
                 pass
         else:
             await r.read()
