@@ -87,7 +87,9 @@ def request_body(api: str, model: str, messages: list[dict[str, Any]], max_token
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A turn's chat history as the API's request body. Messages: system messages -> `system`, an assistant's
     text -> one text block (as the SDK sends a reply back). Responses: system -> `instructions`, the others as
-    message items (an assistant's text as its output_text part), `store` off (the router refuses stored ones)."""
+    message items, `store` off (the router refuses stored ones); an assistant message is the answer's own
+    output items when it has them (`items`, as a client appends them: none for an answer without output),
+    else its text as one output_text part."""
     if api == "chat":
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
         if stream:
@@ -104,15 +106,28 @@ def request_body(api: str, model: str, messages: list[dict[str, Any]], max_token
             body["system"] = system
     elif api == "responses":
         body = {"model": model, "max_output_tokens": max_tokens, "temperature": 0, "store": False,
-                "input": [{"type": "message", "role": "assistant",
-                           "content": [{"type": "output_text", "text": m.get("content") or ""}]}
-                          if m["role"] == "assistant" else
-                          {"type": "message", "role": m["role"], "content": m.get("content") or ""} for m in rest]}
+                "input": [item for m in rest for item in _items(m)]}
         if system:
             body["instructions"] = system
     else:
         raise ValueError(f"unknown api {api!r} (known: {', '.join(API_PATHS)})")
     return {**body, "stream": True, **(extra or {})} if stream else {**body, **(extra or {})}
+
+
+def _items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One chat message as Responses input items."""
+    if message["role"] != "assistant":
+        return [{"type": "message", "role": message["role"], "content": message.get("content") or ""}]
+    if isinstance(message.get("items"), list):      # as the SDK's model_dump(exclude_none=True) sends them back
+        return [_no_nulls(item) for item in message["items"]]
+    return [{"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": message.get("content") or ""}]}]
+
+
+def _no_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _no_nulls(v) for k, v in value.items() if v is not None}
+    return [_no_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 def _usage(api: str, usage: Any) -> tuple[int, int] | None:
@@ -145,6 +160,7 @@ class StreamReader:
     """One streamed answer, event by event: its text, usage and whether an event carried content."""
     api: str
     parts: list[str] = field(default_factory=list)
+    output: list[dict[str, Any]] | None = None     # Responses: the completed response's output items
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -167,6 +183,7 @@ class StreamReader:
                 self.parts.append(event.get("delta") or "")
             elif kind == "response.completed":
                 self._take((event.get("response") or {}).get("usage"))
+                self.output = (event.get("response") or {}).get("output")
         return kind in CONTENT_EVENTS.get(self.api, ())
 
     def _take(self, usage: Any) -> None:
@@ -200,7 +217,8 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
     return {"reply": reply, "latency_s": latency, "ttft_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
-            "plan": plan, "prompt_tokens": prompt, "completion_tokens": completion}
+            "plan": plan, "prompt_tokens": prompt, "completion_tokens": completion,
+            **({"items": data.get("output")} if ep.api == "responses" else {})}
 
 
 def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str, Any]:
@@ -220,7 +238,8 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     latency = time.perf_counter() - started
     return {"reply": reader.reply, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
             "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None, "decode_s": None, "plan": plan,
-            "prompt_tokens": reader.prompt_tokens, "completion_tokens": reader.completion_tokens}
+            "prompt_tokens": reader.prompt_tokens, "completion_tokens": reader.completion_tokens,
+            **({"items": reader.output} if api == "responses" else {})}
 
 
 def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_tokens: int, concurrency: int = 1,
@@ -251,13 +270,16 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
                 # What D holds of the previous turn: its prompt and reply, all but the last sampled token.
                 # P may read all of it when the new prompt continues it exactly, whole blocks otherwise.
                 reusable = st["previous"]["prompt_tokens"] + st["previous"]["completion_tokens"] - 1
-            row = {"arm": arm, "api": ep.api, "conversation": conv.id, "turn": turn + 1, **{k: v for k, v in result.items()
-                                                                              if k != "reply"},
+            row = {"arm": arm, "api": ep.api, "conversation": conv.id, "turn": turn + 1,
+                   **{k: v for k, v in result.items() if k not in ("reply", "items")},
                    **deltas, "reusable_tokens": reusable,
                    "new_tokens": result["prompt_tokens"] - reusable if reusable else result["prompt_tokens"]}
             if pause:
                 row["after_pause"] = after_pause
-            st["history"] = [*messages, {"role": "assistant", "content": result["reply"]}]
+            reply = {"role": "assistant", "content": result["reply"]}
+            if result.get("items") is not None:     # Responses: the answer's own output items go back
+                reply["items"] = result["items"]
+            st["history"] = [*messages, reply]
             st["previous"] = result
             with lock:
                 rows.append(row)

@@ -109,6 +109,20 @@ def test_responses_body_has_instructions_items_and_store_off():
     assert fmt.refuse(body) is None
 
 
+def test_responses_body_sends_back_the_answers_own_output_items():
+    output = json.loads(RESPONSE)["output"]
+    replied = [*HISTORY[:2], {**HISTORY[2], "items": output}, HISTORY[3]]
+    items = request_body("responses", "tiny", replied, 8, stream=False)["input"]
+    assert items[1] == {"id": "msg_827a", "type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"annotations": [], "text": " the of\n", "type": "output_text"}]}   # no nulls
+    # An answer with no output items (vLLM's, when the text decodes to nothing) sends nothing back, as a client
+    # appending the output would; its text alone would still make an (empty) assistant message.
+    silent = [HISTORY[1], {"role": "assistant", "content": "", "items": []}, HISTORY[3]]
+    assert [i["role"] for i in request_body("responses", "tiny", silent, 8, stream=False)["input"]] == ["user", "user"]
+    texted = [HISTORY[1], {"role": "assistant", "content": ""}, HISTORY[3]]
+    assert len(request_body("responses", "tiny", texted, 8, stream=False)["input"]) == 3
+
+
 def test_chat_body_is_the_history_as_it_was():
     body = request_body("chat", "tiny", HISTORY, 32, stream=True, extra={"allowed_token_ids": [5]})
     assert body["messages"] == HISTORY and body["stream_options"] == {"include_usage": True}
@@ -129,6 +143,7 @@ def test_streamed_messages_text_usage_and_first_content_event():
 def test_streamed_responses_text_usage_and_first_content_event():
     reader, content = read_stream("responses", RESPONSES_SSE)
     assert reader.reply == " the of\n" and (reader.prompt_tokens, reader.completion_tokens) == (26, 4)
+    assert reader.output == json.loads(RESPONSE)["output"]
     assert content[0] == "response.output_item.added"     # response.created comes before any token
     assert not {"response.created", "response.in_progress", "response.completed"} & set(content)
 
@@ -164,7 +179,8 @@ def test_the_next_turn_continues_the_history_the_router_stored(api, route, sse):
     collector.collect_reply_from(data_lines(sse))
     stored = identity.reply_key("t", fmt.history(request_body(api, "tiny", first, 8, True)), collector.reply_items())
     reader, _ = read_stream(api, sse)
-    following = [*first, {"role": "assistant", "content": reader.reply}, {"role": "user", "content": "next"}]
+    reply = {"role": "assistant", "content": reader.reply, **({"items": reader.output} if reader.output else {})}
+    following = [*first, reply, {"role": "user", "content": "next"}]
     assert stored in identity.history_keys("t", fmt.history(request_body(api, "tiny", following, 8, True)))
     edited = [*first, {"role": "assistant", "content": reader.reply + "!"}, {"role": "user", "content": "next"}]
     assert stored not in identity.history_keys("t", fmt.history(request_body(api, "tiny", edited, 8, True)))
