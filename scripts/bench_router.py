@@ -27,7 +27,8 @@ alike), and prints every run's figures, not only a mean.
 (`/v1/messages`) or OpenAI Responses (`/v1/responses`, message items, store off), each API's cells interleaved
 with the others'; the backend answers each in vLLM's shapes (Messages' handles on message_stop, Responses'
 in response.completed after a response.created with a null kv_transfer_params), every arm sends the API's own
-legs (P's output cap: `max_tokens`, or `max_output_tokens` for Responses). With `--cpu`, per API too.
+legs (P's output cap: `max_tokens`, or `max_output_tokens` for Responses). With `--cpu`, per API too, and
+`--reps N` measures each API N times, alternated on one router process, and prints the medians.
 
 `--cpu REV [REV ...]` compares router revisions instead (`.` is the working tree): each one's `pdserve`
 package is exported to a temporary folder and run on core 0 against the same backend; printed side by side:
@@ -556,9 +557,10 @@ async def huge_body_stall(url: str) -> tuple[float, float, int]:
     return worst, took, status
 
 
-async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tuple[str, ...] = ("chat",)) -> list[dict]:
+async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tuple[str, ...] = ("chat",),
+                      reps: int = 1) -> list[dict]:
     os.sched_setaffinity(0, LOAD_CORE)
-    backend_port = free_port()
+    backend_port = free_port_pair()     # the backend listens on this port and the next
     backend_url = f"http://127.0.0.1:{backend_port}"
     backend = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(backend_port)], LOAD_CORE)
     rows = []
@@ -582,17 +584,24 @@ async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tupl
                     await wait_up(url)
                     await asyncio.sleep(2.5)   # the first health probe marks the backend healthy
                     proc = psutil.Process(router.pid)
-                    cpu = {api: (await requests_cpu(proc, url, n, False, api), await requests_cpu(proc, url, n, True, api))
-                           for api in apis}
+                    # the APIs alternated, `reps` times, on one router process: a neighbour's load hits them alike
+                    runs: dict[str, list[tuple[float, float]]] = {api: [] for api in apis}
+                    for _ in range(reps):
+                        for api in apis:
+                            runs[api].append((await requests_cpu(proc, url, n, False, api),
+                                              await requests_cpu(proc, url, n, True, api)))
                     stall, took, status = await huge_body_stall(url)
                 finally:
                     router.terminate()
                     router.wait(10)
             rev_label = f"{rev}+trace" if traced else rev
-            for api, (json_cpu, stream_cpu) in cpu.items():
+            for api, got in runs.items():
+                json_cpu, stream_cpu = (statistics.median(kind) for kind in zip(*got))
                 rows.append({"rev": rev_label, "api": api, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu,
+                             "json_runs_s": [j for j, _ in got], "stream_runs_s": [t for _, t in got],
                              "health_stall_s": stall, "huge_body_s": took, "huge_body_status": status})
-                print(f"  {rev_label} {api}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s, "
+                print(f"  {rev_label} {api}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s "
+                      f"(median of {reps}: {' '.join(f'{j:.2f}/{t:.2f}' for j, t in got)}), "
                       f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s)",
                       file=sys.stderr)
     finally:
@@ -611,6 +620,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench-router.json", help="where to write the full results")
     ap.add_argument("--cpu", nargs="+", metavar="REV", help="compare the router's CPU per request of revisions")
     ap.add_argument("-n", type=int, default=1000, help="requests per kind with --cpu")
+    ap.add_argument("--reps", type=int, default=1, help="with --cpu: measure each API this many times, alternated "
+                    "(medians printed)")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=["direct", "pdserve", "baseline"],
                     help="what to measure (vllm-router needs the vllm-router package)")
     ap.add_argument("--runs", type=int, default=1, help="repeat the measurement, arms interleaved")
@@ -622,7 +633,7 @@ def main() -> None:
                     help="wire formats to send (chat completions, Anthropic Messages, OpenAI Responses), interleaved")
     args = ap.parse_args()
     if args.cpu:
-        rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api)))
+        rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api), args.reps))
         print(f"{'revision':12s} {'api':9s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
               f"{'/health stall s':>16s} {'13 MB body s':>13s}")
         for r in rows:
