@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.reuse import common_prefix_len
 
 log = logging.getLogger("pdserve.engine")
 
@@ -186,14 +187,6 @@ def patch_message_stop_kv_params() -> list[str]:
 
 
 # -- pulled tokens, and the continuation check -----------------------------------------------------------
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
