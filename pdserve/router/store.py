@@ -45,8 +45,9 @@ class ReuseStore(Protocol):
     def bytes(self) -> int: ...            # their estimated memory (idem)
 
     async def put(self, key: Key, params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> asyncio.Future[bool]: ...
-    # Returns once this process's later takes will find the entry (a remote store: its write is on the
+                  sequence: list[int] | None = None, alias: Key | None = None) -> asyncio.Future[bool]: ...
+    # `alias` (the prompt's key, identity.prompt_key) finds the same entry: a take by either takes it, once,
+    # and marks it `by_prompt`. Returns once this process's later takes will find the entry (a remote store: its write is on the
     # wire, ahead of them); the future says whether it was kept, off the answer's path (done at once in
     # memory). Another replica's take is behind it by the client's round trip (redis_pipe.py).
 
@@ -156,8 +157,8 @@ class GuardedStore:
                         detail, op)
 
     async def put(self, key: Key, params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> asyncio.Future[bool]:
-        sent = await self._call("put", lambda: self.inner.put(key, params, decode, generation, sequence), None,
+                  sequence: list[int] | None = None, alias: Key | None = None) -> asyncio.Future[bool]:
+        sent = await self._call("put", lambda: self.inner.put(key, params, decode, generation, sequence, alias), None,
                                 settles=False, self_bounded=self.turn_calls_bounded)
         if sent is None:
             return kept(False)

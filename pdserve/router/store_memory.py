@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pdserve.router.reuse import ReuseEntry
 from pdserve.router.store import kept
 
-ENTRY_OVERHEAD_BYTES = 1024   # the entry, its key and D's params dict, roughly
+ENTRY_OVERHEAD_BYTES = 1024   # the entry, its keys and D's params dict, roughly
 
 
 class TableWatcher(Protocol):
@@ -48,24 +48,28 @@ class MemoryTable:
         self._entries: OrderedDict[tuple[str, str], ReuseEntry] = OrderedDict()
         self._by_decode: dict[str, dict[tuple[str, str], None]] = {}   # decode -> its keys (an ordered set)
         self._engine: dict[str, Any] = {}                               # decode -> engine id of its entries
+        self._aliases: dict[tuple[str, str], tuple[str, str]] = {}     # prompt key -> its entry's key
         self.watcher: TableWatcher | None = None                        # held.py's ledger, when it is on
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
-            sequence: list[int] | None = None) -> ReuseEntry:
-        """Store D's handles. A new engine id from the same decode server means it restarted (perhaps
-        between two health probes): handles from its previous engine are dropped."""
+            sequence: list[int] | None = None, alias: tuple[str, str] | None = None) -> ReuseEntry:
+        """Store D's handles under `key`, and `alias` (the prompt's key) pointing at it: one entry, taken once
+        by either. A new engine id from the same decode server means it restarted (perhaps between two health
+        probes): handles from its previous engine are dropped."""
         self.purge_expired()
         engine = params.get("remote_engine_id")
         if decode in self._engine and self._engine[decode] != engine:
             self.drop_decode(decode)
         self._engine[decode] = engine
         self._dropped(key, self._remove(key), "replaced")
-        entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl, _compact(sequence))
+        entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl, _compact(sequence), alias=alias)
         entry.size = _entry_bytes(entry)
         self._entries[key] = entry
+        if alias is not None:
+            self._aliases[alias] = key    # a newer answer to the same prompt: the prompt finds the newer
         self._by_decode.setdefault(decode, {})[key] = None
         self.bytes += entry.size
         if self.watcher is not None:
@@ -83,6 +87,8 @@ class MemoryTable:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.bytes -= entry.size
+            if entry.alias is not None and self._aliases.get(entry.alias) == key:
+                del self._aliases[entry.alias]
             keys = self._by_decode.get(entry.decode)
             if keys is not None:
                 keys.pop(key, None)
@@ -123,10 +129,16 @@ class MemoryTable:
         return True
 
     def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
-        """`take` the first of `keys` that has an entry (candidate histories, longest first)."""
+        """`take` the first of `keys` that has an entry, directly or as its alias (candidate histories,
+        longest first)."""
         for key in keys:
             if key in self._entries:
                 return self.take(key)
+            if key in self._aliases:
+                entry, why = self.take(self._aliases[key])
+                if entry is not None:
+                    entry.by_prompt = True
+                return entry, why
         return None, "no_entry"
 
     def drop_decode(self, decode: str) -> int:
@@ -184,8 +196,8 @@ class MemoryStore:
         return self.table.bytes
 
     async def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> asyncio.Future[bool]:
-        self.table.put(key, params, decode, generation, sequence)
+                  sequence: list[int] | None = None, alias: tuple[str, str] | None = None) -> asyncio.Future[bool]:
+        self.table.put(key, params, decode, generation, sequence, alias)
         return kept(True)
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:

@@ -4,7 +4,9 @@ redis-py's asyncio client. Every router replica sees the same entries, and a rou
 - Keys name no conversation: `pdserve:<cluster>:e:<sha256(tenant, conversation)>` (the tenant is already a
   hash of the credentials; a conversation id is hashed here too).
 - Single use: a take is one Lua script over the candidate keys: the first that exists is read and deleted
-  (GETDEL) in the same atomic step, so two concurrent turns never both get an entry.
+  (GETDEL) in the same atomic step, so two concurrent turns never both get an entry. An entry's second key
+  (its prompt's) holds a NUL and the entry's Redis key: taking it takes the entry, if it is still there (an
+  alias left after its entry was taken finds nothing and expires with the entry's TTL).
 - Expiry in Redis: SET ... PX reuse_ttl; an expired entry is simply gone (a `no_entry` miss).
 - Bounded memory: an entry is at most MAX_ENTRY_BYTES (token ids as 4-byte ints after a JSON header); the
   whole is bounded by Redis's `maxmemory` (a managed Redis gets reuse_max_mb with `volatile-ttl`: the
@@ -37,7 +39,7 @@ from pdserve.router.store import kept
 log = logging.getLogger("pdserve.router")
 
 MAX_ENTRY_BYTES = 4 * 1024 * 1024
-# KEYS: entry, decode's index, decode's engine key; ARGV: value, ttl ms, engine id
+# KEYS: entry, decode's index, decode's engine key[, alias]; ARGV: value, ttl ms, engine id
 PUT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -50,19 +52,28 @@ if engine and engine ~= ARGV[3] then
 end
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if KEYS[4] then redis.call('SET', KEYS[4], '\0' .. KEYS[1], 'PX', ARGV[2]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), KEYS[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return dropped
 """
-# KEYS: candidate entries, longest history first: the first that exists is read and deleted, and leaves its
-# decode server's index (the value's first line names the server); ARGV: the index keys' prefix
+# KEYS: candidate entries, longest history first: the first that exists (itself, or the entry an alias names)
+# is read and deleted, and leaves its decode server's index (the value's first line names the server);
+# ARGV: the index keys' prefix. An entry taken by its alias is returned after a NUL.
 TAKE_FIRST = """
 for i = 1, #KEYS do
-  local v = redis.call('GETDEL', KEYS[i])
+  local key = KEYS[i]
+  local v = redis.call('GETDEL', key)
+  local via = ''
+  if v and string.byte(v, 1) == 0 then
+    key = string.sub(v, 2)
+    v = redis.call('GETDEL', key)
+    via = '\\0'
+  end
   if v then
-    redis.call('ZREM', ARGV[1] .. string.sub(v, 1, string.find(v, '\\n', 1, true) - 1), KEYS[i])
-    return v
+    redis.call('ZREM', ARGV[1] .. string.sub(v, 1, string.find(v, '\\n', 1, true) - 1), key)
+    return via .. v
   end
 end
 return false
@@ -113,14 +124,16 @@ class RedisStore:
         return self.prefix + "e:" + hashlib.sha256(f"{tenant}\0{conversation}".encode()).hexdigest()[:40]
 
     async def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
-                  sequence: list[int] | None = None) -> asyncio.Future[bool]:
+                  sequence: list[int] | None = None, alias: tuple[str, str] | None = None) -> asyncio.Future[bool]:
         value = encode(params, decode, sequence)
         if len(value) > MAX_ENTRY_BYTES:
             self.on_evict("capacity", 1)
             return kept(True)    # kept nowhere, by the bound: not the store's failure
         engine = str(params.get("remote_engine_id"))
-        return await self.pipe.send("EVAL", PUT, 3, self.key(key), self.prefix + "idx:" + decode,
-                                    self.prefix + "eng:" + decode, value, self.ttl_ms, engine,
+        keys = [self.key(key), self.prefix + "idx:" + decode, self.prefix + "eng:" + decode]
+        if alias is not None:
+            keys.append(self.key(alias))
+        return await self.pipe.send("EVAL", PUT, len(keys), *keys, value, self.ttl_ms, engine,
                                     then=lambda dropped: _put_replied(dropped, decode))
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
@@ -128,8 +141,12 @@ class RedisStore:
                                             self.prefix + "idx:"))
         if not value:
             return None, "no_entry"
-        entry = decode_entry(value)
-        return (entry, "ok") if entry is not None else (None, "no_entry")
+        by_prompt = value[:1] == b"\0"
+        entry = decode_entry(value[1:] if by_prompt else value)
+        if entry is None:
+            return None, "no_entry"
+        entry.by_prompt = by_prompt
+        return entry, "ok"
 
     async def drop_decode(self, decode: str) -> int:
         return int(await self._drop(keys=[self.prefix + "idx:" + decode]))

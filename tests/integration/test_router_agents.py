@@ -383,3 +383,49 @@ async def test_the_openai_sdks_responses_read_both_shapes_and_reuse_without_an_i
         assert done is not None and done.output_text.split() == [f"w{i}" for i in range(6)]
         m = parse(await dep.metrics())
         assert total(m, "pdserve_router_reuse_decisions_total", result="hit", api="responses") == 1
+
+
+# -- a client that rewrites the reply -------------------------------------------------------------------
+CHAT = "/v1/chat/completions"
+
+
+def rewritten_follow_up(path: str, body: dict, reply_text: str | None, text: str) -> dict:
+    """The next turn with the reply replaced by `reply_text` (None: left out, as a Responses client appends
+    nothing for an answer without output items)."""
+    if path == CHAT:
+        reply = [] if reply_text is None else [{"role": "assistant", "content": reply_text}]
+        return {**body, "messages": [*body["messages"], *reply, {"role": "user", "content": text}]}
+    if reply_text is None:
+        return follow_up(path, body, [], text) if path == RESPONSES else None
+    blocks = ([{"type": "text", "text": reply_text}] if path == MESSAGES else
+              [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": reply_text}]}])
+    return follow_up(path, body, blocks, text)
+
+
+@pytest.mark.parametrize("path, reply_text", [(CHAT, "w0  w1 w2 (edited)"), (MESSAGES, "w0 w1, edited"),
+                                              (RESPONSES, "edited"), (CHAT, None), (RESPONSES, None)],
+                         ids=["chat", "messages", "responses", "chat-dropped", "responses-no-output"])
+async def test_a_rewritten_or_missing_reply_still_reuses_the_previous_prompt(path, reply_text):
+    """No session id, and the client does not send the router's reply back byte for byte (agents reformat it,
+    drop a part, or have none to send): the turn is still found, by its prompt, and P reads exactly the previous
+    prompt's tokens (the token check cuts the offer where the rewritten reply begins)."""
+    async with deployment() as dep:
+        body = ({"model": "fake", "max_tokens": 6, "messages": [{"role": "system", "content": SYSTEM},
+                                                                {"role": "user", "content": "alpha " * 40}]}
+                if path == CHAT else first(path, "alpha " * 40))
+        status, _, raw1 = await call(dep, path, body)
+        assert status == 200
+        prompt1 = json.loads(raw1)["usage"]["prompt_tokens"] if path == CHAT else input_tokens(path, False, raw1)
+        status, got, raw2 = await call(dep, path, rewritten_follow_up(path, body, reply_text, "beta " * 5))
+        assert status == 200
+        no_handles(raw1, raw2)
+        m = parse(await dep.metrics())
+        api = API.get(path, "chat")
+        assert total(m, "pdserve_router_reuse_decisions_total", result="hit", reason="trimmed", api=api) == 1
+        pulled = int(got[PULLED_HEADER])
+        assert pulled == dep.prefill[0][FAKE].external_tokens
+        if reply_text is None:   # no reply: the previous prompt but its closing generation prompt
+            assert 0 < prompt1 - pulled <= 4, (prompt1, pulled)
+        else:
+            assert pulled == prompt1
+        assert await outcomes(dep, 2) == {("stored", api): 2.0}

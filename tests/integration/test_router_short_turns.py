@@ -115,3 +115,11 @@ async def test_a_short_follow_up_matched_by_history_goes_to_d_without_tokenizing
         await turn(dep, "alpha " * LONG, explicit)
         _, plan = await turn(dep, "yes " * SHORT, explicit)
         assert plan == "decode_only" and p.tokenized == 1
+        # Found by its prompt alone (the client rewrote the reply): what D holds is checked on P's tokens too.
+        history = [{"role": "user", "content": "gamma " * LONG}]
+        async with dep.session.post(dep.url + CHAT, json={"model": "fake", "messages": history, "max_tokens": 4}) as r:
+            assert r.status == 200
+        history += [{"role": "assistant", "content": "rewritten"}, {"role": "user", "content": "yes " * SHORT}]
+        async with dep.session.post(dep.url + CHAT, json={"model": "fake", "messages": history, "max_tokens": 4}) as r:
+            assert r.status == 200
+        assert p.tokenized == 2

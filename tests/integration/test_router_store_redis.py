@@ -56,6 +56,31 @@ async def test_entries_are_single_use_under_concurrency_across_clients(redis_ser
         await b.close()
 
 
+async def test_an_entry_is_taken_once_by_its_key_or_its_prompts_alias_across_clients(redis_server):
+    """The prompt's alias finds the entry (marked by_prompt); 50 takes at once by either key, from two
+    replicas: exactly one gets it, and its decode server's index lets it go."""
+    a, b = store_at(redis_server.url), store_at(redis_server.url)
+    try:
+        for round_ in range(4):
+            assert await (await a.put(("t", f"reply{round_}"), PARAMS, "decode-0", 0, [4, 5, 6],
+                                      alias=("t", f"prompt{round_}")))
+            takes = [s.take_first([("t", "other"), ("t", f"prompt{round_}" if i % 2 else f"reply{round_}")])
+                     for s in (a, b) for i in range(25)]
+            got = [e for e, why in await asyncio.gather(*takes) if e is not None]
+            assert len(got) == 1, len(got)
+            assert list(got[0].sequence) == [4, 5, 6] and got[0].params == PARAMS
+        assert await (await a.put(("t", "r"), PARAMS, "decode-1", 0, alias=("t", "p")))
+        entry, _ = await b.take_first([("t", "p")])
+        assert entry.by_prompt and entry.decode == "decode-1"
+        assert await b.take_first([("t", "r"), ("t", "p")]) == (None, "no_entry")
+        raw = aioredis.from_url(redis_server.url)
+        assert await raw.zcard("pdserve:t:idx:decode-1") == 0
+        await raw.aclose()
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_expiry_is_redis_own_and_keys_name_no_conversation(redis_server):
     store = store_at(redis_server.url, ttl=0.3)
     client = aioredis.Redis.from_url(redis_server.url)

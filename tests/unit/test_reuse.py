@@ -124,6 +124,28 @@ def test_take_first_takes_the_first_key_that_has_an_entry():
     assert len(store) == 1 and store.take_first([("", "none")]) == (None, "no_entry")
 
 
+def test_an_entry_is_taken_once_by_its_key_or_its_prompts_alias():
+    store = ReuseStore(ttl=10)
+    store.put(("", "reply"), PARAMS, "decode-0", 0, [1, 2, 3], alias=("", "prompt"))
+    e, why = store.take_first([("", "rewritten-reply"), ("", "prompt")])
+    assert why == "ok" and e.by_prompt and e.sequence.tolist() == [1, 2, 3]
+    assert store.take_first([("", "reply"), ("", "prompt")]) == (None, "no_entry") and len(store) == 0
+    store.put(("", "reply"), PARAMS, "decode-0", 0, alias=("", "prompt"))
+    e, _ = store.take_first([("", "reply")])
+    assert e is not None and not e.by_prompt
+    assert store.take_first([("", "prompt")]) == (None, "no_entry")    # the alias left with its entry
+
+
+def test_a_prompts_alias_names_its_newest_answer():
+    store = ReuseStore(ttl=10)
+    store.put(("", "reply-1"), PARAMS, "decode-0", 0, alias=("", "prompt"))
+    store.put(("", "reply-2"), {**PARAMS, "remote_request_id": "r2"}, "decode-0", 0, alias=("", "prompt"))
+    assert store.take(("", "reply-1"))[0] is not None           # the older one's leaving keeps the alias
+    e, _ = store.take_first([("", "prompt")])
+    assert e.params["remote_request_id"] == "r2" and e.by_prompt
+    assert len(store) == 0
+
+
 def test_store_is_bounded_by_entries_least_recently_stored_out_first():
     evicted = []
     store = ReuseStore(ttl=10, max_entries=3, on_evict=lambda reason, n: evicted.append((reason, n)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from pdserve.router.cost import CostModel
-from pdserve.router.identity import history_keys, reply_key
+from pdserve.router.identity import history_keys, prompt_digest, prompt_key, reply_key
 from pdserve.observe.routerstats import parse_metrics
 
 
@@ -126,11 +126,25 @@ def test_history_keys_match_the_stored_reply_only():
     stored = reply_key("t", msgs, [reply])
     nxt = msgs + [{"role": "assistant", "content": "a1", "refusal": None, "reasoning_content": "dropped"},
                   {"role": "user", "content": "u2"}]
-    assert history_keys("t", nxt) == [stored]
-    assert history_keys("other-tenant", nxt) != [stored]
+    assert history_keys("t", nxt) == [stored, prompt_key("t", prompt_digest(msgs))]
+    assert stored not in history_keys("other-tenant", nxt)
     edited = msgs + [{"role": "assistant", "content": "a1!"}, {"role": "user", "content": "u2"}]
-    assert history_keys("t", edited) != [stored]
-    assert history_keys("t", msgs) == []             # no assistant message: nothing to continue
+    # the reply rewritten: the stored reply's key is not a candidate, the prompt's is (its entry's alias)
+    assert history_keys("t", edited) == [reply_key("t", msgs, [edited[2]]), prompt_key("t", prompt_digest(msgs))]
+    assert stored not in history_keys("t", edited)
+    assert history_keys("t", msgs) == []             # no reply, nothing after the prompt: nothing to continue
+
+
+def test_history_keys_find_a_turn_whose_reply_had_no_items():
+    """A Responses answer with no output items (empty text, or reasoning only): the client's next input follows
+    its last one at once, and the turn is found by its prompt."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
+    nxt = msgs + [{"role": "user", "content": "u2"}]
+    assert history_keys("t", nxt) == [prompt_key("t", prompt_digest(msgs))]
+    after_tool = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "ok"}]
+    assert prompt_key("t", prompt_digest(after_tool)) in history_keys("t", after_tool + [{"role": "user",
+                                                                                          "content": "u2"}])
 
 
 def test_history_keys_longest_first_and_tool_calls_count():
@@ -140,8 +154,10 @@ def test_history_keys_longest_first_and_tool_calls_count():
          {"role": "user", "content": "u3"}]
     keys = history_keys("t", h)
     assert keys[0] == reply_key("t", h[:3], [{"role": "assistant", "content": "a2"}])
-    assert keys[1] == reply_key("t", h[:1], [{"role": "assistant", "content": "",
+    assert keys[1] == prompt_key("t", prompt_digest(h[:3]))
+    assert keys[2] == reply_key("t", h[:1], [{"role": "assistant", "content": "",
                                               "tool_calls": [{**call, "id": "other-id"}]}])
+    assert keys[3:] == [prompt_key("t", prompt_digest(h[:1]))]
 
 
 def test_history_keys_match_tool_arguments_a_client_reserialised():
@@ -152,9 +168,10 @@ def test_history_keys_match_tool_arguments_a_client_reserialised():
     stored = reply_key("t", msgs, [{"role": "assistant", "content": "", "tool_calls": [ours]}])
     nxt = msgs + [{"role": "assistant", "content": None, "tool_calls": [theirs]},
                   {"role": "tool", "content": "ok", "tool_call_id": "c9"}]
-    assert history_keys("t", nxt) == [stored]
+    assert history_keys("t", nxt)[0] == stored
     changed = {**theirs, "function": {"name": "f", "arguments": '{"a":[1,2],"b":2}'}}
-    assert history_keys("t", msgs + [{"role": "assistant", "content": None, "tool_calls": [changed]}]) != [stored]
+    assert stored not in history_keys("t", msgs + [{"role": "assistant", "content": None, "tool_calls": [changed]},
+                                                   {"role": "tool", "content": "ok"}])
 
 
 def test_parse_router_metrics():
