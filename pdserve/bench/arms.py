@@ -2,6 +2,9 @@
 
 - on:           bidirectional_kv_xfer on, P's prefix cache off (every reused token must come from D), every
                 turn P then D (`router.decode_only` off)
+- timer:        as on, with `router.held_kv` off: D keeps every finished turn's KV for its fixed timer
+                (`decoder_kv_blocks_ttl`) instead of the router's budget, as before issue 32; `--arms timer,on`
+                compares the two on a workload that holds more KV than D has (configs/bench-cpu-many.yaml)
 - local:        as on, with short follow-up turns served on the holder D alone (`router.decode_only` on,
                 the shipped default): no P leg for them, and the next long turn's P still pulls from D
 - off:          bidirectional_kv_xfer off, P's prefix cache off (P recomputes the whole history)
@@ -12,6 +15,7 @@
 - vllm-router:  the same servers as prefix-cache, measured through vllm-router (PD mode, NIXL, prefill
                 policy cache_aware) instead of pdserve's router; `bench` runs it (see vrouter.py)
 
+Every arm but timer keeps the config's `router.held_kv` (on unless the file turns it off).
 The router's cost model is turned off in every arm: the arms measure the feature itself, and the cost
 model could only ever switch `on` to the `off` behaviour.
 """
@@ -28,8 +32,8 @@ from pdserve.errors import PdserveError
 from pdserve.orchestrate import ops
 from pdserve.router.config import AFFINITY, LEAST_LOADED
 
-ARMS = ("on", "local", "off", "prefix-cache", "affinity", "vllm-router")
-REUSE_ARMS = ("on", "local")    # bidirectional_kv_xfer on
+ARMS = ("on", "timer", "local", "off", "prefix-cache", "affinity", "vllm-router")
+REUSE_ARMS = ("on", "timer", "local")    # bidirectional_kv_xfer on
 PREFIX_CACHE_ARMS = ("prefix-cache", "affinity", "vllm-router")
 PREFIX_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
 
@@ -49,6 +53,8 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
     router["cost_aware"] = False
     router["prefill_policy"] = AFFINITY if arm == "affinity" else LEAST_LOADED
     router["decode_only"] = arm == "local"
+    if arm == "timer":
+        router["held_kv"] = False
     return cfg
 
 

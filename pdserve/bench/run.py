@@ -5,15 +5,19 @@ Each turn's chat history is sent as one wire format (`Endpoints.api`): chat comp
 `store` off). Requests are non-streaming unless `Endpoints.stream`: the router reports each request's P-leg
 and D-leg durations in a `Server-Timing` header, and time to first token is then estimated as the client's
 latency minus the D leg's share of the tokens after the first one; a streamed turn's TTFT is its first
-content event. With one conversation at a time (`concurrency` 1, the default)
+content event. A request that fails or times out (`request_timeout`) becomes a row with its `error`, and
+its conversation goes on with no reply in the history, as a client that gives up on a turn does. With one
+conversation at a time (`concurrency` 1, the default)
 each request's own P-side metric deltas are exact: tokens computed vs pulled from D, and KV transfer time
 and bytes. With more, the deltas of overlapping requests mix, so they are reported per arm only.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -26,9 +30,11 @@ from typing import Any
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
 from pdserve.observe.promtext import Samples, auth_headers, parse
-from pdserve.router.turn import PLAN_HEADER
+from pdserve.router.turn import PLAN_HEADER, PULLED_HEADER
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
+REQUEST_TIMEOUT_S = 60.0     # `--request-timeout`: a turn stalled on D fails instead of hanging the bench
+NO_REPLY = "(no answer)"     # a failed turn's place in its conversation's history
 
 
 @dataclass
@@ -197,9 +203,16 @@ class StreamReader:
         return "".join(self.parts)
 
 
+def _pulled(headers: Any) -> int | None:
+    """The tokens P read from D on this turn, as pdserve's router reports them (None: no such header)."""
+    value = headers.get(PULLED_HEADER)
+    return int(value) if value and value.isdigit() else None
+
+
 def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0,
          extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One turn (a chat history), sent as `ep.api`'s request."""
+    """One turn (a chat history), sent as `ep.api`'s request. `timeout` bounds the connection and every
+    read; a streamed answer also fails once `timeout` has passed since the request was sent."""
     headers = {"Content-Type": "application/json", **auth_headers(ep.api_key)}
     payload = request_body(ep.api, ep.model, messages, max_tokens, ep.stream, extra)
     req = urllib.request.Request(ep.router + API_PATHS[ep.api], data=json.dumps(payload).encode(), headers=headers)
@@ -210,6 +223,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
         data = json.loads(resp.read())
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         plan = resp.headers.get(PLAN_HEADER, "")
+        pulled = _pulled(resp.headers)
     latency = time.perf_counter() - started
     reply, prompt, completion = read_answer(ep.api, data)
     prefill_s, decode_s = ((timing[leg] / 1000 if leg in timing else None) for leg in ("prefill", "decode"))
@@ -217,7 +231,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
     return {"reply": reply, "latency_s": latency, "ttft_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
-            "plan": plan, "prompt_tokens": prompt, "completion_tokens": completion,
+            "plan": plan, "pulled": pulled, "prompt_tokens": prompt, "completion_tokens": completion,
             **({"items": data.get("output")} if ep.api == "responses" else {})}
 
 
@@ -225,9 +239,11 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     started = time.perf_counter()
     ttft, reader = None, StreamReader(api)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        plan = resp.headers.get(PLAN_HEADER, "")
+        plan, pulled = resp.headers.get(PLAN_HEADER, ""), _pulled(resp.headers)
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         for raw in resp:
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"no whole answer within {timeout:g} s")
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue            # named events' `event:` lines: their data line says the type again
@@ -238,16 +254,30 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     latency = time.perf_counter() - started
     return {"reply": reader.reply, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
             "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None, "decode_s": None, "plan": plan,
-            "prompt_tokens": reader.prompt_tokens, "completion_tokens": reader.completion_tokens,
+            "pulled": pulled, "prompt_tokens": reader.prompt_tokens, "completion_tokens": reader.completion_tokens,
             **({"items": reader.output} if api == "responses" else {})}
+
+
+def failure(exc: BaseException) -> str:
+    """What became of a request that got no whole answer, in a word or two (results' `error`)."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"http {exc.code}"
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return "timeout"
+    if isinstance(reason, (ConnectionError, http.client.HTTPException)):
+        return "connection"
+    return type(reason).__name__
 
 
 def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_tokens: int, concurrency: int = 1,
             on_request: Callable[[dict[str, Any]], None] = lambda row: None,
             extra: dict[str, Any] | None = None,
-            pause: tuple[int, Callable[[], None]] | None = None) -> tuple[list[dict], dict]:
+            pause: tuple[int, Callable[[], None]] | None = None,
+            request_timeout: float = REQUEST_TIMEOUT_S) -> tuple[list[dict], dict]:
     """Every conversation's turns in order (conversations in parallel up to `concurrency`); returns the
-    per-request rows and the arm's P-side totals.
+    per-request rows and the arm's P-side totals. A request with no whole answer within `request_timeout`
+    (or an error answer) is a row with `error` and its seconds, and the conversation goes on without it.
 
     `pause` (turn, action): once every conversation has run that many turns, run the action (a prefill
     restart) before the rest. Rows after it are marked `after_pause`; P's counters are read on both sides
@@ -262,8 +292,21 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
         for turn in range(first, min(end, len(conv.user_turns))):
             messages = conv.messages_for(st["history"], turn)
             before = summed_metrics(ep.prefill) if exact else None
-            result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens,
-                          extra=extra)
+            sent = time.perf_counter()
+            try:
+                result = chat(ep, messages, conv.max_tokens[turn] if turn < len(conv.max_tokens) else max_tokens,
+                              timeout=request_timeout, extra=extra)
+            except (OSError, http.client.HTTPException, ValueError) as exc:    # OSError: URLError, timeouts
+                failed = {"arm": arm, "api": ep.api, "conversation": conv.id, "turn": turn + 1,
+                          "error": failure(exc), "latency_s": time.perf_counter() - sent}
+                if pause:
+                    failed["after_pause"] = after_pause
+                st["history"] = [*messages, {"role": "assistant", "content": NO_REPLY}]
+                st["previous"] = None      # D holds nothing this client can continue
+                with lock:
+                    rows.append(failed)
+                    on_request(failed)
+                continue
             deltas = prefill_deltas(before, summed_metrics(ep.prefill)) if exact else {}
             reusable = 0
             if st["previous"] is not None:

@@ -15,7 +15,7 @@ import yaml
 
 from pdserve.bench import report, vrouter
 from pdserve.bench.arms import ARMS, arm_config, deployed
-from pdserve.bench.run import API_PATHS, Endpoints, chat, run_arm, verbatim_token_ids
+from pdserve.bench.run import API_PATHS, REQUEST_TIMEOUT_S, Endpoints, chat, run_arm, verbatim_token_ids
 from pdserve.bench.workload import WORDS, Conversation, generate, load
 from pdserve.errors import NotRunningError, UsageError
 from pdserve.observe.promtext import api_key_of
@@ -46,6 +46,7 @@ class Settings:
     user_words: int = 60
     tool_words: int = 450
     system_words: int = 600
+    request_timeout: float = REQUEST_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def prepare(s: Settings) -> Session:
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream,
-            "api": s.api}
+            "api": s.api, "request_timeout_s": s.request_timeout}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
 
 
@@ -138,7 +139,8 @@ def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[d
         on_arm(arm.name)
         rows, session.totals[arm.name] = _run_one(arm, session.out, session.workload, on_request)
         session.rows += rows
-    s, w, rows = session.settings, session.workload, session.rows
+    s, w = session.settings, session.workload
+    rows = report.answered(session.rows)        # the failed requests count in per_arm only
     summary = report.summarize(rows)
     after_restart = report.after_pause(rows) if s.restart_after else None
     meta = {"config": str(s.config or BENCH_CONFIG) if not s.attach else s.attach,
@@ -146,10 +148,10 @@ def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[d
             "conversations": len(w.convs), "requests_per_arm": session.requests_per_arm,
             "concurrency": s.concurrency, "max_tokens": s.max_tokens, "seed": s.seed, "warmup_conversations": s.warmup,
             "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
-            "by_turn_size": report.by_turn_size(rows),
+            "by_turn_size": report.by_turn_size(rows), "per_arm": report.per_arm(session.rows),
             "host": report.host_facts(),
             **w.info, **({"after_prefill_restart": after_restart} if after_restart else {})}
-    files = report.write_files(session.out, meta, rows, summary, session.totals)
+    files = report.write_files(session.out, meta, session.rows, summary, session.totals)
     return Outcome(summary, meta, session.totals, after_restart, files)
 
 
@@ -181,14 +183,16 @@ def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], 
         ids = verbatim_token_ids(ep, WORDS)       # same model in every arm: the same ids
         w.info["verbatim_token_ids"] = ids
         extra = {"allowed_token_ids": ids}
+    timeout = w.info["request_timeout_s"]
     if w.warm:
-        run_arm(f"{arm}-warmup", ep, w.warm, w.max_tokens, 1, extra=extra)
+        run_arm(f"{arm}-warmup", ep, w.warm, w.max_tokens, 1, extra=extra, request_timeout=timeout)
     turn = w.info["restart_prefill_after_turn"]
 
     def restart() -> None:
         w.info.setdefault("prefill_restart_s", {})[arm] = restart_prefill(cluster_name, ep, w.note)
     pause = (turn, restart) if turn else None
-    return run_arm(arm, ep, w.convs, w.max_tokens, w.concurrency, on_request, extra=extra, pause=pause)
+    return run_arm(arm, ep, w.convs, w.max_tokens, w.concurrency, on_request, extra=extra, pause=pause,
+                   request_timeout=timeout)
 
 
 def restart_prefill(name: str, ep: Endpoints, note: Callable[[str], None]) -> float:

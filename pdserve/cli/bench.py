@@ -1,11 +1,14 @@
 """Measure what bidirectional KV reuse buys on a deployment, against what users run instead: for each arm
-(on, off, prefix-cache, affinity, vllm-router) bring the cluster up with that arm's settings, run the same
-deterministic multi-turn workload through the router, bring it down, and write results.json, results.csv
-and PNG plots to --out, with a summary per prompt-length bucket (TTFT p50/p90 per arm, each arm over on,
-share of reusable tokens pulled from D). `--restart-prefill-after-turn N` restarts the prefill servers
-mid-run. With no FILE it runs configs/bench-cpu.yaml (the CPU default with the larger `pdserve:mid`
-model). `--attach NAME` measures a running cluster instead (one arm, as it is). `--api` sends the workload
-as Anthropic Messages or OpenAI Responses requests instead of chat completions."""
+(on, timer, local, off, prefix-cache, affinity, vllm-router) bring the cluster up with that arm's settings,
+run the same deterministic multi-turn workload through the router, bring it down, and write results.json,
+results.csv and PNG plots to --out, with a summary per prompt-length bucket (TTFT p50/p90 per arm, each arm
+over on, share of reusable tokens pulled from D), and per arm TTFT p50/p99, the requests that failed (no
+whole answer within `--request-timeout`) or took over 10 s, and the reuse rate. `--restart-prefill-after-turn
+N` restarts the prefill servers mid-run. With no FILE it runs configs/bench-cpu.yaml (the CPU default with the
+larger `pdserve:mid` model); configs/bench-cpu-many.yaml has more conversations than D has room for
+(`--arms timer,on`: D's fixed timer against the router's held-KV budget). `--attach NAME` measures a running
+cluster instead (one arm, as it is). `--api` sends the workload as Anthropic Messages or OpenAI Responses
+requests instead of chat completions."""
 
 from __future__ import annotations
 
@@ -54,6 +57,10 @@ def command(
                                                   "(Anthropic /v1/messages) or responses (OpenAI /v1/responses, "
                                                   "store off); the same workload, its system prompt as "
                                                   "`system` / `instructions`."),
+    request_timeout: float = typer.Option(60.0, "--request-timeout", min=1.0,
+                                          help="Seconds a request may take before it counts as failed (its "
+                                               "conversation goes on without the reply), so a turn stalled "
+                                               "on D never hangs the bench."),
     restart_after: int = typer.Option(0, "--restart-prefill-after-turn", min=0,
                                       help="Restart every prefill server once all conversations have run this "
                                            "many turns (their caches are lost; D still holds the turns). 0: never."),
@@ -62,16 +69,36 @@ def command(
         config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
         verbatim=verbatim, restart_after=restart_after, stream=stream, api=api,
-        user_words=user_words, tool_words=tool_words, system_words=system_words))
+        user_words=user_words, tool_words=tool_words, system_words=system_words, request_timeout=request_timeout))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),
                             lambda row: progress.advance(task), note=console.info)
     _print_summary(outcome.summary, outcome.meta, outcome.totals)
     _print_by_turn_size(outcome.meta.get("by_turn_size") or {})
+    _print_per_arm(outcome.meta.get("per_arm") or {}, outcome.meta.get("request_timeout_s"))
     if outcome.after_restart:
         _print_after_restart(outcome.after_restart, restart_after)
     console.info("wrote " + ", ".join(str(f) for f in outcome.files))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _print_per_arm(arms: dict, timeout: float | None) -> None:
+    table = Table(title=f"Per arm: TTFT of the answered requests; failed = no whole answer within {timeout:g} s",
+                  title_justify="left")
+    for column in ("arm", "requests", "TTFT p50 (ms)", "TTFT p99 (ms)", "failed", "over 10 s", "failed or over 10 s",
+                   "follow-ups pulled from D", "reuse rate"):
+        table.add_column(column)
+    for arm, a in arms.items():
+        errors = ", ".join(f"{n} {kind}" for kind, n in a["failed_by_error"].items())
+        pulled = "-" if a["follow_ups_pulled"] is None else f"{a['follow_ups_pulled']} of {a['follow_ups']}"
+        table.add_row(arm, str(a["requests"]), _ms(a["ttft_p50_ms"]), _ms(a["ttft_p99_ms"]),
+                      f"{a['failed']} ({errors})" if errors else "0", str(a["over_10s"]), str(a["failed_or_over_10s"]),
+                      pulled, "-" if a["reuse_rate"] is None else f"{100 * a['reuse_rate']:.0f}%")
+    console.out.print(table)
 
 
 def _print_after_restart(after: dict, turn: int) -> None:
