@@ -23,7 +23,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body
 from pdserve.router.flow import Flow
-from pdserve.router.held import HeldKV, HttpControl
+from pdserve.router.held import HeldKV
+from pdserve.router.held_control import HttpControl
 from pdserve.router import http1 as lean_http
 from pdserve.router.turn import FAILED, TURN
 from pdserve.router.inputs import BadInput, read_json

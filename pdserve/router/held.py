@@ -32,6 +32,9 @@ this router process's, and the table is where it withdraws and renews). With a s
 replicas) an entry may be taken by another replica at any moment, so only what a turn of this replica took
 itself (single use: no other replica can have it) and did not use, and handles never stored, are released;
 the rest waits for D's timer, as before.
+
+The bookkeeping is held_ledger.py (no I/O), the calls to D and the lease's renewals held_control.py; HeldKV
+here wires them to the flow, the memory table and the metrics.
 """
 
 from __future__ import annotations
@@ -39,16 +42,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
-
+from pdserve.router.held_control import P_READ_MARGIN_S, Control, DecodeCalls, Lease
+from pdserve.router.held_ledger import Held, Ledger, held_tokens
 from pdserve.router.identity import Key
 from pdserve.router.policy import DECODE_ONLY
 from pdserve.router.reuse import ReuseEntry
@@ -66,232 +66,7 @@ RELEASE_REASONS = (LRU, REPLACED, EVICTED, EXPIRED, UNUSED, UNTRACKED)
 # MemoryTable's reasons for an entry that left it untaken -> the release's reason ("restart": none, D is new)
 TABLE_REASONS = {"replaced": REPLACED, "capacity": EVICTED, "expired": EXPIRED}
 RELEASED = "released"      # the miss reason of a turn whose entry the budget released
-
-CONTROL = "/pdserve/held"
-# P declines a read when its deadline is this close (vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN); a release of
-# blocks P may be reading waits as long (pdserve/engine/held.py's default grace).
-P_READ_MARGIN_S = 5.0
-CALL_TIMEOUT_S = 35.0      # D's control call waits up to 30 s for its engine
-MAX_IDS_PER_CALL = 1000
 TOMBSTONES = 100_000       # keys whose entry the budget released, remembered for the miss reason
-CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
-LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def capacity_of(metrics_text: str) -> tuple[int | None, int | None]:
-    """(KV capacity in tokens, block size) from a vLLM server's /metrics: `kv_cache_size_tokens` (vLLM's
-    group-aware count) or num_gpu_blocks x block_size of its `vllm:cache_config_info`, added over engines."""
-    capacity = 0
-    block_size: int | None = None
-    seen: set[str] = set()
-    for labels in CACHE_INFO.findall(metrics_text or ""):
-        info = dict(LABEL.findall(labels))
-        engine = info.get("engine", "")
-        if engine in seen:
-            continue
-        seen.add(engine)
-        size = _int(info.get("block_size"))
-        block_size = block_size or size
-        tokens = _int(info.get("kv_cache_size_tokens"))
-        blocks = _int(info.get("num_gpu_blocks"))
-        if tokens:
-            capacity += tokens
-        elif blocks and size:
-            capacity += blocks * size
-    return (capacity or None), block_size
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return int(value) if value not in (None, "", "None") else None
-    except ValueError:
-        return None
-
-
-def held_tokens(params: dict[str, Any], block_size: int | None) -> int:
-    """The KV a turn's handles hold on D, in tokens: whole blocks when D's block size is known."""
-    return _tokens(int(params.get("remote_num_tokens") or 0), _blocks(params), block_size)
-
-
-def _blocks(params: dict[str, Any]) -> int | None:
-    blocks = params.get("remote_block_ids") or []
-    first = blocks[0] if blocks and isinstance(blocks[0], list) else blocks
-    return len(first) if isinstance(first, list) and first else None
-
-
-def _tokens(num_tokens: int, blocks: int | None, block_size: int | None) -> int:
-    return blocks * block_size if blocks and block_size else num_tokens
-
-
-@dataclass(eq=False)
-class Held:
-    """One finished turn's blocks on a decode server, as the router knows them."""
-    request_id: str                     # D's remote_request_id (the control routes' id)
-    decode: str
-    tokens: int
-    used: float                         # router clock: when the turn was stored (its last use)
-    expires: float = math.inf           # router clock: the table's expiry (renewed by the lease)
-    key: Key | None = None              # its key while in the table; None once a turn took it
-    deadline: float | None = None       # D's clock: remote_blocks_expiry_time (as renewed)
-    num_tokens: int = 0                 # remote_num_tokens
-    blocks: int | None = None           # blocks of its first KV-cache group
-
-    @property
-    def in_table(self) -> bool:
-        return self.key is not None
-
-
-@dataclass
-class DecodeHeld:
-    """What one decode server holds for this router, least recently used first."""
-    name: str
-    capacity: int | None = None         # KV capacity in tokens (learned from its /metrics)
-    block_size: int | None = None
-    control: bool | None = None         # it answers the control routes (None: not asked yet)
-    engine: Any = None                  # engine id its entries came from
-    tokens: int = 0
-    entries: OrderedDict[str, Held] = field(default_factory=OrderedDict)
-
-
-class Ledger:
-    """The policy, without I/O: held tokens per decode server, the budget's victims, the lease's due entries."""
-
-    def __init__(self, share: float, lease: float, clock: Callable[[], float] = time.monotonic):
-        self.share = share
-        self.lease = lease
-        self.clock = clock
-        self.decodes: dict[str, DecodeHeld] = {}
-        self.by_id: dict[str, Held] = {}
-
-    def decode(self, name: str) -> DecodeHeld:
-        d = self.decodes.get(name)
-        if d is None:
-            d = self.decodes[name] = DecodeHeld(name)
-        return d
-
-    def budget(self, name: str) -> int | None:
-        """Tokens the router's entries may hold on this D; None when not enforced (capacity not known yet,
-        no share, or D cannot release)."""
-        d = self.decode(name)
-        if not d.capacity or self.share <= 0 or d.control is False:
-            return None
-        return int(d.capacity * self.share)
-
-    def add(self, key: Key | None, params: dict[str, Any], decode: str, expires: float = math.inf) -> Held | None:
-        rid = params.get("remote_request_id")
-        if not isinstance(rid, str) or not rid:
-            return None
-        self.remove(rid)
-        d = self.decode(decode)
-        deadline = params.get("remote_blocks_expiry_time")
-        held = Held(rid, decode, held_tokens(params, d.block_size), self.clock(), expires, key,
-                    float(deadline) if isinstance(deadline, int | float) else None,
-                    int(params.get("remote_num_tokens") or 0), _blocks(params))
-        d.entries[rid] = held
-        d.tokens += held.tokens
-        self.by_id[rid] = held
-        return held
-
-    def learned(self, name: str, capacity: int, block_size: int | None) -> None:
-        """D's capacity and block size: what its entries hold is counted again in whole blocks."""
-        d = self.decode(name)
-        d.capacity, d.block_size = capacity, block_size
-        for held in d.entries.values():
-            d.tokens -= held.tokens
-            held.tokens = _tokens(held.num_tokens, held.blocks, block_size)
-            d.tokens += held.tokens
-
-    def remove(self, request_id: str) -> Held | None:
-        held = self.by_id.pop(request_id, None)
-        if held is not None:
-            d = self.decode(held.decode)
-            if d.entries.pop(request_id, None) is not None:
-                d.tokens -= held.tokens
-        return held
-
-    def take(self, request_id: str) -> Held | None:
-        """A turn took the entry: out of the table (never a victim, never renewed), still held on D."""
-        held = self.by_id.get(request_id)
-        if held is not None:
-            held.key = None
-        return held
-
-    def forget_decode(self, name: str) -> list[Held]:
-        d = self.decode(name)
-        gone = list(d.entries.values())
-        for held in gone:
-            self.by_id.pop(held.request_id, None)
-        d.entries.clear()
-        d.tokens = 0
-        return gone
-
-    def over_budget(self, name: str) -> list[Held]:
-        """The entries to release so that D's held tokens fit its budget: in the table, least recently used
-        first (the newest last: a turn larger than the whole budget goes too). Removed from the ledger."""
-        budget = self.budget(name)
-        d = self.decode(name)
-        if budget is None or d.tokens <= budget:
-            return []
-        victims = []
-        for held in list(d.entries.values()):
-            if d.tokens <= budget:
-                break
-            if held.in_table:
-                victims.append(held)
-                self.remove(held.request_id)
-        return victims
-
-    def under_budget(self, name: str) -> bool:
-        budget = self.budget(name)
-        return budget is not None and self.decode(name).tokens <= budget
-
-    def due(self, lead: float) -> list[Held]:
-        """Entries to renew now: in the table, the router's expiry within `lead`, used less than `lease` ago,
-        their D able to renew and under its budget (pressure wins over leases)."""
-        if self.lease <= 0:
-            return []
-        now = self.clock()
-        out = []
-        for d in self.decodes.values():
-            if d.control is not True or not self.under_budget(d.name):
-                continue
-            out += [h for h in d.entries.values() if h.in_table and h.deadline is not None
-                    and h.expires - now <= lead and now - h.used < self.lease]
-        return out
-
-
-class Control(Protocol):
-    """D's control routes and /metrics (HTTP in the router; a fake in unit tests)."""
-
-    async def call(self, decode: str, method: str, path: str, body: dict[str, Any] | None = None
-                   ) -> tuple[int, Any]: ...
-
-
-class HttpControl:
-    """The control routes over the router's HTTP session, with the router's API key (D's routes check it)."""
-
-    def __init__(self, session: aiohttp.ClientSession, urls: Callable[[str], str | None], auth: dict[str, str]):
-        self.session = session
-        self.urls = urls
-        self.auth = auth
-        self.timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
-
-    async def call(self, decode: str, method: str, path: str, body: dict[str, Any] | None = None
-                   ) -> tuple[int, Any]:
-        url = self.urls(decode)
-        if url is None:
-            return 0, None
-        try:
-            async with self.session.request(method, url + path, json=body, headers=self.auth,
-                                            timeout=self.timeout) as resp:
-                if path == "/metrics":
-                    return resp.status, await resp.text()
-                try:
-                    return resp.status, await resp.json(content_type=None)
-                except ValueError:
-                    return resp.status, None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return 0, None
 
 
 class TurnFacts(Protocol):
@@ -302,27 +77,25 @@ class TurnFacts(Protocol):
     pulled: int | None
 
 
+
 class HeldKV:
-    """The ledger wired to the router: hooks for the flow and the memory table, calls to D, the metrics, and
-    the background task (capacity, the lease)."""
+    """The ledger wired to the router: hooks for the flow and the memory table, the metrics, and the
+    background task (capacity, the lease); the calls to D go through DecodeCalls, the renewals through Lease."""
 
     def __init__(self, cfg: Any, decodes: list[str], metrics: Any, control: Control,
                  clock: Callable[[], float] = time.monotonic):
         self.on = bool(cfg.held_kv and cfg.bidirectional_kv_xfer)
         self.cfg = cfg
         self.metrics = metrics
-        self.control = control
         self.clock = clock
         self.ledger = Ledger(cfg.held_kv_share, cfg.held_kv_lease, clock)
+        self.calls = DecodeCalls(control, self.ledger, metrics)
+        self.lease = Lease(cfg, self.ledger, self.calls, metrics, clock, self._show)
         self.table: Any = None                 # the MemoryTable (budget and lease need it)
         self.turns: dict[str, Held] = {}       # turn request id -> the entry it took
         self.tombstones: OrderedDict[Key, None] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
         self.learning: dict[str, asyncio.Task] = {}
-        self.said: set[tuple[str, str]] = set()   # (decode, what) said once in the log
-        self.tick = min(5.0, max(0.2, cfg.reuse_ttl / 8))    # the lease's round
-        self.lead = 3 * self.tick                              # renew this long before the router's expiry
-        self.read_margin = P_READ_MARGIN_S
         for name in decodes:
             self.ledger.decode(name)
         if self.on:
@@ -330,12 +103,6 @@ class HeldKV:
                 metrics.held_releases.labels(reason)
             for name in decodes:
                 metrics.held_tokens.labels(name).set(0)
-
-    @property
-    def margin(self) -> float:
-        """The router keeps a renewed entry until this long before D's new deadline (as reuse_ttl does before
-        D's first one), and at least P's read margin and a round: P declines reads that close to it."""
-        return max(self.cfg.decoder_kv_blocks_ttl - self.cfg.reuse_ttl, self.read_margin + self.tick)
 
     # -- wiring --------------------------------------------------------------------------------------
     def attach(self, store: Any) -> bool:
@@ -453,55 +220,14 @@ class HeldKV:
         self.ledger.forget_decode(decode)
         d = self.ledger.decode(decode)
         d.capacity = d.block_size = d.control = None
-        self.said = {s for s in self.said if s[0] != decode}
+        self.calls.forget(decode)
         self._show(decode)
 
     # -- calls to D ----------------------------------------------------------------------------------
     def _release(self, decode: str, ids: list[str], reason: str, grace: float) -> None:
         if self.ledger.decode(decode).control is False:
             return
-        self._spawn(self._post_release(decode, ids, reason, grace))
-
-    async def _post_release(self, decode: str, ids: list[str], reason: str, grace: float) -> None:
-        for start in range(0, len(ids), MAX_IDS_PER_CALL):
-            part = ids[start:start + MAX_IDS_PER_CALL]
-            status, answer = await self.control.call(decode, "POST", CONTROL + "/release",
-                                                     {"request_ids": part, "grace": grace})
-            if not self._answered(decode, "release", status):
-                return
-            results = (answer or {}).get("results") or {}
-            self.metrics.held_releases.labels(reason).inc(len(part))
-            log.debug("released %d held turns on %s (%s, grace %g s): %s", len(part), decode, reason, grace,
-                      {rid: (r or {}).get("status") for rid, r in results.items()})
-
-    def _answered(self, decode: str, op: str, status: int) -> bool:
-        """Whether D answered the control call; a server without the routes is said once and left alone."""
-        d = self.ledger.decode(decode)
-        if status == 200:
-            if d.control is not True:
-                d.control = True
-                self.metrics.held_control.labels(decode).set(1)
-            return True
-        if status in (404, 405, 501):
-            self._no_control(decode, f"HTTP {status} on {CONTROL}")
-        else:
-            self.metrics.held_failures.labels(op).inc()
-            if (decode, op) not in self.said:
-                self.said.add((decode, op))
-                log.warning("held KV %s on %s failed (%s): D frees those blocks at its own timer",
-                            op, decode, f"HTTP {status}" if status else "no answer")
-        return False
-
-    def _no_control(self, decode: str, why: str) -> None:
-        d = self.ledger.decode(decode)
-        d.control = False
-        self.metrics.held_control.labels(decode).set(0)
-        self.metrics.held_budget.labels(decode).set(0)
-        if (decode, "control") not in self.said:
-            self.said.add((decode, "control"))
-            log.warning("decode server %s has no held-KV control (%s): its held KV is not budgeted, released or "
-                        "renewed, and it keeps every turn decoder_kv_blocks_ttl; run it through pdserve's entry "
-                        "(bidirectional_kv_xfer on) for the control routes", decode, why)
+        self._spawn(self.calls.release(decode, ids, reason, grace))
 
     def _learn_soon(self, decode: str) -> None:
         task = self.learning.get(decode)
@@ -512,23 +238,15 @@ class HeldKV:
         """D's KV capacity (its /metrics) and whether it answers the control routes; then the budget holds."""
         d = self.ledger.decode(decode)
         if d.capacity is None:
-            status, text = await self.control.call(decode, "GET", "/metrics")
-            if status != 200 or not isinstance(text, str):
-                return          # not up yet: the next tick asks again
-            capacity, block_size = capacity_of(text)
-            if capacity is None:
-                self.metrics.held_failures.labels("capacity").inc()
-                if (decode, "capacity") not in self.said:
-                    self.said.add((decode, "capacity"))
-                    log.warning("decode server %s: no KV capacity in its /metrics (vllm:cache_config_info): its "
-                                "held KV is not budgeted", decode)
-                return
+            learned = await self.calls.capacity(decode)
+            if learned is None:
+                return          # not up yet (the next tick asks again), or no capacity in its /metrics
+            capacity, block_size = learned
             self.ledger.learned(decode, capacity, block_size)
             self.metrics.held_capacity.labels(decode).set(capacity)
             self._show(decode)
         if d.control is None:
-            status, _ = await self.control.call(decode, "GET", CONTROL)
-            self._answered(decode, "list", status)
+            await self.calls.probe(decode)
         budget = self.ledger.budget(decode)
         if budget is not None:
             self.metrics.held_budget.labels(decode).set(budget)
@@ -540,44 +258,7 @@ class HeldKV:
         """Renew the entries the lease keeps (one call per D); the renewed deadline goes to P from now on."""
         if not self.budgeted:
             return 0
-        by_decode: dict[str, list[Held]] = {}
-        for held in self.ledger.due(self.lead):
-            by_decode.setdefault(held.decode, []).append(held)
-        done = await asyncio.gather(*(self._renew(d, hs) for d, hs in by_decode.items()))
-        return sum(done)
-
-    async def _renew(self, decode: str, entries: list[Held]) -> int:
-        sent = self.clock()
-        ttl = self.cfg.decoder_kv_blocks_ttl
-        renewed = 0
-        for start in range(0, len(entries), MAX_IDS_PER_CALL):
-            part = entries[start:start + MAX_IDS_PER_CALL]
-            status, answer = await self.control.call(decode, "POST", CONTROL + "/renew",
-                                                     {"request_ids": [h.request_id for h in part], "ttl": ttl})
-            if not self._answered(decode, "renew", status) or not isinstance(answer, dict):
-                return renewed
-            now_d = answer.get("now")
-            results = answer.get("results") or {}
-            for held in part:
-                r = results.get(held.request_id) or {}
-                if r.get("status") == "renewed" and isinstance(r.get("deadline"), int | float) \
-                        and isinstance(now_d, int | float):
-                    renewed += self._renewed(held, float(r["deadline"]), sent + (r["deadline"] - now_d) - self.margin)
-                elif held.in_table and self.ledger.by_id.get(held.request_id) is held:
-                    # D no longer holds it (its timer, or it restarted): no turn may be handed it.
-                    self.ledger.remove(held.request_id)
-                    self.table.withdraw(held.key, held.request_id)
-                    self._show(decode)
-        return renewed
-
-    def _renewed(self, held: Held, deadline: float, expires: float) -> int:
-        if not held.in_table or self.ledger.by_id.get(held.request_id) is not held:
-            return 0        # taken (P got the old deadline: still valid) or released meanwhile
-        if not self.table.renewed(held.key, held.request_id, deadline, expires):
-            return 0
-        held.deadline, held.expires = deadline, expires
-        self.metrics.held_renewals.inc()
-        return 1
+        return await self.lease.renew_due(self.table)
 
     # -- background ----------------------------------------------------------------------------------
     async def forever(self) -> None:
@@ -592,7 +273,8 @@ class HeldKV:
                 await self.renew_due()
             except Exception:   # noqa: BLE001 - the lease must never stop
                 log.exception("held KV lease round failed")
-            await asyncio.sleep(self.tick)
+            await asyncio.sleep(self.lease.tick)
+
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

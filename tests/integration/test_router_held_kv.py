@@ -122,7 +122,7 @@ async def test_a_conversation_idle_past_ds_timer_still_reuses_while_d_has_room(l
                           decode_args=(["--held-ttl", "2", "--kv-capacity", str(CAPACITY)],),
                           decoder_kv_blocks_ttl=2.0, reuse_ttl=1.5, held_kv_lease=lease) as dep:
         held = dep.router[FLOW].held
-        held.read_margin = 0.3
+        held.lease.read_margin = 0.3
         d, p = dep.decode[0][FAKE], dep.prefill[0][FAKE]
         history: list = []
         await turn(dep, 0, history, 1)

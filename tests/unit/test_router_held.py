@@ -1,5 +1,6 @@
-"""The held-KV ledger's policy (router/held.py) with fakes: the budget's victims, what is released when and with
-which grace, the lease, and what is never released (an entry handed to P, a restarted server's)."""
+"""The held-KV ledger's policy (router/held.py, held_ledger.py, held_control.py) with fakes: the budget's
+victims, what is released when and with which grace, the lease, and what is never released (an entry handed to
+P, a restarted server's)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.held import (CONTROL, LRU, P_READ_MARGIN_S, RELEASED, HeldKV, Ledger, capacity_of,
-                                 held_tokens)
+from pdserve.router.held import LRU, RELEASED, HeldKV
+from pdserve.router.held_control import CONTROL, P_READ_MARGIN_S
+from pdserve.router.held_ledger import Ledger, capacity_of, held_tokens
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.store_memory import MemoryTable
 
@@ -247,11 +249,11 @@ async def test_the_lease_renews_before_the_routers_expiry_and_hands_p_the_new_de
     put(table, control, clock, "b", "rb", 100)
     control.held.discard("rb")                          # D let rb go (its timer)
     assert await held.renew_due() == 0                  # not due yet
-    clock.t += 432 - held.lead + 1
+    clock.t += 432 - held.lease.lead + 1
     assert await held.renew_due() == 1
     entry = table._entries[("t", "a")]
     assert entry.params["remote_blocks_expiry_time"] == control.now + 480   # what P is handed from now on
-    assert entry.expires == pytest.approx(clock.t + 480 - held.margin)
+    assert entry.expires == pytest.approx(clock.t + 480 - held.lease.margin)
     assert ("t", "b") not in table._entries             # D no longer holds it: no turn may be handed it
     assert sample(metrics, "pdserve_router_held_kv_renewals_total") == 1
     clock.t += 432

@@ -1,0 +1,200 @@
+"""The held-KV bookkeeping, without I/O (held.py wires it to the router): D's KV capacity read from its
+/metrics, the blocks each decode server holds for this router's entries, the budget's victims and the lease's
+due entries."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.router.identity import Key
+
+CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def capacity_of(metrics_text: str) -> tuple[int | None, int | None]:
+    """(KV capacity in tokens, block size) from a vLLM server's /metrics: `kv_cache_size_tokens` (vLLM's
+    group-aware count) or num_gpu_blocks x block_size of its `vllm:cache_config_info`, added over engines."""
+    capacity = 0
+    block_size: int | None = None
+    seen: set[str] = set()
+    for labels in CACHE_INFO.findall(metrics_text or ""):
+        info = dict(LABEL.findall(labels))
+        engine = info.get("engine", "")
+        if engine in seen:
+            continue
+        seen.add(engine)
+        size = _int(info.get("block_size"))
+        block_size = block_size or size
+        tokens = _int(info.get("kv_cache_size_tokens"))
+        blocks = _int(info.get("num_gpu_blocks"))
+        if tokens:
+            capacity += tokens
+        elif blocks and size:
+            capacity += blocks * size
+    return (capacity or None), block_size
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def held_tokens(params: dict[str, Any], block_size: int | None) -> int:
+    """The KV a turn's handles hold on D, in tokens: whole blocks when D's block size is known."""
+    return _tokens(int(params.get("remote_num_tokens") or 0), _blocks(params), block_size)
+
+
+def _blocks(params: dict[str, Any]) -> int | None:
+    blocks = params.get("remote_block_ids") or []
+    first = blocks[0] if blocks and isinstance(blocks[0], list) else blocks
+    return len(first) if isinstance(first, list) and first else None
+
+
+def _tokens(num_tokens: int, blocks: int | None, block_size: int | None) -> int:
+    return blocks * block_size if blocks and block_size else num_tokens
+
+
+@dataclass(eq=False)
+class Held:
+    """One finished turn's blocks on a decode server, as the router knows them."""
+    request_id: str                     # D's remote_request_id (the control routes' id)
+    decode: str
+    tokens: int
+    used: float                         # router clock: when the turn was stored (its last use)
+    expires: float = math.inf           # router clock: the table's expiry (renewed by the lease)
+    key: Key | None = None              # its key while in the table; None once a turn took it
+    deadline: float | None = None       # D's clock: remote_blocks_expiry_time (as renewed)
+    num_tokens: int = 0                 # remote_num_tokens
+    blocks: int | None = None           # blocks of its first KV-cache group
+
+    @property
+    def in_table(self) -> bool:
+        return self.key is not None
+
+
+@dataclass
+class DecodeHeld:
+    """What one decode server holds for this router, least recently used first."""
+    name: str
+    capacity: int | None = None         # KV capacity in tokens (learned from its /metrics)
+    block_size: int | None = None
+    control: bool | None = None         # it answers the control routes (None: not asked yet)
+    engine: Any = None                  # engine id its entries came from
+    tokens: int = 0
+    entries: OrderedDict[str, Held] = field(default_factory=OrderedDict)
+
+
+class Ledger:
+    """The policy, without I/O: held tokens per decode server, the budget's victims, the lease's due entries."""
+
+    def __init__(self, share: float, lease: float, clock: Callable[[], float] = time.monotonic):
+        self.share = share
+        self.lease = lease
+        self.clock = clock
+        self.decodes: dict[str, DecodeHeld] = {}
+        self.by_id: dict[str, Held] = {}
+
+    def decode(self, name: str) -> DecodeHeld:
+        d = self.decodes.get(name)
+        if d is None:
+            d = self.decodes[name] = DecodeHeld(name)
+        return d
+
+    def budget(self, name: str) -> int | None:
+        """Tokens the router's entries may hold on this D; None when not enforced (capacity not known yet,
+        no share, or D cannot release)."""
+        d = self.decode(name)
+        if not d.capacity or self.share <= 0 or d.control is False:
+            return None
+        return int(d.capacity * self.share)
+
+    def add(self, key: Key | None, params: dict[str, Any], decode: str, expires: float = math.inf) -> Held | None:
+        rid = params.get("remote_request_id")
+        if not isinstance(rid, str) or not rid:
+            return None
+        self.remove(rid)
+        d = self.decode(decode)
+        deadline = params.get("remote_blocks_expiry_time")
+        held = Held(rid, decode, held_tokens(params, d.block_size), self.clock(), expires, key,
+                    float(deadline) if isinstance(deadline, int | float) else None,
+                    int(params.get("remote_num_tokens") or 0), _blocks(params))
+        d.entries[rid] = held
+        d.tokens += held.tokens
+        self.by_id[rid] = held
+        return held
+
+    def learned(self, name: str, capacity: int, block_size: int | None) -> None:
+        """D's capacity and block size: what its entries hold is counted again in whole blocks."""
+        d = self.decode(name)
+        d.capacity, d.block_size = capacity, block_size
+        for held in d.entries.values():
+            d.tokens -= held.tokens
+            held.tokens = _tokens(held.num_tokens, held.blocks, block_size)
+            d.tokens += held.tokens
+
+    def remove(self, request_id: str) -> Held | None:
+        held = self.by_id.pop(request_id, None)
+        if held is not None:
+            d = self.decode(held.decode)
+            if d.entries.pop(request_id, None) is not None:
+                d.tokens -= held.tokens
+        return held
+
+    def take(self, request_id: str) -> Held | None:
+        """A turn took the entry: out of the table (never a victim, never renewed), still held on D."""
+        held = self.by_id.get(request_id)
+        if held is not None:
+            held.key = None
+        return held
+
+    def forget_decode(self, name: str) -> list[Held]:
+        d = self.decode(name)
+        gone = list(d.entries.values())
+        for held in gone:
+            self.by_id.pop(held.request_id, None)
+        d.entries.clear()
+        d.tokens = 0
+        return gone
+
+    def over_budget(self, name: str) -> list[Held]:
+        """The entries to release so that D's held tokens fit its budget: in the table, least recently used
+        first (the newest last: a turn larger than the whole budget goes too). Removed from the ledger."""
+        budget = self.budget(name)
+        d = self.decode(name)
+        if budget is None or d.tokens <= budget:
+            return []
+        victims = []
+        for held in list(d.entries.values()):
+            if d.tokens <= budget:
+                break
+            if held.in_table:
+                victims.append(held)
+                self.remove(held.request_id)
+        return victims
+
+    def under_budget(self, name: str) -> bool:
+        budget = self.budget(name)
+        return budget is not None and self.decode(name).tokens <= budget
+
+    def due(self, lead: float) -> list[Held]:
+        """Entries to renew now: in the table, the router's expiry within `lead`, used less than `lease` ago,
+        their D able to renew and under its budget (pressure wins over leases)."""
+        if self.lease <= 0:
+            return []
+        now = self.clock()
+        out = []
+        for d in self.decodes.values():
+            if d.control is not True or not self.under_budget(d.name):
+                continue
+            out += [h for h in d.entries.values() if h.in_table and h.deadline is not None
+                    and h.expires - now <= lead and now - h.used < self.lease]
+        return out
