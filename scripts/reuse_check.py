@@ -1,7 +1,8 @@
 """Does every follow-up turn of a real client reuse D's KV? Run against any running pdserve cluster.
 
 N conversations of T turns from an official SDK (streamed by default), C conversations at a time, no
-conversation id: the router has to recognise each history, as it must for an unmodified client. `--api`
+conversation id: the router has to recognise each history, as it must for an unmodified client (with
+--rewrite-replies, one that sends each reply back reformatted). `--api`
 picks the wire format: chat (`openai`, /v1/chat/completions), messages (`anthropic`, /v1/messages, the
 reply sent back as the assistant message's content blocks) or responses (`openai`, /v1/responses with
 store=False, the reply's output items sent back in `input`).
@@ -172,8 +173,28 @@ async def conversation(client, model: str, index: int, args, rows: list[dict], g
             first = f", first text {t.first_ms:.0f} ms" if t.first_ms is not None else ""
             print(f"conversation {index:3d} turn {turn}: prompt {t.prompt} pulled {t.pulled} reusable "
                   f"{previous_prompt} ({row['ms']:.0f} ms{first})", file=sys.stderr, flush=True)
-            history.extend(t.reply)
+            history.extend(rewritten(t.reply) if args.rewrite_replies else t.reply)
             previous_prompt = t.prompt
+
+
+def _edit(text: str) -> str:
+    return " ".join(text.split()) + " (edited)"
+
+
+def rewritten(reply: list[dict]) -> list[dict]:
+    """The reply as an agent that reformats what it keeps sends it back: whitespace collapsed, a note added
+    to every text (chat content, Anthropic text blocks, Responses output_text parts)."""
+    out = []
+    for item in reply:
+        item = dict(item)
+        content = item.get("content")
+        if isinstance(content, str):
+            item["content"] = _edit(content)
+        elif isinstance(content, list):
+            item["content"] = [{**part, "text": _edit(part["text"])} if part.get("type") in ("text", "output_text")
+                               else part for part in content]
+        out.append(item)
+    return out
 
 
 def reused(row: dict, min_share: float) -> bool:
@@ -233,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-url", action="append", default=[], help="a prefill server, to read its /metrics")
     p.add_argument("--api-key-env", help="env var holding the router's API key")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rewrite-replies", action="store_true",
+                   help="send each reply back rewritten (whitespace collapsed, a note added): the router finds "
+                        "the turn by its prompt, and the reusable tokens are the previous prompt's")
     p.add_argument("--json", action="store_true", help="per-turn rows and the summary as JSON on stdout")
     return asyncio.run(main_async(p.parse_args(argv)))
 

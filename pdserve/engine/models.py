@@ -20,11 +20,12 @@ import tempfile
 from pathlib import Path
 
 # Bump when the build recipe changes so existing dirs are rebuilt, not reused.
-MODELGEN_VERSION = 1
+MODELGEN_VERSION = 2   # 2: the model's vocabulary is the tokenizer's (mid had 1,591 ids no token decodes to)
 MARKER = ".pdserve-model.json"
 
 # Qwen2Config keyword arguments. Head dim is 64 in both; GQA (fewer KV heads)
-# keeps KV-cache shapes realistic for transfer tests.
+# keeps KV-cache shapes realistic for transfer tests. vocab_size is the BPE's target: the model gets the
+# tokenizer's actual size (the training text gives mid 2,505), so every id it generates decodes to text.
 BUILTIN_MODELS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=1024, max_position_embeddings=16384),
@@ -134,7 +135,7 @@ def _build(kind: str, out: Path) -> None:
     spec = BUILTIN_MODELS[kind]
     tokenizer = _build_tokenizer(spec["vocab_size"], spec["max_position_embeddings"])
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2Config(**spec, tie_word_embeddings=True, dtype="bfloat16",
+    config = Qwen2Config(**{**spec, "vocab_size": len(tokenizer)}, tie_word_embeddings=True, dtype="bfloat16",
                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                          pad_token_id=ids["<|endoftext|>"], architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(0)  # same seed -> same init -> byte-identical safetensors

@@ -31,3 +31,20 @@ def test_ensure_model_tiny_is_deterministic(tmp_path):
     assert digests(a) == digests(b)
     assert ensure_model("tiny", tmp_path / "a") == a  # second call reuses, no rebuild
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["tiny"]  # no temp dirs left
+
+
+@pytest.mark.slow  # builds the mid model: ~10 s
+def test_every_id_a_builtin_model_can_generate_is_a_token(tmp_path):
+    """The model's vocabulary is the tokenizer's: an id beyond it decodes to nothing (empty replies)."""
+    pytest.importorskip("transformers")
+    import json
+
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.models import ensure_model
+
+    path = ensure_model("mid", tmp_path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert vocab == len(tokenizer)
+    assert all(tokenizer.decode([i]) for i in range(3, vocab))
