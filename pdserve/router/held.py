@@ -202,8 +202,11 @@ class HeldKV:
         released = []
         for held in victims:
             # Out of the table first: no turn can take it (and hand it to P) once its release is sent.
-            if held.key is not None and self.table.withdraw(held.key, held.request_id) is not None:
+            entry = self.table.withdraw(held.key, held.request_id) if held.key is not None else None
+            if entry is not None:
                 self._tombstone(held.key)
+                if entry.alias is not None:      # its prompt's key: a client that rewrote the reply looks there
+                    self._tombstone(entry.alias)
                 released.append(held.request_id)
         self._show(decode)
         if released:

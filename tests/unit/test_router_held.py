@@ -97,7 +97,7 @@ def put(table: MemoryTable, control: FakeControl, clock: Clock, conv: str, rid: 
         decode: str = "d0", engine: str = "e1") -> None:
     clock.t += 1
     control.held.add(rid)
-    table.put(("t", conv), params(rid, tokens, engine), decode, 0, None)
+    table.put(("t", conv), params(rid, tokens, engine), decode, 0, None, alias=("t", "prompt-" + conv))
 
 
 def sample(metrics: RouterMetrics, name: str, **labels) -> float:
@@ -192,6 +192,8 @@ async def test_an_lru_victim_leaves_the_table_first_is_released_at_once_and_its_
     entry, why = table.take_first([("t", "c0")])
     assert held.taken(FakeTurn("turn3"), [("t", "c0")], entry, why) == RELEASED
     assert held.taken(FakeTurn("turn4"), [("t", "c0")], None, "no_entry") == "no_entry"   # said once
+    # a client that rewrote c0's reply looks for it by its prompt: released too
+    assert held.taken(FakeTurn("turn5"), [("t", "x"), ("t", "prompt-c0")], None, "no_entry") == RELEASED
 
 
 @pytest.mark.parametrize("turn, grace", [
