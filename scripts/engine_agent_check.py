@@ -24,21 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from vllm_pair import Pair, PairCheck, run_checks  # noqa: E402
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
 from pdserve.router.wire import PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY  # noqa: E402
@@ -106,16 +101,6 @@ API = {  # path, body maker, its token limit key, usage's prompt-token key
 }
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def post(url: str, body: dict, timeout: float = 180) -> tuple[int, str]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -160,102 +145,20 @@ def external(url: str) -> float:
     return total(samples, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
 
 
-class Pair:
-    """P and D started from `pdserve plan --json`, each in its own process group."""
+class AgentPair(Pair):
+    """The pair with the planner's tool-call flags (added when the plan lacks them)."""
 
-    def __init__(self, start_timeout: float):
-        self.start_timeout = start_timeout
-        self.dir = Path(tempfile.mkdtemp(prefix="engine-agent-check-"))
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
-        self.urls: dict[str, str] = {}
+    def __init__(self, start_timeout: float, name: str = "engine-agent-check"):
+        super().__init__(name, start_timeout)
 
-    def config(self) -> Path:
-        cfg = yaml.safe_load((ROOT / "configs" / "local-cpu.yaml").read_text())
-        ports = free_ports(5)
-        cfg["name"] = "engine-agent-check"
-        cfg["router"]["port"] = ports[4]
-        cfg["prefill"].update(port=ports[0], nixl_side_channel_port=ports[1])
-        cfg["decode"].update(port=ports[2], nixl_side_channel_port=ports[3])
-        path = self.dir / "cluster.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        return path
-
-    def start(self) -> None:
-        from pdserve.engine.models import ensure_model
-        from pdserve.state.folder import models_dir
-        res = subprocess.run([sys.executable, "-m", "pdserve", "plan", str(self.config()), "--json"],
-                             capture_output=True, text=True, timeout=300, cwd=ROOT)
-        try:
-            plan = json.loads(res.stdout)
-        except ValueError:
-            raise RuntimeError(f"pdserve plan failed: {res.stdout[-1500:]} {res.stderr[-1500:]}") from None
-        if plan.get("builtin_model"):
-            ensure_model(plan["builtin_model"], models_dir())
-        for proc in plan["processes"]:
-            if proc["role"] not in ("prefill", "decode"):
-                continue
-            argv = list(proc["argv"])
-            if not any(a.split("=", 1)[0] == "--tool-call-parser" for a in argv):
-                argv += TOOL_ARGS
-            print(f"{proc['role']}: {' '.join(argv[1:4])} ... {' '.join(argv[-8:])}", flush=True)
-            log = self.dir / f"{proc['name']}.log"
-            self.logs[proc["role"]] = log
-            self.urls[proc["role"]] = f"http://{proc['host']}:{proc['port']}"
-            with open(log, "wb") as out:
-                self.procs[proc["role"]] = subprocess.Popen(argv, env={**os.environ, **proc["env"]}, stdout=out,
-                                                            stderr=subprocess.STDOUT, start_new_session=True,
-                                                            cwd=ROOT)
-        deadline = time.monotonic() + self.start_timeout
-        for role in ("prefill", "decode"):
-            while True:
-                if self.procs[role].poll() is not None:
-                    raise RuntimeError(f"{role} exited {self.procs[role].returncode}: "
-                                       f"{self.logs[role].read_text(errors='replace')[-3000:]}")
-                try:
-                    with urllib.request.urlopen(self.urls[role] + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{role} not healthy in {self.start_timeout} s")
-                time.sleep(1)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 30
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:       # the group: vLLM's engine core and workers outlive a dead API server otherwise
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
-
-    def entry_lines(self, role: str) -> list[str]:
-        return sorted({line.strip() for line in self.logs[role].read_text(errors="replace").splitlines()
-                       if line.startswith("pdserve-entry:")})
+    def command(self, role: str, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        if not any(a.split("=", 1)[0] == "--tool-call-parser" for a in argv):
+            argv += TOOL_ARGS
+        print(f"{role}: {' '.join(argv[1:4])} ... {' '.join(argv[-8:])}", flush=True)
+        return argv, env
 
 
-class Check:
-    def __init__(self, pair: Pair):
-        self.p, self.d = pair.urls["prefill"], pair.urls["decode"]
-        self.results: list[tuple[str, bool, str]] = []
-        self.figures: dict = {}
-
-    def ok(self, name: str, cond: bool, detail: str = "") -> bool:
-        self.results.append((name, bool(cond), detail))
-        print(f"[{'ok' if cond else 'FAIL'}] {name}{': ' + detail if detail else ''}", flush=True)
-        return bool(cond)
-
+class Check(PairCheck):
     def render(self, api: str, body: dict) -> list[int]:
         status, out = post_json(self.p + API[api][0] + "/render", body)
         self.ok(f"{api}: /render answers", status == 200 and isinstance(out.get("token_ids"), list),
@@ -336,37 +239,29 @@ class Check:
                 f"{(p2.get('kv_transfer_params') or {}).get(PULLED_KEY)})")
 
 
+def checks(pair: Pair) -> Check:
+    check = Check(pair)
+    check.ok("entry added --enable-scale-out", all(
+        any("render endpoints: --enable-scale-out added" in line for line in pair.entry_lines(role))
+        for role in ("prefill", "decode")))
+    check.chat_render()
+    for api in ("messages", "responses"):
+        for stream in (False, True):
+            check.flow(api, stream)
+    return check
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
     args = ap.parse_args()
-    pair = Pair(args.start_timeout)
-    try:
-        pair.start()
-        for role in ("prefill", "decode"):
-            for line in pair.entry_lines(role):
-                print(f"{role} log: {line}")
-        check = Check(pair)
-        check.ok("entry added --enable-scale-out", all(
-            any("render endpoints: --enable-scale-out added" in line for line in pair.entry_lines(role))
-            for role in ("prefill", "decode")))
-        check.chat_render()
-        for api in ("messages", "responses"):
-            for stream in (False, True):
-                check.flow(api, stream)
-    except Exception as e:  # noqa: BLE001 - reported, and the servers are stopped below
-        print(f"[FAIL] {type(e).__name__}: {e}", flush=True)
+    check = run_checks(AgentPair(args.start_timeout), checks)
+    if check is None:
         return 1
-    finally:
-        pair.stop()
-        print(f"servers stopped; logs in {pair.dir}")
     if args.json:
         print(json.dumps(check.figures, indent=1))
-    failed = [name for name, good, _ in check.results if not good]
-    print(f"{len(check.results) - len(failed)} of {len(check.results)} checks held" +
-          (f"; failed: {failed}" if failed else ""))
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

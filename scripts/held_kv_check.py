@@ -27,25 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
-from engine_agent_check import free_ports  # noqa: E402
+from vllm_pair import Pair, PairCheck  # noqa: E402
 
 EXTERNAL = {"source": "external_kv_transfer"}
 LOG_LINES = {"P declined": "Declining expired remote read", "D expired": "Releasing expired KV blocks",
@@ -73,23 +68,14 @@ def metric(url: str, name: str, **labels) -> float:
     return total(samples, name, **labels)
 
 
-class Pair:
-    """P and D started from `pdserve plan --json`, each in its own process group."""
+class HeldPair(Pair):
+    """The pair changed for the check: decoder_kv_blocks_ttl, kv_load_failure_policy, D's KV cache small."""
 
     def __init__(self, args):
+        super().__init__("held-kv-check", args.start_timeout)
         self.args = args
-        self.dir = Path(tempfile.mkdtemp(prefix="held-kv-check-"))
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
-        self.urls: dict[str, str] = {}
 
-    def config(self) -> Path:
-        cfg = yaml.safe_load((ROOT / "configs" / "local-cpu.yaml").read_text())
-        ports = free_ports(4)
-        cfg["name"] = "held-kv-check"
-        cfg["router"]["port"] = free_ports(1)[0]
-        cfg["prefill"].update(port=ports[0], nixl_side_channel_port=ports[1])
-        cfg["decode"].update(port=ports[2], nixl_side_channel_port=ports[3])
+    def configure(self, cfg: dict) -> None:
         cfg["prefill"]["vllm_args"] = ["--max-model-len", "1024", "--no-enable-prefix-caching", "--block-size", "32"]
         # VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes (vllm/platforms/cpu.py): D gets none.
         cfg["decode"]["env"] = {k: v for k, v in (cfg["decode"].get("env") or {}).items()
@@ -97,73 +83,11 @@ class Pair:
         cfg["decode"]["vllm_args"] = ["--max-model-len", "1024", "--block-size", "32",
                                       "--kv-cache-memory-bytes", str(self.args.d_kv_bytes)]
         cfg["kv_transfer"].update(decoder_kv_blocks_ttl=self.args.ttl, kv_load_failure_policy=self.args.failure_policy)
-        path = self.dir / "cluster.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        return path
 
-    def start(self) -> None:
-        from pdserve.engine.models import ensure_model
-        from pdserve.state.folder import models_dir
-        path = self.config()
-        res = subprocess.run([sys.executable, "-m", "pdserve", "plan", str(path), "--json"], capture_output=True,
-                             text=True, timeout=300, cwd=ROOT)
-        try:
-            plan = json.loads(res.stdout)
-        except ValueError:
-            raise RuntimeError(f"pdserve plan failed: {res.stdout[-1500:]} {res.stderr[-1500:]}") from None
-        failed = [f for f in plan.get("preflight", []) if f.get("level") not in ("ok", "info", "warn")]
-        if res.returncode != 0:
-            print(f"plan preflight: {json.dumps(failed)[:1500]}", file=sys.stderr)
-        if plan.get("builtin_model"):
-            ensure_model(plan["builtin_model"], models_dir())
-        for proc in plan["processes"]:
-            if proc["role"] not in ("prefill", "decode"):
-                continue
-            env = {**os.environ, **proc["env"]}
-            if proc["role"] == "decode":
-                env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            log = self.dir / f"{proc['name']}.log"
-            self.logs[proc["role"]] = log
-            self.urls[proc["role"]] = f"http://{proc['host']}:{proc['port']}"
-            with open(log, "wb") as out:
-                self.procs[proc["role"]] = subprocess.Popen(proc["argv"], env=env, stdout=out,
-                                                            stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.args.start_timeout
-        for role in ("prefill", "decode"):
-            while True:
-                if self.procs[role].poll() is not None:
-                    raise RuntimeError(f"{role} exited {self.procs[role].returncode}: "
-                                       f"{self.logs[role].read_text(errors='replace')[-3000:]}")
-                try:
-                    with urllib.request.urlopen(self.urls[role] + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{role} not healthy in {self.args.start_timeout} s")
-                time.sleep(1)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 30
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:       # the group: vLLM's engine core and workers outlive a dead API server otherwise
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
-
-    def log_count(self, role: str, text: str) -> int:
-        return self.logs[role].read_text(errors="replace").count(text)
+    def command(self, role: str, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        if role == "decode":
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        return argv, env
 
 
 def prompt(conv: int, words: int) -> str:
@@ -171,17 +95,10 @@ def prompt(conv: int, words: int) -> str:
                                                for i in range(words))
 
 
-class Check:
+class Check(PairCheck):
     def __init__(self, pair: Pair, args):
-        self.pair, self.args = pair, args
-        self.p, self.d = pair.urls["prefill"], pair.urls["decode"]
-        self.results: list[tuple[str, bool, str]] = []
-        self.figures: dict = {}
-
-    def ok(self, name: str, cond: bool, detail: str = "") -> bool:
-        self.results.append((name, bool(cond), detail))
-        print(f"[{'ok' if cond else 'FAIL'}] {name}{': ' + detail if detail else ''}", flush=True)
-        return bool(cond)
+        super().__init__(pair)
+        self.args = args
 
     def completion(self, url: str, text: str, max_tokens: int, params: dict,
                    timeout: float = 120) -> tuple[int, dict, float]:
@@ -389,7 +306,7 @@ def main() -> int:
                     help="also pull a released turn with D's original deadline (P reads freed blocks)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
     args = ap.parse_args()
-    pair = Pair(args)
+    pair = HeldPair(args)
     signal.signal(signal.SIGTERM, interrupted)
     check = None
     try:
@@ -398,7 +315,7 @@ def main() -> int:
         print(f"P {pair.urls['prefill']} and D {pair.urls['decode']} ready in {time.monotonic() - started:.0f} s; "
               f"logs {pair.dir}", flush=True)
         for role in ("prefill", "decode"):
-            line = [ln for ln in pair.logs[role].read_text(errors="replace").splitlines() if "held KV" in ln
+            line = [ln for ln in pair.log_text(role).splitlines() if "held KV" in ln
                     or "pdserve-held" in ln]
             print(f"{role}: {line[-1] if line else 'no pdserve held-KV line'}", flush=True)
         check = Check(pair, args)
@@ -412,9 +329,7 @@ def main() -> int:
         pair.stop()
         if check is not None and args.json:
             print(json.dumps(check.figures, indent=1, default=str))
-    failed = [r for r in check.results if not r[1]]
-    print(f"{len(check.results) - len(failed)} of {len(check.results)} checks held", flush=True)
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
-from engine_agent_check import free_ports  # noqa: E402
+from vllm_pair import free_ports  # noqa: E402
 from pdserve.observe.routerstats import read_router  # noqa: E402
 from pdserve.spec.load import DEFAULT_CONFIG  # noqa: E402
 
