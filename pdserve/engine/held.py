@@ -3,7 +3,7 @@
 With `bidirectional_kv_xfer`, vLLM's NIXL decode server (D) keeps every finished turn's KV blocks for
 `decoder_kv_blocks_ttl` seconds so that P can read them for the next turn; only P's read (single use) or the
 deadline frees them, and vLLM has no API for either. Held blocks cannot be evicted, so a D full of held turns
-makes new turns wait for a timer. This module gives D's API server three endpoints (patched in by
+makes new turns wait for a timer. This module and held_http.py give D's API server three endpoints (patched in by
 pdserve/engine/entry.py, version-checked: absent pieces are logged and vLLM is left alone):
 
 - `GET  /pdserve/held`: held turns, their deadlines and block counts.
@@ -23,6 +23,12 @@ Where the state lives (vLLM 0.32; see the tests for the checked facts):
   scheduler frees the blocks); P's read notification frees it too (_get_new_notifs).
 Release and renew change those deadlines (both places), so the freeing is vLLM's own expiry path.
 
+vLLM 0.26 differs in two places, both handled here: its worker frees expired entries from the front of
+_reqs_to_send in get_finished() and stops at the first live one (it assumes insertion order is deadline order,
+which a release or renewal breaks), so the worker's get_finished is wrapped to keep the dict in deadline order
+first (keep_deadline_order); and its build_app lives in the API server module that runs as __main__, so the
+routes are added by wrapping the models router's attach_router, which build_app imports when it runs.
+
 The engine core runs a utility method added here (EngineCore.pdserve_held), which reaches the workers with
 collective_rpc (WorkerWrapperBase.pdserve_held_worker); both run on the engine's own thread between steps.
 """
@@ -31,7 +37,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import logging
 import math
 import time
@@ -55,11 +60,16 @@ CLOCK = "perf_counter of D's engine core (the clock of remote_blocks_expiry_time
 # Source facts the code relies on (module, text): checked without importing NIXL.
 REQUIRED_SOURCE = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "self._reqs_to_send"),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "def _reap_expired_send_leases"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", "Releasing expired KV blocks for request"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler", "self._reqs_need_send"),
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler", "remote_blocks_expiry_time"),
 )
 APP_MODULE = "vllm.entrypoints.launchers.app"   # defines build_app (0.32); importers are rebound too
+ROUTER_MODULE = "vllm.entrypoints.openai.models.api_router"   # attach_router(app), called by 0.26's build_app
+WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+WORKER_CLASS = "NixlBaseConnectorWorker"
+# 0.26's reaper, which stops at the first live entry; 0.32's scans them all (_reap_expired_send_leases).
+FRONT_REAPER = "Sorted dict, oldest requests are put first so we can exit early"
 
 
 class Unsupported(RuntimeError):
@@ -102,7 +112,39 @@ def worker_held(part: Any, op: str, request_ids: Iterable[str], seconds: float |
         new = min(deadline, now + seconds) if op == "release" else max(deadline, now + seconds)
         to_send[rid] = new
         left[rid] = new - now
+    if left:
+        in_deadline_order(to_send)
     return left
+
+
+def in_deadline_order(to_send: dict[str, float]) -> bool:
+    """Reorder `to_send` (in place: vLLM holds the dict) by deadline, earliest first, where it is not: a
+    reaper that stops at the first live entry (vLLM 0.26) then frees every expired one. True if it moved any."""
+    deadlines = list(to_send.values())
+    if all(a <= b for a, b in zip(deadlines, deadlines[1:])):
+        return False
+    ordered = sorted(to_send.items(), key=lambda item: item[1])
+    to_send.clear()
+    to_send.update(ordered)
+    return True
+
+
+def keep_deadline_order(get_finished):
+    """The worker's get_finished with _reqs_to_send in deadline order first (vLLM 0.26): a turn the router
+    released, or one released before its worker had it (appended behind later deadlines), is freed at the next
+    step, not when the entries in front of it expire. O(n) per step over the held turns when in order."""
+    if getattr(get_finished, "pdserve_held", False):
+        return get_finished
+
+    def get_finished_in_deadline_order(self, *args, **kwargs):
+        to_send = getattr(self, "_reqs_to_send", None)
+        if isinstance(to_send, dict) and len(to_send) > 1:
+            in_deadline_order(to_send)
+        return get_finished(self, *args, **kwargs)
+
+    get_finished_in_deadline_order.pdserve_held = True
+    get_finished_in_deadline_order.__wrapped__ = get_finished
+    return get_finished_in_deadline_order
 
 
 def worker_method(self, op: str, request_ids: list, seconds: float | None) -> dict[str, float]:
@@ -208,222 +250,34 @@ def merge_answers(answers: list[dict[str, Any]], op: str) -> dict[str, Any]:
     return merged
 
 
-# -- API server side -----------------------------------------------------------------------------------
-class BadRequest(ValueError):
-    pass
-
-
-def parse_ids(body: Any) -> list[str]:
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    ids = body.get("request_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
-        raise BadRequest("request_ids must be a non-empty list of strings (D's remote_request_id)")
-    if len(ids) > MAX_IDS:
-        raise BadRequest(f"at most {MAX_IDS} request_ids per call")
-    return list(dict.fromkeys(ids))
-
-
-def parse_seconds(body: dict, key: str, default: float | None, limit: float, positive: bool) -> float:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0) or value > limit:
-        raise BadRequest(f"{key} must be a number of seconds, {'above' if positive else 'at least'} 0 and at "
-                         f"most {limit:g}")
-    return float(value)
-
-
-async def call_engines(engine_client: Any, op: str, ids: list[str] | None, seconds: float | None) -> list[dict]:
-    import asyncio
-    core = getattr(engine_client, "engine_core", None)
-    call_all = getattr(core, "call_utility_all_async", None)
-    call_one = getattr(core, "call_utility_async", None)
-    if call_all is not None:
-        coro = call_all(ENGINE_METHOD, op, ids, seconds)
-    elif call_one is not None:
-        coro = call_one(ENGINE_METHOD, op, ids, seconds)
-    else:
-        raise Unsupported("the engine client has no utility call (engine_core.call_utility_async)")
-    result = await asyncio.wait_for(coro, CALL_TIMEOUT_S)
-    return result if call_all is not None else [result]
-
-
-async def handle(engine_client: Any, op: str, raw_body: bytes | None) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, JSON body) of one call; never raises."""
-    ids: list[str] | None = None
-    seconds: float | None = None
-    try:
-        if op != "list":
-            try:
-                body = json.loads(raw_body or b"")
-            except ValueError as e:
-                raise BadRequest(f"the body is not JSON: {e}") from None
-            ids = parse_ids(body)
-            seconds = (parse_seconds(body, "ttl", None, MAX_TTL_S, positive=True) if op == "renew"
-                       else parse_seconds(body, "grace", P_READ_MARGIN_S, MAX_GRACE_S, positive=False))
-    except BadRequest as e:
-        return 400, {"error": {"message": str(e), "type": "BadRequestError", "code": 400}}
-    try:
-        answers = await call_engines(engine_client, op, ids, seconds)
-    except Unsupported as e:
-        return 501, {"error": {"message": f"held-KV control unsupported: {e}", "type": "NotImplemented",
-                               "code": 501}}
-    except TimeoutError:
-        return 503, {"error": {"message": f"the engine did not answer in {CALL_TIMEOUT_S:g} s",
-                               "type": "EngineTimeout", "code": 503}}
-    except Exception as e:      # an engine-side failure comes back as a plain Exception
-        msg = str(e)
-        unsupported = "unsupported" in msg.lower() or "has no" in msg
-        return (501 if unsupported else 503), {"error": {"message": f"held-KV control failed: {msg}",
-                                                         "type": "EngineError", "code": 501 if unsupported else 503}}
-    answer = merge_answers(answers, op)
-    out: dict[str, Any] = {"now": answer["now"], "clock": CLOCK, "engine_id": answer.get("engine_id")}
-    if op == "list":
-        held = [{"request_id": rid, "remaining_s": e["deadline"] - answer["now"], **e}
-                for rid, e in sorted(answer["held"].items(), key=lambda kv: kv[1]["deadline"])]
-        out.update(count=len(held), blocks=sum(e["blocks"] or 0 for e in held), held=held)
-    else:
-        out["results"] = answer["results"]
-        if op == "release":
-            out["grace"] = seconds
-        else:
-            out["ttl"] = seconds
-    return 200, out
-
-
-def api_tokens(args: Any) -> list[str]:
-    """The server's --api-key values (or VLLM_API_KEY), as vLLM's own middleware takes them: it guards only
-    /v1, /v2, /inference and /cohere, so these routes check them themselves."""
-    import os
-    keys = getattr(args, "api_key", None)
-    if isinstance(keys, str):
-        keys = [keys]
-    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
-
-
-def authorized(header: str | None, tokens: list[str]) -> bool:
-    import hashlib
-    import secrets
-    if not tokens:
-        return True
-    scheme, _, param = (header or "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    digest = hashlib.sha256(param.encode()).digest()
-    return any([secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens])
-
-
-def make_router(tokens: list[str] | None = None):
-    from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse
-    router = APIRouter()
-
-    async def answer(request: Request, op: str):
-        if not authorized(request.headers.get("Authorization"), tokens or []):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        body = None if op == "list" else await request.body()
-        status, payload = await handle(getattr(request.app.state, "engine_client", None), op, body)
-        return JSONResponse(payload, status_code=status)
-
-    async def held_list(request: Request):
-        return await answer(request, "list")
-
-    async def held_release(request: Request):
-        return await answer(request, "release")
-
-    async def held_renew(request: Request):
-        return await answer(request, "renew")
-
-    for fn, method, path in ((held_list, "GET", PATH), (held_release, "POST", PATH + "/release"),
-                             (held_renew, "POST", PATH + "/renew")):
-        # This module's annotations are strings (postponed) and Request is not one of its globals.
-        fn.__annotations__ = {"request": Request}
-        router.add_api_route(path, fn, methods=[method])
-    return router
-
-
-def server_role(args: Any) -> tuple[str | None, bool]:
-    """(kv_role, bidirectional_kv_xfer) of the server's --kv-transfer-config (object, dict or JSON)."""
-    cfg = getattr(args, "kv_transfer_config", None)
-    if isinstance(cfg, str):
-        try:
-            cfg = json.loads(cfg)
-        except ValueError:
-            return None, False
-    if isinstance(cfg, dict):
-        role, extra = cfg.get("kv_role"), cfg.get("kv_connector_extra_config") or {}
-    elif cfg is not None:
-        role, extra = getattr(cfg, "kv_role", None), getattr(cfg, "kv_connector_extra_config", None) or {}
-    else:
-        return None, False
-    return role, bool(extra.get("bidirectional_kv_xfer", False))
-
-
-def add_routes(app: Any, args: Any) -> str:
-    role, bidirectional = server_role(args)
-    if not bidirectional or role not in ("kv_consumer", "kv_both"):
-        return f"none (kv_role {role}, bidirectional_kv_xfer {bidirectional}: not a decode server holding turns)"
-    if not hasattr(app, "include_router"):
-        return "none (the app has no include_router)"
-    tokens = api_tokens(args)
-    app.include_router(make_router(tokens))
-    return f"{PATH}, {PATH}/release, {PATH}/renew" + (" (API key required)" if tokens else "")
-
-
-def wrap_build_app(build_app):
-    if getattr(build_app, "pdserve_held", False):
-        return build_app
-
-    def build_app_with_held(args, *rest, **kwargs):
-        app = build_app(args, *rest, **kwargs)
-        try:
-            print(f"pdserve-held: routes: {add_routes(app, args)}", flush=True)
-        except Exception as e:      # never keep the server from starting
-            print(f"pdserve-held: routes not added: {e!r}", flush=True)
-        return app
-
-    build_app_with_held.pdserve_held = True
-    build_app_with_held.__wrapped__ = build_app
-    return build_app_with_held
-
-
 # -- install ---------------------------------------------------------------------------------------------
+def _source(module: str) -> str:
+    """A module's source text, read from its file without importing it ("" when there is none)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = getattr(spec, "origin", None)
+    try:
+        return open(origin, encoding="utf-8").read() if origin else ""
+    except OSError:
+        return ""
+
+
 def missing_source() -> list[str]:
     """The REQUIRED_SOURCE facts this vLLM lacks (read from its files, nothing imported)."""
-    missing = []
-    for module, text in REQUIRED_SOURCE:
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        origin = getattr(spec, "origin", None)
-        try:
-            source = open(origin, encoding="utf-8").read() if origin else ""
-        except OSError:
-            source = ""
-        if text not in source:
-            missing.append(f"{module}: {text}")
-    return missing
+    return [f"{module}: {text}" for module, text in REQUIRED_SOURCE if text not in _source(module)]
 
 
-def patch_build_app() -> bool:
-    """Wrap build_app where it is defined and in every loaded module that imported it by name."""
-    import sys
-    try:
-        module = importlib.import_module(APP_MODULE)
-    except ImportError:
-        return False
-    original = getattr(module, "build_app", None)
-    if original is None:
-        return False
-    if getattr(original, "pdserve_held", False):
-        return True
-    wrapped = wrap_build_app(original)
-    for loaded in list(sys.modules.values()):
-        # Only a module's own dict: getattr on lazy modules (transformers) would import things.
-        if (getattr(loaded, "__dict__", None) or {}).get("build_app") is original:
-            loaded.build_app = wrapped
-    return True
+def patch_reaper_order() -> str:
+    """vLLM 0.26: wrap the NIXL worker's get_finished (keep_deadline_order). '' where not needed."""
+    if FRONT_REAPER not in _source(WORKER_MODULE):
+        return ""
+    cls = getattr(importlib.import_module(WORKER_MODULE), WORKER_CLASS, None)
+    if cls is None or not hasattr(cls, "get_finished"):
+        raise Unsupported(f"{WORKER_MODULE} has no {WORKER_CLASS}.get_finished")
+    cls.get_finished = keep_deadline_order(cls.get_finished)
+    return "expiry in deadline order"
 
 
 def patch_held_kv() -> str:
@@ -440,9 +294,16 @@ def patch_held_kv() -> str:
         return "no (no EngineCore/WorkerWrapperBase)"
     if not hasattr(EngineCore, "collective_rpc"):
         return "no (EngineCore has no collective_rpc)"
+    try:
+        order = patch_reaper_order()
+    except (ImportError, Unsupported) as e:
+        log.warning("pdserve held-KV control not installed: %s", e)
+        return "no (the NIXL worker's expiry could not be kept in deadline order)"
     EngineCore.pdserve_held = engine_method
     WorkerWrapperBase.pdserve_held_worker = worker_method
-    if not patch_build_app():
-        log.warning("pdserve held-KV control: no %s.build_app, so no HTTP routes", APP_MODULE)
+    from pdserve.engine.held_http import patch_attach_router, patch_build_app
+    if not (patch_build_app() or patch_attach_router()):
+        log.warning("pdserve held-KV control: no %s.build_app nor %s.attach_router, so no HTTP routes",
+                    APP_MODULE, ROUTER_MODULE)
         return "engine only (no build_app to add routes to)"
-    return "yes"
+    return "yes" + (f" ({order})" if order else "")

