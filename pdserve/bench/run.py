@@ -274,10 +274,12 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
             on_request: Callable[[dict[str, Any]], None] = lambda row: None,
             extra: dict[str, Any] | None = None,
             pause: tuple[int, Callable[[], None]] | None = None,
-            request_timeout: float = REQUEST_TIMEOUT_S) -> tuple[list[dict], dict]:
+            request_timeout: float = REQUEST_TIMEOUT_S, give_up_after: int = 0) -> tuple[list[dict], dict]:
     """Every conversation's turns in order (conversations in parallel up to `concurrency`); returns the
     per-request rows and the arm's P-side totals. A request with no whole answer within `request_timeout`
-    (or an error answer) is a row with `error` and its seconds, and the conversation goes on without it.
+    (or an error answer) is a row with `error` and its seconds, and the conversation goes on without it;
+    after `give_up_after` such turns (0: never) it ends there, as a user who gives up (its later turns are
+    not sent: a stalled server costs the arm one timeout per conversation, not one per turn).
 
     `pause` (turn, action): once every conversation has run that many turns, run the action (a prefill
     restart) before the rest. Rows after it are marked `after_pause`; P's counters are read on both sides
@@ -285,7 +287,7 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
     exact = concurrency == 1
     lock = threading.Lock()
     rows: list[dict[str, Any]] = []
-    state: dict[str, dict[str, Any]] = {c.id: {"history": [], "previous": None} for c in conversations}
+    state: dict[str, dict[str, Any]] = {c.id: {"history": [], "previous": None, "failed": 0} for c in conversations}
 
     def one(conv: Conversation, first: int, end: int, after_pause: bool) -> None:
         st = state[conv.id]
@@ -306,6 +308,9 @@ def run_arm(arm: str, ep: Endpoints, conversations: list[Conversation], max_toke
                 with lock:
                     rows.append(failed)
                     on_request(failed)
+                st["failed"] += 1
+                if give_up_after and st["failed"] >= give_up_after:
+                    return
                 continue
             deltas = prefill_deltas(before, summed_metrics(ep.prefill)) if exact else {}
             reusable = 0

@@ -47,6 +47,7 @@ class Settings:
     tool_words: int = 450
     system_words: int = 600
     request_timeout: float = REQUEST_TIMEOUT_S
+    give_up_after: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def prepare(s: Settings) -> Session:
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream,
-            "api": s.api, "request_timeout_s": s.request_timeout}
+            "api": s.api, "request_timeout_s": s.request_timeout, "give_up_after": s.give_up_after}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
 
 
@@ -192,7 +193,7 @@ def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], 
         w.info.setdefault("prefill_restart_s", {})[arm] = restart_prefill(cluster_name, ep, w.note)
     pause = (turn, restart) if turn else None
     return run_arm(arm, ep, w.convs, w.max_tokens, w.concurrency, on_request, extra=extra, pause=pause,
-                   request_timeout=timeout)
+                   request_timeout=timeout, give_up_after=w.info.get("give_up_after", 0))
 
 
 def restart_prefill(name: str, ep: Endpoints, note: Callable[[str], None]) -> float:

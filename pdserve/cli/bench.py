@@ -61,6 +61,9 @@ def command(
                                           help="Seconds a request may take before it counts as failed (its "
                                                "conversation goes on without the reply), so a turn stalled "
                                                "on D never hangs the bench."),
+    give_up_after: int = typer.Option(0, "--give-up-after", min=0,
+                                      help="End a conversation after this many failed turns, as a user who "
+                                           "gives up (its later turns are not sent and not counted). 0: never."),
     restart_after: int = typer.Option(0, "--restart-prefill-after-turn", min=0,
                                       help="Restart every prefill server once all conversations have run this "
                                            "many turns (their caches are lost; D still holds the turns). 0: never."),
@@ -69,7 +72,8 @@ def command(
         config=config, arms=arms, conversations=conversations, turns=turns, concurrency=concurrency,
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
         verbatim=verbatim, restart_after=restart_after, stream=stream, api=api,
-        user_words=user_words, tool_words=tool_words, system_words=system_words, request_timeout=request_timeout))
+        user_words=user_words, tool_words=tool_words, system_words=system_words, request_timeout=request_timeout,
+        give_up_after=give_up_after))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),

@@ -135,6 +135,19 @@ def test_a_stalled_or_failed_turn_is_counted_and_the_bench_goes_on(router_url):
     assert (figures["follow_ups"], figures["follow_ups_pulled"], figures["reuse_rate"]) == (4, 1, 0.25)
 
 
+def test_a_conversation_ends_after_give_up_after_failed_turns(router_url):
+    convs = [Conversation("a", None, ["hello", "stall here", "never sent", "nor this"]),
+             Conversation("b", None, ["fail now", "fail again", "then fine"])]
+    ep = Endpoints(router_url, [router_url], "m")
+    rows, _ = run_arm("timer", ep, convs, 4, request_timeout=0.5, give_up_after=1)
+    assert [(r["conversation"], r["turn"], r.get("error")) for r in sorted(rows, key=lambda r: (r["conversation"],
+                                                                                               r["turn"]))] == [
+        ("a", 1, None), ("a", 2, "timeout"), ("b", 1, "http 500")]
+    assert not any(m[-1]["content"] in ("never sent", "nor this", "fail again") for m in FakeRouter.seen)
+    rows, _ = run_arm("timer", ep, convs[1:], 4, request_timeout=0.5, give_up_after=2)
+    assert [r.get("error") for r in rows] == ["http 500", "http 500"]
+
+
 def test_a_stream_that_trickles_past_the_timeout_fails(router_url):
     ep = Endpoints(router_url, [router_url], "m", stream=True)
     started = time.monotonic()
