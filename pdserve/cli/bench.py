@@ -58,9 +58,10 @@ def command(
                                                   "store off); the same workload, its system prompt as "
                                                   "`system` / `instructions`."),
     request_timeout: float = typer.Option(60.0, "--request-timeout", min=1.0,
-                                          help="Seconds a request may take before it counts as failed (its "
-                                               "conversation goes on without the reply), so a turn stalled "
-                                               "on D never hangs the bench."),
+                                          help="Seconds a request may wait for its answer, and a streamed "
+                                               "one for each chunk (its headers come after P's leg), before it "
+                                               "counts as failed (its conversation goes on without the reply), "
+                                               "so a turn stalled on D never hangs the bench."),
     give_up_after: int = typer.Option(0, "--give-up-after", min=0,
                                       help="End a conversation after this many failed turns, as a user who "
                                            "gives up (its later turns are not sent and not counted). 0: never."),
