@@ -175,39 +175,34 @@ def add_routes(app: Any, args: Any) -> str:
     return f"{PATH}, {PATH}/release, {PATH}/renew" + (" (API key required)" if tokens else "")
 
 
-def wrap_build_app(build_app):
-    if getattr(build_app, "pdserve_held", False):
-        return build_app
+def _adding_routes(fn, app_and_args):
+    """`fn` (a vLLM function that builds or fills the app), then the routes on that app; `app_and_args` finds
+    them from fn's arguments and result. Never keeps the server from starting."""
+    if getattr(fn, "pdserve_held", False):
+        return fn
 
-    def build_app_with_held(args, *rest, **kwargs):
-        app = build_app(args, *rest, **kwargs)
+    def with_held(*args, **kwargs):
+        result = fn(*args, **kwargs)
         try:
-            print(f"pdserve-held: routes: {add_routes(app, args)}", flush=True)
-        except Exception as e:      # never keep the server from starting
-            print(f"pdserve-held: routes not added: {e!r}", flush=True)
-        return app
-
-    build_app_with_held.pdserve_held = True
-    build_app_with_held.__wrapped__ = build_app
-    return build_app_with_held
-
-
-def wrap_attach_router(attach_router):
-    """0.26: the models router's attach_router(app), which build_app calls with app.state.args set."""
-    if getattr(attach_router, "pdserve_held", False):
-        return attach_router
-
-    def attach_router_with_held(app, *rest, **kwargs):
-        result = attach_router(app, *rest, **kwargs)
-        try:
-            print(f"pdserve-held: routes: {add_routes(app, app.state.args)}", flush=True)
+            app, server_args = app_and_args(args, result)
+            print(f"pdserve-held: routes: {add_routes(app, server_args)}", flush=True)
         except Exception as e:      # never keep the server from starting
             print(f"pdserve-held: routes not added: {e!r}", flush=True)
         return result
 
-    attach_router_with_held.pdserve_held = True
-    attach_router_with_held.__wrapped__ = attach_router
-    return attach_router_with_held
+    with_held.pdserve_held = True
+    with_held.__wrapped__ = fn
+    return with_held
+
+
+def wrap_build_app(build_app):
+    """0.32: build_app(args, ...) returns the app."""
+    return _adding_routes(build_app, lambda args, app: (app, args[0]))
+
+
+def wrap_attach_router(attach_router):
+    """0.26: the models router's attach_router(app), which build_app calls with app.state.args set."""
+    return _adding_routes(attach_router, lambda args, _: (args[0], args[0].state.args))
 
 
 def patch_attach_router() -> bool:
