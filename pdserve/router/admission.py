@@ -180,6 +180,7 @@ class Admission:
         self.policy = AdmissionPolicy(limits, clock)
         self.metrics = metrics
         self.waiters: deque[tuple[str, asyncio.Future]] = deque()
+        metrics.admission_in_flight.set_function(lambda: self.policy.in_flight)
 
     def _count(self, outcome: str) -> None:
         self.metrics.admission.labels(outcome).inc()
@@ -231,8 +232,13 @@ class Admission:
         self.policy.release(tenant)
         while self.waiters and self.policy.slot_free():
             waiter, fut = self.waiters.popleft()
+            if fut.done():
+                # Its client just left: the cancel reached the future, its task has not run yet (and will
+                # find itself out of the queue). It leaves the queue here; the slot goes to the next one.
+                self.policy.dequeued(False, waiter)
+                continue
             self.policy.dequeued(True, waiter)
-            fut.set_result(True)             # waiters leave the deque when they end: fut is never done here
+            fut.set_result(True)
 
 
 def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[WireFormat], None]):

@@ -127,6 +127,9 @@ class RouterMetrics:
                                  "(left while queued).", ["outcome"], registry=r)
         self.admission_queue = Gauge(names.ADMISSION_QUEUE, "Requests waiting for an admission slot now.",
                                      registry=r)
+        # Read at scrape time (Admission sets its function): nothing per request.
+        self.admission_in_flight = Gauge("pdserve_router_admission_in_flight", "Completion requests holding an "
+                                         "admission slot now (what max_in_flight bounds).", registry=r)
         self.admission_wait = Histogram("pdserve_router_admission_wait_seconds",
                                         "Time queued requests waited for a slot (served or not).",
                                         buckets=LATENCY_BUCKETS, registry=r)

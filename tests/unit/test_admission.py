@@ -197,6 +197,62 @@ def test_a_slot_handed_to_a_waiter_that_just_left_goes_to_the_next():
     run(main())
 
 
+def test_a_waiter_cancelled_just_before_a_slot_frees_is_skipped_and_no_slot_leaks():
+    """Issue 35 item 1: the client leaves (its task is cancelled, its future with it) and, before its task
+    runs again, another request exits: the slot goes to the next waiter, the exit raises nothing, and
+    nothing stays counted."""
+    async def main():
+        metrics = RouterMetrics()
+        gate = Admission(Limits(max_in_flight=1, queue_size=2, queue_timeout=5, tenant_max_in_flight=5), metrics)
+        await gate.enter("a")
+        first = asyncio.create_task(gate.enter("b"))
+        second = asyncio.create_task(gate.enter("c"))
+        await asyncio.sleep(0.005)
+        first.cancel()              # b's client leaves: its future is cancelled, its task not yet run ...
+        gate.exit("a")              # ... when a's request ends and frees the slot
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await second                # c got the slot
+        assert (gate.policy.in_flight, gate.policy.queued) == (1, 0)
+        gate.exit("c")
+        assert (gate.policy.in_flight, gate.policy.queued, len(gate.waiters)) == (0, 0, 0)
+        assert all(t.in_flight == 0 for t in gate.policy.tenants.values())
+        return outcomes(metrics)
+
+    assert run(main()) == {adm.ADMITTED: 1, adm.CLIENT_GONE: 1, adm.QUEUED: 1}
+
+
+def test_churn_of_queued_clients_leaving_loses_no_slot():
+    """Waves of requests over a small cap, half of the queued ones cancelled at random moments (some just as
+    slots free): afterwards nothing is in flight, queued or held by a tenant."""
+    import random
+
+    async def main():
+        rng = random.Random(35)
+        gate = Admission(Limits(max_in_flight=4, queue_size=200, queue_timeout=5), RouterMetrics())
+
+        async def request(tenant):
+            await gate.enter(tenant)
+            try:
+                await asyncio.sleep(rng.random() * 0.002)
+            finally:
+                gate.exit(tenant)
+
+        for wave in range(20):
+            tasks = [asyncio.create_task(request(f"t{i % 7}")) for i in range(150)]
+            await asyncio.sleep(0)
+            for task in tasks[1::2]:
+                if rng.random() < 0.3:
+                    await asyncio.sleep(0)      # let a request or two end (and free a slot) in between
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert not [r for r in results if not isinstance(r, (type(None), asyncio.CancelledError))]
+            assert (gate.policy.in_flight, gate.policy.queued, len(gate.waiters)) == (0, 0, 0), wave
+        assert all(t.in_flight == 0 for t in gate.policy.tenants.values())
+
+    run(main())
+
+
 def test_refusal_bodies_are_openai_shaped():
     resp = Refusal(adm.Verdict(adm.REJECTED_TENANT_RATE, 4)).response()
     assert resp.status == 429 and resp.headers["Retry-After"] == "4"
