@@ -263,6 +263,19 @@ async def test_the_lease_renews_before_the_routers_expiry_and_hands_p_the_new_de
     assert table.take(("t", "a"))[1] == "ok"
 
 
+async def test_pressure_wins_over_the_lease_a_renewed_idle_conversation_is_released_first():
+    held, table, control, clock, metrics = await rig(capacity=1024, decoder_kv_blocks_ttl=480.0)   # budget 512
+    put(table, control, clock, "idle", "r-idle", 200)
+    clock.t += 432 - held.lease.lead + 1
+    assert await held.renew_due() == 1                  # renewed: alive past D's timer, as old as its last turn
+    for i in range(2):
+        put(table, control, clock, f"busy{i}", f"r{i}", 200)
+        held.stored(FakeTurn(f"turn{i}"), "d0")
+    await held.settled()
+    assert control.released() == [(["r-idle"], 0.0)]   # over the budget: the idle one goes first
+    assert ("t", "idle") not in table._entries and ("t", "busy0") in table._entries
+
+
 async def test_a_server_without_the_control_is_said_once_and_never_budgeted(caplog):
     clock, control, metrics = Clock(), FakeControl(status=404), RouterMetrics()
     c = cfg()
