@@ -11,7 +11,10 @@ Commands go out on one connection in call order, and Redis answers them in that 
 - concurrent turns share the socket: no pool checkout per call, and Redis reads several commands a read.
 
 The connection (its handshake: AUTH, SELECT, TLS, unix sockets) and the RESP parser are redis-py's; this
-adds only the matching of replies to callers, in order.
+adds only the matching of replies to callers, in order, and the bounds (issue 35): every caller waits at most
+`timeout` whatever the others do. Callers that find no connection share one connect attempt (not one each,
+in turn, behind a lock); a failed connection is aborted, not closed, so a write blocked on a full socket (a
+Redis that stopped reading) fails with it instead of waiting for Redis to read again.
 """
 
 from __future__ import annotations
@@ -27,40 +30,78 @@ from redis.exceptions import ResponseError
 
 
 class RedisPipe:
-    """Every call ends within `timeout`: a connect by its own bound, a reply by its channel's watchdog."""
+    """Every call ends within `timeout`: a connect by its own bound, a reply by its channel's watchdog, and a
+    call that waited for a connect by its own deadline."""
 
     def __init__(self, client: aioredis.Redis, timeout: float):
         self.pool = client.connection_pool
         self.timeout = timeout      # the longest wait for the next reply: then every call in flight fails
         self.channel: _Channel | None = None
-        self.connecting = asyncio.Lock()
+        self.opening: asyncio.Task | None = None     # the one connect attempt in progress, shared
 
-    async def send(self, *args: str | bytes | int, then: Callable[[Any], Any] | None = None) -> asyncio.Future:
+    async def send(self, *args: str | bytes | int, then: Callable[[Any], Any] | None = None,
+                   otherwise: Callable[[ResponseError], Any] | None = None) -> asyncio.Future:
         """Send one command now (connecting first if needed); the future is its reply (`then(reply)`, with
-        `then`), or raises the error reply, a lost connection or a timeout."""
+        `then`), or raises the error reply (`otherwise(error)` decides, with `otherwise`), a lost connection or
+        a timeout."""
         channel = self.channel
         if channel is None or not channel.usable:
+            deadline = asyncio.get_running_loop().time() + self.timeout
             channel = await self._open()
-        return await channel.send(hiredis.pack_command(args), then)
+            return await channel.send(hiredis.pack_command(args), then, otherwise, deadline)
+        return await channel.send(hiredis.pack_command(args), then, otherwise)
 
     async def _open(self) -> _Channel:
-        async with self.connecting:
-            if self.channel is None or not self.channel.usable:
-                # A new connection each time, never the failed one reconnected: a reply still due on the
-                # old socket can then never be matched to a call sent on the new one.
-                # No socket timeout: redis-py then writes at once instead of through a task per call; the
-                # channel's watchdog bounds the replies, and the connect is bounded here.
-                conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
-                # bounded: a Redis that accepts and then stalls (SIGSTOP: the kernel still accepts) would
-                # hold the handshake's reads forever
-                async with asyncio.timeout(self.timeout):
-                    await conn.connect()
-                self.channel = _Channel(conn, self.timeout)
-            return self.channel
+        """The connect attempt in progress, or a new one: every caller that finds no usable connection waits
+        for the same attempt, which ends within `timeout` (before: each took a lock in turn and waited its
+        own connect, so the 64th caller on a stalled Redis waited 64 timeouts)."""
+        if self.opening is None:
+            self.opening = asyncio.create_task(self._connect())
+            self.opening.add_done_callback(self._opened)
+        # shielded: a caller that gives up (its request cancelled) leaves the attempt to the others
+        return await asyncio.shield(self.opening)
+
+    def _opened(self, attempt: asyncio.Task) -> None:
+        self.opening = None
+        if not attempt.cancelled():
+            attempt.exception()      # retrieved: every waiter may have given up
+
+    async def _connect(self) -> _Channel:
+        # A new connection each time, never the failed one reconnected: a reply still due on the old socket can
+        # then never be matched to a call sent on the new one.
+        # No socket timeout: redis-py then writes at once instead of through a task per call; the channel's
+        # watchdog bounds the replies, and the connect is bounded here.
+        conn = self.pool.connection_class(**{**self.pool.connection_kwargs, "socket_timeout": None})
+        try:
+            # bounded: a Redis that accepts and then stalls (SIGSTOP: the kernel still accepts) would hold the
+            # handshake's reads forever
+            async with asyncio.timeout(self.timeout):
+                await conn.connect()
+        except BaseException:
+            _abort(_transport(conn))
+            raise
+        self.channel = _Channel(conn, self.timeout)
+        return self.channel
 
     async def close(self) -> None:
+        if self.opening is not None:
+            self.opening.cancel()
         if self.channel is not None:
             await self.channel.close()
+
+
+def _transport(conn: Any) -> asyncio.BaseTransport | None:
+    """The connection's transport (redis-py keeps its stream writer as `_writer`, and drops it on disconnect)."""
+    writer = getattr(conn, "_writer", None)
+    return writer.transport if writer is not None else None
+
+
+def _abort(transport: asyncio.BaseTransport | None) -> None:
+    """Drop the connection at once, what is still buffered for it included. redis-py's disconnect closes the
+    transport, which waits for the buffer to drain first: on a Redis that stopped reading, forever, and a
+    write blocked on the full socket with it."""
+    if transport is not None:
+        transport.abort()
 
 
 class _Channel:
@@ -69,8 +110,10 @@ class _Channel:
 
     def __init__(self, conn: Any, timeout: float):
         self.conn = conn
+        self.transport = _transport(conn)    # kept: redis-py forgets it when it disconnects on an error
         self.timeout = timeout
-        self.waiting: deque[tuple[asyncio.Future, Callable[[Any], Any] | None]] = deque()
+        self.waiting: deque[tuple[asyncio.Future, Callable[[Any], Any] | None,
+                                  Callable[[ResponseError], Any] | None]] = deque()
         self.failed = False
         self.wake: asyncio.Future | None = None     # the reader, idle, waits on it for the next command
         loop = asyncio.get_running_loop()
@@ -84,13 +127,20 @@ class _Channel:
         # not connected: redis-py closed it on an error the reader has not seen yet
         return not self.failed and self.conn.is_connected
 
-    async def send(self, packed: Any, then: Callable[[Any], Any] | None) -> asyncio.Future:
+    async def send(self, packed: Any, then: Callable[[Any], Any] | None,
+                   otherwise: Callable[[ResponseError], Any] | None, deadline: float | None = None) -> asyncio.Future:
+        """The command's reply future. `deadline`: a caller that already waited (for a connect) gets a timer of
+        its own, so its whole wait stays within `timeout`; the reply, should it come later, is dropped."""
         loop = asyncio.get_running_loop()
         reply = loop.create_future()
         if not self.waiting:
             self.last_reply = loop.time()    # the wait for this reply starts now, not at the last one
-        self.waiting.append((reply, then))   # before the write: a write that waits for the socket keeps its turn
+        self.waiting.append((reply, then, otherwise))   # before the write: a write that waits keeps its turn
+        if deadline is not None:
+            loop.call_at(deadline, _expire, reply, self.timeout)
         try:
+            # Not bounded here: a write that waits for the socket waits for Redis to read, and the watchdog
+            # fails the channel (aborting the connection, which ends the write) once no reply came for `timeout`.
             await self.conn.send_packed_command(packed, check_health=False)
         except BaseException as err:
             self._fail(err)                  # redis-py closed the connection: what was in flight on it is lost
@@ -112,14 +162,19 @@ class _Channel:
                 except ResponseError as err:
                     outcome = err                # this command's error; the connection is fine
                 self.last_reply = loop.time()
-                reply, then = self.waiting.popleft()
+                reply, then, otherwise = self.waiting.popleft()
                 if reply.done():
                     continue
-                if isinstance(outcome, Exception):
-                    reply.set_exception(outcome)
+                try:
+                    if isinstance(outcome, ResponseError):
+                        if otherwise is None:
+                            raise outcome
+                        reply.set_result(otherwise(outcome))    # the caller's judgement of its error reply
+                    else:
+                        reply.set_result(then(outcome) if then is not None else outcome)
+                except Exception as err:  # noqa: BLE001 - the error reply, or the caller's: this command's alone
+                    reply.set_exception(err)
                     reply.exception()            # retrieved: a caller that gave up waiting leaves no warning
-                else:
-                    reply.set_result(then(outcome) if then is not None else outcome)
         except asyncio.CancelledError:
             if not self.stalled:
                 self._fail(ConnectionError("the Redis connection was closed"))
@@ -127,6 +182,7 @@ class _Channel:
             self._fail(TimeoutError(f"no reply from Redis in {self.timeout:g}s"))
         except Exception as err:  # noqa: BLE001 - a lost connection, or a reply redis-py could not read
             self._fail(err)
+        _abort(self.transport)
         await self.conn.disconnect(nowait=True)   # mostly closed by redis-py already; this channel is done
 
     def _watch(self) -> None:
@@ -143,14 +199,23 @@ class _Channel:
 
     def _fail(self, err: BaseException) -> None:
         self.failed = True
+        _abort(self.transport)               # wakes a write blocked on the socket: it is never finished now
         if self.reader is not asyncio.current_task():
             self.reader.cancel()             # idle or mid-read on a connection that is gone
         while self.waiting:
-            reply, _ = self.waiting.popleft()
+            reply, _, _ = self.waiting.popleft()
             if not reply.done():
                 reply.set_exception(err if isinstance(err, Exception) else ConnectionError(str(err)))
                 reply.exception()
 
     async def close(self) -> None:
+        self.failed = True
+        _abort(self.transport)
         self.reader.cancel()
-        await self.conn.disconnect()
+        await self.conn.disconnect(nowait=True)
+
+
+def _expire(reply: asyncio.Future, timeout: float) -> None:
+    if not reply.done():
+        reply.set_exception(TimeoutError(f"no reply from Redis in {timeout:g}s"))
+        reply.exception()

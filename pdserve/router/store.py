@@ -122,9 +122,14 @@ class GuardedStore:
 
     async def _call(self, op: str, call: Callable[[], Any], fallback: Any, probe: bool = False,
                     settles: bool = True, self_bounded: bool = False) -> Any:
-        if not self.up and not probe and self.clock() < self.next_try:
-            self.on_error(op, "down")
-            return fallback
+        if not self.up and not probe:
+            now = self.clock()
+            if now < self.next_try:
+                self.on_error(op, "down")
+                return fallback
+            # This call tries; the calls that come while it does answer at once, as before it: one try a
+            # `retry`, not every call that arrives while a try waits out `store_timeout` (issue 35).
+            self.next_try = now + self.retry
         try:
             result = await (call() if self_bounded else self._bounded(call))
         except (asyncio.TimeoutError, TimeoutError):

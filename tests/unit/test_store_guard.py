@@ -89,3 +89,19 @@ async def test_a_put_whose_reply_fails_after_it_was_sent_is_not_kept_and_marks_t
     clock.t += 1.5
     assert await await_put(store, ("t", "c"), {}, "d", 0) is True     # a reply that comes back brings it up
     assert store.up and health == [True, False, True]
+
+
+async def test_while_down_one_call_a_retry_tries_and_the_calls_that_come_meanwhile_answer_at_once():
+    """Before: every call that came once the retry time had passed tried, each waiting out the timeout."""
+    inner, clock, errors, health = Flaky(), Clock(), [], []
+    store = GuardedStore(inner, 0.05, lambda op, why: errors.append((op, why)), health.append, retry=1.0, clock=clock)
+    inner.mode = "hang"
+    assert await store.take_first([("t", "c")]) == (None, UNAVAILABLE)
+    clock.t += 1.5
+    calls = inner.calls
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcomes = await asyncio.gather(*(store.take_first([("t", "c")]) for _ in range(10)))
+    assert outcomes == [(None, UNAVAILABLE)] * 10 and inner.calls == calls + 1
+    assert sorted(errors[1:]) == [("take", "down")] * 9 + [("take", "timeout")]
+    assert loop.time() - started < 1
