@@ -120,8 +120,12 @@ class RedisStore:
         return self.used
 
     def key(self, key: tuple[str, str]) -> str:
+        """Defined for every str: a session header's non-UTF-8 bytes arrive as lone surrogates (aiohttp's
+        surrogateescape), which plain UTF-8 refuses. Before (issue 35, item 5) that raised inside the guarded
+        take and marked the store down for every client."""
         tenant, conversation = key
-        return self.prefix + "e:" + hashlib.sha256(f"{tenant}\0{conversation}".encode()).hexdigest()[:40]
+        raw = f"{tenant}\0{conversation}".encode("utf-8", "surrogatepass")
+        return self.prefix + "e:" + hashlib.sha256(raw).hexdigest()[:40]
 
     async def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
                   sequence: list[int] | None = None, alias: tuple[str, str] | None = None) -> asyncio.Future[bool]:
