@@ -208,8 +208,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         lean = spans is None and lean_http.AVAILABLE
         lean_total = cfg.upstream_max_connections // 2 if lean else 0
         backends = len(cfg.prefill) + len(cfg.decode)
-        http1 = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends))) \
-            if lean else None
+        http1 = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends)),
+                                      max_answer_bytes=cfg.max_answer_bytes) if lean else None
         connector = aiohttp.TCPConnector(limit=max(1, cfg.upstream_max_connections - lean_total),
                                          limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
         # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
@@ -231,7 +231,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
             metrics.store_up.labels(scheme(cfg.store)).set(1)
         drops: set[asyncio.Task] = set()
         upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout,
-                            (prefill, decode), http1)
+                            (prefill, decode), http1, cfg.max_answer_bytes)
         # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
         costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
 

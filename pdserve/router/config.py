@@ -39,6 +39,7 @@ class RouterConfig:
     request_timeout: float = 600.0
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
+    max_answer_mb: float = 32.0        # a backend's whole answer, or one line of its stream, at most (else 502)
     max_header_bytes: int = 8190
     header_timeout: float = 10.0       # a request head must be complete this long after its first byte
     body_timeout: float = 30.0         # a request body must be complete this long after its head (else 408)
@@ -71,6 +72,10 @@ class RouterConfig:
     store_timeout: float = 0.25        # a store call answers within this, else the turn recomputes
     replicas: int = 1                  # router processes sharing the store (one port, SO_REUSEPORT)
     replica: str = ""                  # this process's name among them (X-PDServe-Router); set per process
+
+    @property
+    def max_answer_bytes(self) -> int:
+        return int(self.max_answer_mb * 1024 * 1024)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

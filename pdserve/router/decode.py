@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import PREFILL_THEN_DECODE
 from pdserve.router.relay import StreamRelay
 from pdserve.router.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
-from pdserve.router.upstream import Upstream
+from pdserve.router.upstream import Upstream, read_bounded
 
 log = logging.getLogger("pdserve.router")
 
@@ -88,7 +89,8 @@ class DecodeLeg:
         trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
-        relay = StreamRelay(collector, keep_lines=track and turn.explicit is None)
+        relay = StreamRelay(collector, keep_lines=track and turn.explicit is None,
+                            max_bytes=self.upstream.max_answer_bytes)
         d_started = time.perf_counter()
         try:
             async with self.upstream.open_stream(backend, turn.route, body, turn.headers) as resp:
@@ -155,15 +157,16 @@ class DecodeLeg:
         relay.finish()
         self.upstream.count(backend, turn.route, True)
         turn.suspects.served()
-        await self.flow.remember(turn, backend, relay.collector, track)
+        # A stream longer than the bound kept neither its lines nor its ids: served, not remembered.
+        await self.flow.remember(turn, backend, relay.collector, track and not relay.overflow)
         return True
 
     async def _not_a_stream(self, backend: Backend, resp: aiohttp.ClientResponse) -> tuple[bool, int, dict[str, Any]]:
         """D answered a streamed request with an error or with something that is not SSE:
         (breaker verdict, status, body) for the client, before anything was sent."""
         try:
-            data = await resp.json(content_type=None)
-        except (ValueError, aiohttp.ClientError):
+            data = json.loads(await read_bounded(resp, self.upstream.max_answer_bytes))   # AnswerTooLarge: a 502
+        except ValueError:
             data = None
         if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
             return False, 502, error_body(f"{backend.role} server {backend.name} answered a streamed request with "

@@ -6,7 +6,21 @@ to a vLLM server needs far less: keep-alive connections per backend, one write, 
 one uvicorn uses) for the answer. Streams and the health and metrics probes stay on aiohttp.
 
 Idle connections are closed after `keepalive` seconds, below vLLM's own keep-alive timeout (uvicorn's 5 s),
-so a request is never written to a connection the server is closing; a request is never retried here.
+so a request is rarely written to a connection the server is closing. When it is (a backend or proxy that
+closes right after answering), the answer to it is an EOF before any byte: the backend never read the
+request, and it is sent once more on a new connection, as browsers do (Chromium resends any request, POST
+included, when a reused keep-alive connection closes before the first byte of the answer). Nothing else is
+ever retried here.
+
+What comes back is read as RFC 9110/9112 say: interim 1xx answers (100 Continue, 103 Early Hints) are skipped
+and the final answer read on; a body without Content-Length or chunked framing ends when the server closes
+the connection. A connection that saw anything unexpected (bytes while no request was outstanding, a second
+answer, 101 Switching Protocols, a parse error, an answer over `max_answer_bytes`) is closed, never pooled, so
+one request's answer is not handed to another. An answer that names another request (its `X-Request-Id`, which
+vLLM echoes with --enable-request-id-headers, is not the one sent) is skipped as an interim one is, and its
+connection closed after the answer: a stray answer that comes after the next request was written, which
+nothing else in HTTP/1.1 tells apart, is caught that way. An answer larger than `max_answer_bytes` is refused
+(AnswerTooLarge) as soon as it is, not read to its end.
 """
 
 from __future__ import annotations
@@ -37,24 +51,53 @@ class PoolTimeout(asyncio.TimeoutError):
 
 
 class Disconnected(ConnectionError):
-    """The backend closed the connection (or sent what is not HTTP) before a whole answer."""
+    """The backend closed the connection (or sent what is not HTTP) before a whole answer. `stale`: it was a
+    kept-alive connection and not a byte of the answer came back (the backend had closed it: see above)."""
+
+    def __init__(self, message: str, stale: bool = False):
+        super().__init__(message)
+        self.stale = stale
+
+
+class AnswerTooLarge(Disconnected):
+    """The answer grew past max_answer_bytes: refused at that point, the connection closed."""
+
+
+DEFAULT_MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.answer: asyncio.Future | None = None
-        self.content_type = ""
-        self.body: list[bytes] = []
+        self.max_bytes = max_bytes
         self.closed = False
         self.idle_since = 0.0
+        self.answers = 0             # final answers read: more than 0 is a kept-alive connection reused
+        self.request_id = b""        # the X-Request-Id sent, lowercase (b"": none)
+        self.tainted = False         # an answer to another request came here: closed after this request
+        self._reset()
+
+    def _reset(self) -> None:
+        self.content_type = ""
+        self.body: list[bytes] = []
+        self.size = 0
+        self.heard = False           # a byte of this request's answer arrived
+        self.headers_done = False
+        self.framed = False          # Content-Length or chunked; else the body ends at the close
+        self.interim = False         # the message parsed is a 1xx
+        self.foreign = False         # the message parsed names another request (X-Request-Id)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.answer is None or self.answer.done():
+            self.close()             # bytes nobody asked for: never pooled (the next request would get them)
+            return
+        self.heard = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as err:
@@ -63,28 +106,71 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail(Disconnected("the backend closed the connection before a whole answer"))
+        if self.headers_done and not self.framed and not self.interim:
+            self._complete(False)    # RFC 9112 6.3: a body with no length framing ends at the close
+            return
+        self._fail(Disconnected("the backend closed the connection before a whole answer",
+                                stale=self.answers > 0 and not self.heard))
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.answer is None or self.answer.done():
+            self.close()             # a second answer after the one asked for: never pooled
+        self.content_type, self.body, self.size, self.headers_done, self.framed = "", [], 0, False, False
+        self.foreign = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        name = name.lower()
+        if name == b"content-type":
             self.content_type = value.decode("latin-1").split(";", 1)[0].strip().lower()
+        elif name == b"content-length" or name == b"transfer-encoding":
+            self.framed = True       # llhttp reads both (and refuses what is not chunked-last)
+        elif name == b"x-request-id" and self.request_id and value.strip().lower() != self.request_id:
+            self.foreign = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        self.interim = 100 <= status < 200
+        if status == 101:            # never asked for: whatever follows is not HTTP/1.1
+            self._fail(Disconnected("the backend switched protocols (101) unasked"))
+            self.close()
+        self.headers_done = True
+        self.framed = self.framed or status in (204, 304) or self.interim
 
     def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        if self.size > self.max_bytes:
+            if not self.closed:
+                self._fail(AnswerTooLarge(f"an answer over {self.max_bytes} bytes"))
+                self.close()
+            return
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        keep = self.parser.should_keep_alive()
+        if self.interim:             # RFC 9110 15.2: an interim answer; the final one follows
+            self.interim = self.headers_done = False
+            return
+        if self.foreign:             # another request's answer: ours follows; this connection is not kept
+            self.tainted = True
+            self.foreign = self.headers_done = False
+            return
+        self._complete(self.parser.should_keep_alive())
+
+    def _complete(self, keep: bool) -> None:
         if self.answer is not None and not self.answer.done():
-            self.answer.set_result((self.parser.get_status_code(), self.content_type, b"".join(self.body), keep))
+            self.answers += 1
+            self.answer.set_result((self.parser.get_status_code(), self.content_type, b"".join(self.body),
+                                    keep and not self.closed and not self.tainted))
+            self.body = []
 
     def _fail(self, err: Exception) -> None:
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(err)
 
-    def send(self, data: bytes) -> asyncio.Future:
+    def send(self, data: bytes, request_id: str = "") -> asyncio.Future:
         self.answer = asyncio.get_running_loop().create_future()
-        self.content_type, self.body = "", []
+        self._reset()
+        self.request_id = request_id.lower().encode("latin-1")
         self.parser = httptools.HttpResponseParser(self)
         assert self.transport is not None
         self.transport.write(data)
@@ -105,10 +191,12 @@ class _HostPool:
 
 
 class Http1Client:
-    def __init__(self, limit_per_host: int, keepalive: float = 3.0, clock=time.monotonic):
+    def __init__(self, limit_per_host: int, keepalive: float = 3.0, clock=time.monotonic,
+                 max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES):
         self.limit = max(1, limit_per_host)
         self.keepalive = keepalive
         self.clock = clock
+        self.max_answer_bytes = max_answer_bytes
         self.pools: dict[str, _HostPool] = {}
         self.closed = False
 
@@ -121,20 +209,26 @@ class Http1Client:
             pool = self.pools[base_url] = _HostPool(parts.hostname, parts.port or 80, self.limit)
         return pool
 
-    async def _acquire(self, pool: _HostPool, deadline: float) -> _Connection:
+    async def _acquire(self, pool: _HostPool, deadline: float, fresh: bool = False) -> _Connection:
+        """A connection: the warmest idle one, else a new one (`fresh`: a new one, an idle one closed to make
+        room at the limit), else the next one released, until the deadline."""
         while True:
             now = self.clock()
-            while pool.idle:
+            while pool.idle and not fresh:
                 conn = pool.idle.pop()                     # the most recently used: the warmest
                 if not conn.closed and now - conn.idle_since < self.keepalive:
                     return conn
                 conn.close()
                 pool.open -= 1
+            if fresh and pool.idle and pool.open >= pool.limit:
+                pool.idle.popleft().close()                # the coldest
+                pool.open -= 1
             if pool.open < pool.limit:
                 pool.open += 1
                 try:
                     _, conn = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
-                        _Connection, pool.host, pool.port), max(0.001, deadline - self.clock()))
+                        lambda: _Connection(self.max_answer_bytes), pool.host, pool.port),
+                        max(0.001, deadline - self.clock()))
                 except OSError as err:
                     pool.open -= 1
                     if err.errno in ROUTER_ERRNOS:
@@ -169,8 +263,9 @@ class Http1Client:
 
     async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout: float,
                    pool_timeout: float | None = None) -> tuple[int, str, bytes]:
-        """POST `body` (JSON); (status, content type, body). Raises ConnectFailed, PoolTimeout, Disconnected,
-        asyncio.TimeoutError (no whole answer within `timeout`), or the router's own OSError (EMFILE...)."""
+        """POST `body` (JSON); (status, content type, body). Raises ConnectFailed, PoolTimeout, Disconnected
+        (AnswerTooLarge among them), asyncio.TimeoutError (no whole answer within `timeout`), or the router's
+        own OSError (EMFILE...)."""
         pool = self._pool(base_url)
         start = self.clock()
         deadline = start + (timeout if pool_timeout is None else min(timeout, pool_timeout))
@@ -179,15 +274,22 @@ class Http1Client:
             raise ValueError("a header name or value with a line break")   # the router's own: never a client's
         request = (f"POST {path} HTTP/1.1\r\nHost: {pool.host}:{pool.port}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n{head}\r\n").encode("latin-1") + body
-        conn = await self._acquire(pool, deadline)
-        reuse = False
-        try:
-            async with asyncio.timeout(max(0.0, start + timeout - self.clock())):
-                status, content_type, data, reuse = await conn.send(request)
-            return status, content_type, data
-        finally:
-            # A cancelled or timed-out request leaves an answer on its way: that connection is not reused.
-            self._release(pool, conn, reuse)
+        for retry in (False, True):
+            conn = await self._acquire(pool, deadline, fresh=retry)
+            reuse = False
+            try:
+                async with asyncio.timeout(max(0.0, start + timeout - self.clock())):
+                    status, content_type, data, reuse = await conn.send(request, headers.get("X-Request-Id", ""))
+                return status, content_type, data
+            except Disconnected as err:
+                if retry or not err.stale:
+                    raise
+                # The backend had closed this kept-alive connection: it never read the request. Once more,
+                # on a new connection (module docstring).
+            finally:
+                # A cancelled or timed-out request leaves an answer on its way: that connection is not reused.
+                self._release(pool, conn, reuse)
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         self.closed = True

@@ -6,27 +6,59 @@ from __future__ import annotations
 from pdserve.router.api.base import Collector
 
 
+class LineTooLong(ValueError):
+    """D sent a line longer than the bound without ending it (an endless body, or not SSE)."""
+
+
 class StreamRelay:
     """Relays D's SSE bytes as they arrive, whole lines at a time: one write per upstream read instead of
     one per token, and JSON is parsed only for lines that carry router-only fields. The reply text (for
     automatic conversation detection) is rebuilt from the kept lines after the stream, and only if D
-    reported blocks worth remembering."""
+    reported blocks worth remembering.
 
-    def __init__(self, collector: Collector, keep_lines: bool):
+    Bounded by `max_bytes` (router.max_answer_mb): a line longer than that is refused (LineTooLong: the
+    stream ends with the format's error event); a stream longer than that is relayed to its end but not
+    remembered (`overflow`): neither its lines nor its token ids are kept past the bound."""
+
+    def __init__(self, collector: Collector, keep_lines: bool, max_bytes: int = 32 * 1024 * 1024):
         self.collector = collector
         self.keep_lines = keep_lines and collector.reply_from_lines
         self.blocks: list[bytes] = []  # what D sent, split into lines only if the reply is wanted
         self.done = False              # D sent the end of its answer (the format's end marker)
-        self._partial = b""
+        self.max_bytes = max_bytes
+        self.seen = 0                  # bytes D sent
+        self.overflow = False          # more than max_bytes: too long to remember
+        self._partial: list[bytes] = []   # the start of a line not ended yet
+        self._partial_size = 0
 
     def feed(self, data: bytes) -> bytes:
-        data = self._partial + data
+        self.seen += len(data)
+        if self.seen > self.max_bytes:
+            self._overflow()
         cut = data.rfind(b"\n") + 1
-        self._partial = data[cut:]
+        if not cut:
+            self._keep_partial(data)
+            return b""
+        if self._partial:
+            cut += self._partial_size
+            data = b"".join(self._partial) + data
+            self._partial, self._partial_size = [], 0
+        if cut < len(data):
+            self._keep_partial(data[cut:])
         return self._process(data[:cut])
 
+    def _keep_partial(self, piece: bytes) -> None:
+        self._partial.append(piece)
+        self._partial_size += len(piece)
+        if self._partial_size > self.max_bytes:
+            raise LineTooLong(f"a stream line over {self.max_bytes} bytes")
+
+    def _overflow(self) -> None:
+        self.overflow, self.keep_lines, self.blocks = True, False, []
+        self.collector.generated.clear()   # the sequence will not be stored: keep none of it
+
     def close(self) -> bytes:
-        rest, self._partial = self._partial, b""
+        rest, self._partial, self._partial_size = b"".join(self._partial), [], 0
         return self._process(rest) if rest else b""
 
     def _process(self, block: bytes) -> bytes:

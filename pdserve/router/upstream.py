@@ -16,9 +16,23 @@ from typing import Any
 import aiohttp
 
 from pdserve.router.backends import Backend, Pool, Suspects
-from pdserve.router.http1 import ROUTER_ERRNOS, ConnectFailed, Http1Client, PoolTimeout
+from pdserve.router.http1 import ROUTER_ERRNOS, AnswerTooLarge, ConnectFailed, Http1Client, PoolTimeout
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.metrics import RouterMetrics
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """An aiohttp answer's whole body, refused (AnswerTooLarge) past `limit` bytes: at once by its
+    Content-Length, else as soon as it grows past it (an endless body costs `limit`, not the router)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise AnswerTooLarge(f"an answer of {resp.content_length} bytes, over {limit}")
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"an answer over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
 
 def router_resource_error(err: BaseException) -> bool:
     os_error = getattr(err, "os_error", err)
@@ -28,8 +42,9 @@ def router_resource_error(err: BaseException) -> bool:
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, request_timeout: float,
                  api_key: str | None = None, pool_timeout: float | None = None, pools: tuple[Pool, ...] = (),
-                 http1: Http1Client | None = None):
+                 http1: Http1Client | None = None, max_answer_bytes: int = 32 * 1024 * 1024):
         self.session = session
+        self.max_answer_bytes = max_answer_bytes   # a whole answer, or a stream's line (relay.py)
         self.http1 = http1                 # whole-JSON calls (http1.py); streams and probes stay on aiohttp
         self.pool_timeout = pool_timeout
         self.pools = pools
@@ -71,6 +86,10 @@ class Upstream:
                                                        f"{getattr(err, 'os_error', err)}); retry", "server_error",
                                                        503), backend.name, True, routers_own=True)
         self.count(backend, route, False)
+        if isinstance(err, AnswerTooLarge):
+            return False, UpstreamError(502, error_body(
+                f"{backend.role} server {backend.name} sent an answer over {self.max_answer_bytes // 2**20} MiB "
+                "(router.max_answer_mb): refused", "server_error", 502), backend.name)
         if isinstance(err, asyncio.TimeoutError):
             return False, UpstreamError(504, error_body(f"backend {backend.name} did not answer within "
                                                         f"{self.request_timeout:g}s", "timeout", 504), backend.name)
@@ -116,7 +135,7 @@ class Upstream:
         else:
             async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
                                          timeout=self.timeout) as resp:
-                status, raw = resp.status, await resp.read()
+                status, raw = resp.status, await read_bounded(resp, self.max_answer_bytes)
         try:
             return status, json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -132,6 +151,8 @@ class Upstream:
     async def get_text(self, backend: Backend, path: str) -> str | None:
         try:
             async with self.session.get(backend.url + path, headers=self.auth, timeout=self.timeout) as resp:
-                return await resp.text() if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+                if resp.status != 200:
+                    return None
+                return (await read_bounded(resp, self.max_answer_bytes)).decode(resp.charset or "utf-8", "replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError, AnswerTooLarge):
             return None

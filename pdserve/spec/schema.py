@@ -163,6 +163,10 @@ class RouterSpec(Strict):
                                            "request.", gt=0)
     max_body_mb: float = Field(ROUTER_DEFAULTS["max_body_bytes"] / MIB, gt=0,
                                description="Largest request body accepted, in MiB.")
+    max_answer_mb: float = router_field("max_answer_mb", "Largest answer the router reads from a backend, in MiB: "
+                                        "a whole JSON answer, or one line of a stream (a longer stream is relayed "
+                                        "but not remembered). Past it the read stops: a 502 (a broken stream).",
+                                        gt=0)
     # Admission (docs/router.md "Admission"); 0 is unlimited; off by default.
     max_in_flight: int = router_field("max_in_flight", "Completion requests in flight through the router at "
                                       "most; past it they wait in the queue. 0: unlimited.", ge=0)

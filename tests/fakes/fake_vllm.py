@@ -34,8 +34,10 @@ from aiohttp import web
 
 from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
 try:
+    from tests.fakes import hostile
     from tests.fakes.fake_agent_wire import AgentWire
 except ModuleNotFoundError:      # run as a script (python tests/fakes/fake_vllm.py): its folder is on the path
+    import hostile  # type: ignore[no-redef]
     from fake_agent_wire import AgentWire  # type: ignore[no-redef]
 
 BLOCK = 16
@@ -73,6 +75,7 @@ class FakeVLLM:
         self.stale_reads = 0                            # P read blocks this D no longer held
         self.max_held_tokens = 0                        # the most held at once (whole blocks)
         self.stalled = 0                                # requests that waited for room (--stall-when-full)
+        self.manners = hostile.Manners(args)            # what vLLM never sends (hostile.py)
 
     def held_tokens(self) -> int:
         self.expire_held()
@@ -216,6 +219,10 @@ class FakeVLLM:
             # What a client sees of a server killed mid-request: the connection closes, no answer.
             request.transport.abort()
             raise asyncio.CancelledError
+        if self.manners.any:
+            self.manners.before(request)
+            if self.args.endless_body or self.args.huge_body:
+                return await self.manners.endless(request, body)
         if self.args.status != 200 and self.args.plain_error:   # e.g. a proxy's or a crashed server's page
             return web.Response(status=self.args.status, text="Internal Server Error")
         if self.args.status != 200:
@@ -248,6 +255,8 @@ class FakeVLLM:
             await self.wait_for_room(len(prompt) + n)
         generated = [50000 + i for i in range(n)]
         text = " ".join(f"w{i}" for i in range(n))
+        if self.args.echo and n:     # in the first word: as many words as tokens
+            text = hostile.echo_prefix(body, prompt).replace(" ", "_") + "|" + text
         params = None
         if kv.get("do_remote_decode"):           # prefill leg: hand out P's blocks for D
             params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
@@ -256,6 +265,8 @@ class FakeVLLM:
                       "remote_prefill_cached_tokens": pulled,
                       # what pdserve.engine.entry's connector patch adds on a real P
                       PULLED_KEY: pulled, LOCAL_KEY: 0}
+            if self.args.echo:
+                params["fake_prompt_sum"] = hostile.prompt_sum(prompt)
         elif kv and self.args.bidirectional:
             # Decode leg, or a request served on D alone ({"do_remote_prefill": false}): as vLLM's pull
             # scheduler, any kv_transfer_params without do_remote_decode make D hand out its finished blocks.
@@ -285,6 +296,8 @@ class FakeVLLM:
                 choice["prompt_token_ids"] = prompt
         if params and not self.args.no_kv_params:
             resp["kv_transfer_params"] = params
+        if self.manners.any:
+            return await self.manners.whole(request, resp)
         return web.json_response(resp)
 
     async def stream(self, request, chat, words, generated, prompt, params, ids, usage=None) -> web.StreamResponse:
@@ -420,6 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-held-control", action="store_true", help="no /pdserve/held routes (404)")
     p.add_argument("--held-status", type=int, default=200, help="answer release/renew with this status")
     p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
+    hostile.add_flags(p)
     p.add_argument("--spawn-child", action="store_true", help="start a long-lived child, like vLLM's EngineCore")
     p.add_argument("--child-without-marker", action="store_true", help="the child's environment is empty")
     args, _ = p.parse_known_args(argv)   # ignore vLLM's own flags when started by pdserve

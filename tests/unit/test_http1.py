@@ -141,3 +141,171 @@ async def test_a_header_with_a_line_break_is_refused_before_anything_is_sent():
     with pytest.raises(ValueError):
         await client.post("http://127.0.0.1:9", "/a", b"{}", {"X-Request-Id": "a\r\nX-Evil: 1"}, 5)
     assert client.pools["http://127.0.0.1:9"].open == 0
+
+
+# -- a backend or proxy that misbehaves (issue 35 item 4): a raw server, one scripted answer per request -------
+
+async def raw_server(answer) -> tuple[asyncio.AbstractServer, str, list]:
+    """Reads each request (head and Content-Length body) and calls `answer(writer, n, body, head)`, n counting
+    requests on that connection from 0; returns the server, its URL and the peers seen."""
+    peers: list = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername"))
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(length)
+                if await answer(writer, n, body, head) is False:
+                    writer.close()
+                    return
+                n += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", peers
+
+
+def ok(payload: bytes, extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (len(payload), extra, payload))
+
+
+async def test_interim_1xx_answers_are_skipped_and_the_final_answer_is_the_requests_own():
+    async def answer(writer, n, body, head):
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.02)                  # the final answer comes a moment later
+        writer.write(ok(body))
+
+    server, url, peers = await raw_server(answer)
+    client = Http1Client(1)
+    try:
+        for n in range(4):
+            assert await client.post(url, "/a", b'{"n": %d}' % n, {}, 5) == (200, "application/json", b'{"n": %d}' % n)
+        assert len(peers) == 1                     # and the connection stayed good to reuse
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_connection_that_sent_an_unsolicited_answer_is_never_reused():
+    async def answer(writer, n, body, head):
+        if body == b'{"n": 0}':                    # one answer stuck to the next, one a moment after it
+            writer.write(ok(body) + ok(b'{"n": "stray"}'))
+        elif body == b'{"n": 2}':
+            writer.write(ok(body))
+            await writer.drain()
+            await asyncio.sleep(0.02)
+            writer.write(ok(b'{"n": "late"}'))
+        else:
+            writer.write(ok(body))
+
+    server, url, peers = await raw_server(answer)
+    client = Http1Client(1)
+    try:
+        for n in range(5):
+            assert (await client.post(url, "/a", b'{"n": %d}' % n, {}, 5))[2] == b'{"n": %d}' % n
+            await asyncio.sleep(0.05)
+        assert len(peers) == 3                     # a new connection after each stray answer
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_close_delimited_body_is_read_to_the_close():
+    async def answer(writer, n, body, head):
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"whole": ')
+        await writer.drain()
+        writer.write(body + b"}")
+        return False                               # then close: the end of the body
+
+    server, url, _ = await raw_server(answer)
+    client = Http1Client(1)
+    try:
+        for _ in range(2):
+            assert await client.post(url, "/a", b"1", {}, 5) == (200, "application/json", b'{"whole": 1}')
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_kept_alive_connection_the_backend_closed_is_retried_once_on_a_new_one():
+    async def answer(writer, n, body, head):
+        if body == b'{"n": 1}' and n == 1:
+            return False                           # closes the kept-alive connection instead of answering
+        writer.write(ok(body))
+
+    server, url, peers = await raw_server(answer)
+    client = Http1Client(1)
+    try:
+        for n in range(3):
+            assert (await client.post(url, "/a", b'{"n": %d}' % n, {}, 5))[2] == b'{"n": %d}' % n
+        assert len(peers) == 2
+
+        async def never(writer, n, body, head):          # a new connection closed before any answer: no retry
+            return False
+
+        server2, url2, peers2 = await raw_server(never)
+        with pytest.raises(Disconnected):
+            await client.post(url2, "/a", b"{}", {}, 5)
+        assert len(peers2) == 1
+        server2.close()
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_an_answer_over_the_bound_is_refused_at_once_and_the_connection_closed():
+    from pdserve.router.http1 import AnswerTooLarge
+
+    async def answer(writer, n, body, head):
+        if body == b"endless":                     # chunked, never ends
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            chunk = b"x" * 65536
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (1 << 30))   # a 1 GiB answer
+        writer.write(b"[" + b"1," * 400_000)
+
+    server, url, _ = await raw_server(answer)
+    client = Http1Client(2, max_answer_bytes=512 * 1024)
+    try:
+        for body in (b"endless", b"big"):
+            with pytest.raises(AnswerTooLarge):
+                await client.post(url, "/a", body, {}, 5)
+        assert client.pools[url].open == 0 and not client.pools[url].idle
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_a_stray_answer_naming_another_request_is_skipped_even_after_the_next_request_was_sent():
+    """A copy of answer 0 comes 50 ms late, when request 1 is already on the connection: its X-Request-Id (as
+    vLLM echoes it with --enable-request-id-headers) is not request 1's, so request 1 reads on to its own."""
+    def echo(body: bytes, head: bytes) -> bytes:
+        rid = head.lower().split(b"x-request-id: ")[1].split(b"\r\n")[0]
+        return ok(body, b"X-Request-Id: %s\r\n" % rid)
+
+    async def answer(writer, n, body, head):
+        writer.write(echo(body, head))
+        if n == 0:
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(echo(b'{"n": "stray"}', head))
+
+    server, url, peers = await raw_server(answer)
+    client = Http1Client(1)
+    try:
+        first = await client.post(url, "/a", b'{"n": 0}', {"X-Request-Id": "r0"}, 5)
+        second = await client.post(url, "/a", b'{"n": 1}', {"X-Request-Id": "r1"}, 5)   # sent at once
+        assert (first[2], second[2]) == (b'{"n": 0}', b'{"n": 1}')
+        assert (await client.post(url, "/a", b'{"n": 2}', {"X-Request-Id": "r2"}, 5))[2] == b'{"n": 2}'
+        assert len(peers) == 2                      # the connection that carried a stray was not kept
+    finally:
+        await client.close()
+        server.close()
