@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import sys
 import time
-from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -35,24 +32,41 @@ from redis.backoff import NoBackoff
 from pdserve.router.redis_pipe import RedisPipe
 from pdserve.router.reuse import ReuseEntry
 from pdserve.router.store import kept
+from pdserve.router.store_entry import INVALID, decode_entry, encode
 
 log = logging.getLogger("pdserve.router")
 
 MAX_ENTRY_BYTES = 4 * 1024 * 1024
-# KEYS: entry, decode's index, decode's engine key[, alias]; ARGV: value, ttl ms, engine id
-PUT = """
+# What Redis holds is not trusted (issue 35, item 9): the scripts use no value as a key outside this store's
+# own prefix (ARGV: the entry keys' prefix), and a key of another type than theirs never fails a script: one
+# damaged key must never take the store down for every client. The index and engine keys are this store's own:
+# one of another type is replaced; an entry or alias key of another type is skipped (reported as invalid).
+OWN = """
+local function own(key, kind)
+  local t = redis.call('TYPE', key).ok
+  if t ~= kind and t ~= 'none' then redis.call('DEL', key) end
+end
+local function drop_listed(index, prefix)
+  local n = 0
+  for _, k in ipairs(redis.call('ZRANGE', index, 0, -1)) do
+    if string.sub(k, 1, #prefix) == prefix then n = n + redis.call('DEL', k) end
+  end
+  redis.call('DEL', index)
+  return n
+end
+"""
+# KEYS: entry, decode's index, decode's engine key[, alias]; ARGV: value, ttl ms, engine id, entry keys' prefix
+PUT = OWN + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local dropped = 0
+own(KEYS[2], 'zset')
+own(KEYS[3], 'string')
 local engine = redis.call('GET', KEYS[3])
-if engine and engine ~= ARGV[3] then
-  local old = redis.call('ZRANGE', KEYS[2], 0, -1)
-  for i = 1, #old do dropped = dropped + redis.call('DEL', old[i]) end
-  redis.call('DEL', KEYS[2])
-end
+if engine and engine ~= ARGV[3] then dropped = drop_listed(KEYS[2], ARGV[4]) end
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if KEYS[4] then redis.call('SET', KEYS[4], '\0' .. KEYS[1], 'PX', ARGV[2]) end
+if KEYS[4] then redis.call('SET', KEYS[4], '\\0' .. KEYS[1], 'PX', ARGV[2]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), KEYS[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -60,31 +74,36 @@ return dropped
 """
 # KEYS: candidate entries, longest history first: the first that exists (itself, or the entry an alias names)
 # is read and deleted, and leaves its decode server's index (the value's first line names the server);
-# ARGV: the index keys' prefix. An entry taken by its alias is returned after a NUL.
+# ARGV: the index keys' prefix, the entry keys' prefix. An entry taken by its alias is returned after a NUL;
+# nothing found, but a key of another type skipped on the way: a lone \\1 (the store refuses it, a miss).
 TAKE_FIRST = """
+local skipped = false
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local v = redis.call('GETDEL', key)
+  local v = redis.pcall('GETDEL', key)
   local via = ''
-  if v and string.byte(v, 1) == 0 then
+  if type(v) == 'string' and string.byte(v, 1) == 0 then
     key = string.sub(v, 2)
-    v = redis.call('GETDEL', key)
-    via = '\\0'
+    v = false
+    if string.sub(key, 1, #ARGV[2]) == ARGV[2] then
+      v = redis.pcall('GETDEL', key)
+      via = '\\0'
+    end
   end
-  if v then
-    redis.call('ZREM', ARGV[1] .. string.sub(v, 1, string.find(v, '\\n', 1, true) - 1), key)
+  if type(v) == 'string' then
+    local nl = string.find(v, '\\n', 1, true)
+    if nl then redis.pcall('ZREM', ARGV[1] .. string.sub(v, 1, nl - 1), key) end
     return via .. v
   end
+  if type(v) == 'table' then skipped = true end
 end
+if skipped then return '\\1' end
 return false
 """
-# KEYS: decode's index; entries it lists are deleted
-DROP = """
-local keys = redis.call('ZRANGE', KEYS[1], 0, -1)
-local n = 0
-for i = 1, #keys do n = n + redis.call('DEL', keys[i]) end
-redis.call('DEL', KEYS[1])
-return n
+# KEYS: decode's index; ARGV: the entry keys' prefix. The entries it lists are deleted.
+DROP = OWN + """
+own(KEYS[1], 'zset')
+return drop_listed(KEYS[1], ARGV[1])
 """
 
 
@@ -137,23 +156,23 @@ class RedisStore:
         keys = [self.key(key), self.prefix + "idx:" + decode, self.prefix + "eng:" + decode]
         if alias is not None:
             keys.append(self.key(alias))
-        return await self.pipe.send("EVAL", PUT, len(keys), *keys, value, self.ttl_ms, engine,
+        return await self.pipe.send("EVAL", PUT, len(keys), *keys, value, self.ttl_ms, engine, self.prefix + "e:",
                                     then=lambda dropped: _put_replied(dropped, decode))
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
         value = await (await self.pipe.send("EVAL", TAKE_FIRST, len(keys), *[self.key(k) for k in keys],
-                                            self.prefix + "idx:"))
+                                            self.prefix + "idx:", self.prefix + "e:"))
         if not value:
             return None, "no_entry"
         by_prompt = value[:1] == b"\0"
         entry = decode_entry(value[1:] if by_prompt else value)
         if entry is None:
-            return None, "no_entry"
+            return None, INVALID      # refused on its own (store_entry.py): a miss, the store is fine
         entry.by_prompt = by_prompt
         return entry, "ok"
 
     async def drop_decode(self, decode: str) -> int:
-        return int(await self._drop(keys=[self.prefix + "idx:" + decode]))
+        return int(await self._drop(keys=[self.prefix + "idx:" + decode], args=[self.prefix + "e:"]))
 
     async def refresh(self) -> None:
         """Health, and len/bytes for the gauges: live entries by the decode indexes, bytes as Redis's
@@ -163,8 +182,11 @@ class RedisStore:
             for d in self.decodes:
                 pipe.zcount(self.prefix + "idx:" + d, now_ms, "+inf")
             pipe.info("memory")
-            *counts, memory = await pipe.execute()
-        self.entries = sum(int(c) for c in counts)
+            # an index of another type fails its count alone (the next put replaces it), not the refresh
+            *counts, memory = await pipe.execute(raise_on_error=False)
+        if isinstance(memory, Exception):
+            raise memory
+        self.entries = sum(int(c) for c in counts if not isinstance(c, Exception))
         self.used = int(memory.get("used_memory", 0))
         if not self.checked_bound:
             self.checked_bound = True
@@ -182,38 +204,3 @@ def _put_replied(dropped: int, decode: str) -> bool:
     if dropped:
         log.info("decode %s has a new engine id: dropped %d of its old handles", decode, dropped)
     return True
-
-
-def encode(params: dict[str, Any], decode: str, sequence: list[int] | None) -> bytes:
-    """A JSON header (D's params, the holder) and the token ids as 4-byte little-endian ints: ~4 bytes a token,
-    against ~6 as JSON numbers."""
-    tokens = b""
-    if sequence is not None:
-        try:
-            packed = array("i", sequence)
-            if sys.byteorder == "big":
-                packed.byteswap()
-            tokens = packed.tobytes()
-        except (TypeError, OverflowError):
-            sequence = None    # not token ids: stored without, nothing will be verified against it
-    header = json.dumps({"p": params, "s": sequence is not None}, separators=(",", ":"))
-    return decode.encode() + b"\n" + header.encode() + b"\n" + tokens
-
-
-def decode_entry(value: bytes) -> ReuseEntry | None:
-    decode, _, rest = value.partition(b"\n")      # the holder; decode names have no newline (the schema's)
-    header, _, tokens = rest.partition(b"\n")     # JSON escapes newlines: the first one ends the header
-    try:
-        meta = json.loads(header)
-        sequence = None
-        if meta.get("s"):
-            sequence = array("i")
-            sequence.frombytes(tokens)
-            if sys.byteorder == "big":
-                sequence.byteswap()
-        # generation None: replicas count a backend's restarts each their own way; the engine id check and
-        # drop_decode (both shared) stand for it.
-        return ReuseEntry(meta["p"], decode.decode(), None, float("inf"), sequence, len(value))
-    except (ValueError, KeyError, TypeError):
-        log.warning("a reuse entry in Redis could not be read: ignored")
-        return None

@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import pytest
+import redis.asyncio as aioredis
 
 from tests.integration.rediskit import RedisServer
 from tests.integration.routerkit import deployment
@@ -62,3 +63,127 @@ async def test_a_non_utf8_session_header_is_a_conversation_like_any_other_and_th
         m = await dep.metrics()
         assert 'pdserve_router_store_up{store="redis"} 1.0' in m and "pdserve_router_store_errors_total{" not in m, m
         assert _hits(m) == 2                          # both follow-ups found their entry
+
+
+def value(params, decode: bytes = b"decode-0", tokens: bytes = b"", s: bool = False) -> bytes:
+    return decode + b"\n" + json.dumps({"p": params, "s": s}).encode() + b"\n" + tokens
+
+
+CRAFTED = {      # what a take of each must refuse, each as an entry of its own (before: 500s, or a failed script)
+    "params a list": value([1, 2]),
+    "params a string": value("x"),
+    "no params": b"decode-0\n" + json.dumps({"s": False}).encode() + b"\n",
+    "header not an object": b"decode-0\n[1]\n",
+    "tokens not a flag": value(PARAMS, s="yes"),
+    "token count a string": value({**PARAMS, "remote_num_tokens": "many"}),
+    "token count negative": value({**PARAMS, "remote_num_tokens": -5}),
+    "token count a bool": value({**PARAMS, "remote_num_tokens": True}),
+    "blocks an object": value({**PARAMS, "remote_block_ids": {"a": 1}}),
+    "blocks of strings": value({**PARAMS, "remote_block_ids": [["1", "2"]]}),
+    "blocks empty": value({**PARAMS, "remote_block_ids": []}),
+    "request id a number": value({**PARAMS, "remote_request_id": 7}),
+    "port a string": value({**PARAMS, "remote_port": "1"}),
+    "expiry not finite": b"decode-0\n" + b'{"p": {"remote_block_ids": [1], "remote_blocks_expiry_time": NaN}, "s": false}\n',
+    "a constant JSON lacks": b"decode-0\n" + b'{"p": {"remote_block_ids": [1], "x": Infinity}, "s": false}\n',
+    "decode not UTF-8": value(PARAMS, decode=b"\xffdecode"),
+    "decode empty": value(PARAMS, decode=b""),
+    "decode with a control byte": value(PARAMS, decode=b"decode\x01-0"),
+    "tokens cut mid-id": value(PARAMS, tokens=b"\1\0\0\0\2\0", s=True),
+    "no newline at all": b"garbage",
+    "JSON broken": b"decode-0\n{\"p\": \n",
+}
+
+
+async def test_crafted_entries_are_refused_one_by_one_and_the_store_stays_up(redis_server):
+    errors: list = []
+    store = store_at(redis_server.url, errors=errors)
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        for name, crafted in CRAFTED.items():
+            await raw.set(store.inner.key(("t", name)), crafted)
+            assert await store.take_first([("t", name)]) == (None, "invalid_entry"), name
+        assert errors == [] and store.up, errors
+        assert await (await store.put(("t", "good"), PARAMS, "decode-0", 0, [1, 2, 3]))
+        entry, why = await store.take_first([("t", "good")])
+        assert why == "ok" and entry.params == PARAMS and list(entry.sequence) == [1, 2, 3]
+        await raw.set(store.inner.key(("t", "router's own")), value({**PARAMS, "pdserve_expect_token_ids": 5}))
+        entry, why = await store.take_first([("t", "router's own")])       # only the router sets them, per turn
+        assert why == "ok" and entry.params == PARAMS
+    finally:
+        await store.close()
+        await raw.aclose()
+
+
+async def test_keys_of_another_type_fail_no_script_and_no_put_and_aliases_stay_in_their_namespace(redis_server):
+    """Before: a list under an entry key failed the take's script (the store marked down), and an alias could
+    name any key of the Redis (read and deleted)."""
+    errors: list = []
+    store = store_at(redis_server.url, errors=errors)
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        await raw.rpush(store.inner.key(("t", "a list")), "x")
+        await raw.hset(store.inner.key(("t", "a hash")), "f", "v")
+        await raw.set("victim", value(PARAMS))                              # another program's key
+        await raw.set(store.inner.key(("t", "alias out")), b"\0victim")
+        await raw.set(store.inner.key(("t", "alias to a list")), b"\0" + store.inner.key(("t", "a list")).encode())
+        assert await store.take_first([("t", "a list"), ("t", "a hash")]) == (None, "invalid_entry")
+        assert await store.take_first([("t", "alias out")]) == (None, "no_entry")
+        assert await raw.get("victim") == value(PARAMS)                     # neither read nor deleted
+        assert await store.take_first([("t", "alias to a list")]) == (None, "invalid_entry")
+        await raw.set(store.inner.key(("t", "next")), b"\0")                # an alias naming nothing
+        assert await store.take_first([("t", "a list"), ("t", "next")]) == (None, "invalid_entry")
+        assert errors == [] and store.up, errors
+    finally:
+        await store.close()
+        await raw.aclose()
+
+
+async def test_a_damaged_index_or_engine_key_fails_no_put_refresh_or_drop(redis_server):
+    """Before: a hash under a decode server's index failed every put on that server, the refresh and the drop,
+    each marking the store down (reuse off for good); a new engine id deleted whatever keys its index named."""
+    errors: list = []
+    store = store_at(redis_server.url, errors=errors)
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        await raw.set("victim", value(PARAMS))                              # another program's key
+        await raw.hset("pdserve:t:idx:decode-0", "f", "v")                  # the index of decode-0
+        await raw.rpush("pdserve:t:eng:decode-1", "e0")                     # the engine key of decode-1
+        await raw.zadd("pdserve:t:idx:decode-1", {"victim": 1e18})          # an index naming a foreign key
+        for decode in ("decode-0", "decode-1"):
+            assert await (await store.put(("t", decode), PARAMS, decode, 0, [1])), decode
+            entry, why = await store.take_first([("t", "other"), ("t", decode)])
+            assert why == "ok" and entry.decode == decode
+        assert await (await store.put(("t", "x"), {**PARAMS, "remote_engine_id": "e2"}, "decode-1", 0, [1]))
+        assert await raw.get("victim") == value(PARAMS)                     # a new engine drops its own entries only
+        await raw.hset("pdserve:t:idx:decode-0", "f", "v")
+        await store.refresh()                                               # counts around a damaged index
+        assert await store.drop_decode("decode-0") == 0
+        assert errors == [] and store.up, errors
+    finally:
+        await store.close()
+        await raw.aclose()
+
+
+async def test_an_entry_rewritten_with_wrong_types_is_a_miss_not_a_500(redis_server):
+    """Before: 500s for the turns that took such an entry."""
+    async with deployment(store=redis_server.url) as dep:
+        raw = aioredis.from_url(redis_server.url)
+        try:
+            history: list = []
+            for i in range(4):
+                body = {"model": "fake", "messages": history + [{"role": "user", "content": f"turn {i} " * 20}],
+                        "max_tokens": 4, "conversation_id": "c"}
+                async with dep.session.post(dep.url + CHAT, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    data = await resp.json()
+                history = body["messages"] + [data["choices"][0]["message"]]
+                for key in await raw.keys("pdserve:*:e:*"):            # every entry stored: damaged
+                    holder, header, tokens = (await raw.get(key)).split(b"\n", 2)
+                    meta = json.loads(header)
+                    meta["p"]["remote_num_tokens"] = ["x"] if i % 2 else "x"
+                    await raw.set(key, holder + b"\n" + json.dumps(meta).encode() + b"\n" + tokens)
+            m = await dep.metrics()
+        finally:
+            await raw.aclose()
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="invalid_entry",result="miss"} 3.0' in m, m
+        assert 'pdserve_router_store_up{store="redis"} 1.0' in m and 'outcome="failed"' not in m
