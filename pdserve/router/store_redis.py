@@ -28,6 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from pdserve.router.redis_pipe import RedisPipe
 from pdserve.router.reuse import ReuseEntry
@@ -37,6 +38,11 @@ from pdserve.router.store_entry import INVALID, decode_entry, encode
 log = logging.getLogger("pdserve.router")
 
 MAX_ENTRY_BYTES = 4 * 1024 * 1024
+# Candidate keys a take asks Redis for, longest history first: a history of 150k messages is as many keys, one
+# script over all of them (90 ms of Redis's one thread, issue 35 item 11). The entry a client's next turn needs
+# is its previous turn's, the first candidate or two; older ones are found only when the turns after them
+# were never stored.
+MAX_CANDIDATES = 64
 # What Redis holds is not trusted (issue 35, item 9): the scripts use no value as a key outside this store's
 # own prefix (ARGV: the entry keys' prefix), and a key of another type than theirs never fails a script: one
 # damaged key must never take the store down for every client. The index and engine keys are this store's own:
@@ -130,6 +136,7 @@ class RedisStore:
         self.entries = 0
         self.used = 0
         self.checked_bound = False
+        self.warned_full = False
 
     def __len__(self) -> int:
         return self.entries
@@ -157,9 +164,23 @@ class RedisStore:
         if alias is not None:
             keys.append(self.key(alias))
         return await self.pipe.send("EVAL", PUT, len(keys), *keys, value, self.ttl_ms, engine, self.prefix + "e:",
-                                    then=lambda dropped: _put_replied(dropped, decode))
+                                    then=lambda dropped: _put_replied(dropped, decode), otherwise=self._refused)
+
+    def _refused(self, err: ResponseError) -> bool:
+        """A put's error reply. Redis full under `noeviction` (OOM) refuses writes, not reads: that put is not
+        kept (counted as a capacity eviction), and the store stays up for the takes (before: marked down, every
+        take for a second `store_unavailable`). Any other error reply is the store's failure."""
+        if not isinstance(err, OutOfMemoryError):     # redis-py's name for the reply "OOM ..."
+            raise err
+        self.on_evict("capacity", 1)
+        if not self.warned_full:
+            self.warned_full = True
+            log.warning("the Redis of router.store is full and evicts nothing (maxmemory-policy noeviction?): "
+                        "new turns are not kept until entries expire; set maxmemory-policy volatile-ttl")
+        return False
 
     async def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
+        keys = keys[:MAX_CANDIDATES]
         value = await (await self.pipe.send("EVAL", TAKE_FIRST, len(keys), *[self.key(k) for k in keys],
                                             self.prefix + "idx:", self.prefix + "e:"))
         if not value:
@@ -194,6 +215,9 @@ class RedisStore:
                 log.warning("the Redis of router.store has no maxmemory: reuse entries are bounded only by their "
                             "TTL; set maxmemory (%d MiB fits reuse_max_mb) with maxmemory-policy volatile-ttl",
                             self.max_bytes // 2**20)
+            elif memory.get("maxmemory_policy") == "noeviction":
+                log.warning("the Redis of router.store has maxmemory-policy noeviction: once full, new turns are "
+                            "not kept until entries expire; volatile-ttl evicts the entries nearest expiry instead")
 
     async def close(self) -> None:
         await self.pipe.close()

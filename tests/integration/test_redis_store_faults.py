@@ -12,6 +12,7 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
+from pdserve.router.store_redis import MAX_CANDIDATES
 from tests.integration.rediskit import RedisServer
 from tests.integration.routerkit import deployment
 from tests.integration.test_router_store_redis import PARAMS, _hits, store_at
@@ -187,3 +188,37 @@ async def test_an_entry_rewritten_with_wrong_types_is_a_miss_not_a_500(redis_ser
             await raw.aclose()
         assert 'pdserve_router_reuse_decisions_total{api="chat",reason="invalid_entry",result="miss"} 3.0' in m, m
         assert 'pdserve_router_store_up{store="redis"} 1.0' in m and 'outcome="failed"' not in m
+
+
+async def test_a_full_redis_under_noeviction_refuses_puts_without_taking_the_store_down(tmp_path):
+    """Before: Redis's OOM error reply to a put marked the store down: every take for the next second was
+    `store_unavailable` (the issue's hit rate of 19%)."""
+    server = RedisServer(tmp_path / "full", args=("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")).start()
+    errors, evicted = [], []
+    store = store_at(server.url, errors=errors)
+    store.inner.on_evict = lambda reason, n: evicted.append((reason, n))
+    try:
+        assert await (await store.put(("t", "kept"), PARAMS, "decode-0", 0, [1, 2]))
+        big = list(range(125_000))                       # 500 KB each: Redis is full after a few
+        kept = [await (await store.put(("t", f"big{i}"), PARAMS, "decode-0", 0, big)) for i in range(12)]
+        entry, why = await store.take_first([("t", "kept")])
+        assert why == "ok" and errors == [] and store.up, (why, errors)
+        assert any(kept) and not all(kept) and evicted == [("capacity", 1)] * kept.count(False), (kept, evicted)
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_a_take_asks_redis_for_the_longest_histories_only(redis_server):
+    """A history of thousands of messages is thousands of candidate keys: Redis is asked for the first
+    MAX_CANDIDATES (longest history first) in one script. Before: every key, one script (90 ms of Redis's
+    one thread for 150k messages)."""
+    store = store_at(redis_server.url)
+    try:
+        keys = [("t", f"h{i}") for i in range(5000)]
+        assert await (await store.put(keys[MAX_CANDIDATES + 10], PARAMS, "decode-0", 0, [1])) is True
+        assert await store.take_first(keys) == (None, "no_entry")                 # beyond the bound
+        assert await (await store.put(keys[MAX_CANDIDATES - 1], PARAMS, "decode-0", 0, [1])) is True
+        assert (await store.take_first(keys))[1] == "ok"
+    finally:
+        await store.close()
