@@ -24,8 +24,8 @@ from pdserve.router.held import HeldKV, NoHeld
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
-    LOCAL_PARAMS, TOO_LONG, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs, TurnPlan,
-    new_tokens_bound,
+    LOCAL_PARAMS, TOO_LONG, TURN_STAMP, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs,
+    TurnPlan, new_tokens_bound, template_digest,
 )
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import HIT, Decision, ReuseEntry
@@ -167,10 +167,11 @@ class Flow:
             return self.policy.plan(TurnInputs(anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
         decide_started = time.perf_counter()
         entry, why = await self.prefill.take(keys)
+        stamp = entry.params.pop(TURN_STAMP, None) if entry is not None else None   # router-only: never to P
         if entry is not None and entry.by_prompt:
             tracing.note(matched="prompt")    # the client rewrote the reply: the token check trims the offer
         why = self.held.taken(turn, keys, entry, why)
-        quick = self._unverified_short_turn(turn, entry)
+        quick = self._unverified_short_turn(turn, entry, stamp)
         if quick is not None:
             turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
             return quick
@@ -185,18 +186,24 @@ class Flow:
                           holder_load=holder.in_flight if holder else 0,
                           anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages))
 
-    def _unverified_short_turn(self, turn: Turn, entry: ReuseEntry | None) -> DecodeOnly | None:
+    def _unverified_short_turn(self, turn: Turn, entry: ReuseEntry | None, stamp: Any) -> DecodeOnly | None:
         """D alone without P's /tokenize (on one H200 a third of a D-alone turn at 25k tokens) when the new
         messages are few enough bytes to bound their tokens (policy.new_tokens_bound). Only for a history
         match by the reply's key: it proves every earlier message and the reply are the ones D computed, so D's prefix cache
         holds them; under an explicit conversation id the history may have been edited, and the turn is
-        tokenized and checked as for a pull. A bound over the rule's limit, or a rule that prefers P,
+        tokenized and checked as for a pull. The entry's stamp (policy.turn_stamp) says how many messages the
+        match covers (all after them are counted, an assistant message the client added too) and that the
+        template's other inputs (tools, documents, chat_template_kwargs...) are the ones D computed; without
+        it, or with other ones, the turn is checked. A bound over the rule's limit, or a rule that prefers P,
         falls through to the checked path (which may still choose D alone on the exact count)."""
         if (entry is None or turn.explicit is not None or entry.by_prompt or self.policy.short is None
-                or not turn.fmt.native_token_ids
+                or not turn.fmt.native_token_ids or not isinstance(stamp, list) or len(stamp) != 2
                 or self.prefill.below_threshold(entry) or not self.prefill.holds(entry)):
             return None
-        bound = new_tokens_bound(turn.messages)
+        covered, template = stamp
+        if not isinstance(covered, int) or template != self._template(turn):
+            return None
+        bound = new_tokens_bound(turn.messages, covered)
         if bound is None:
             return None
         estimate = Decision(HIT, UNVERIFIED, tokens=entry.num_tokens, holder=entry.decode,
@@ -286,6 +293,9 @@ class Flow:
             self.end(turn, UNAVAILABLE)
             return
         key, alias = self._keys(turn, collector)
+        if turn.explicit is None and turn.fmt.native_token_ids and self.policy.short is not None:
+            # For the next turn's bound (_unverified_short_turn): the messages its key covers (chat's reply is one).
+            d_params[TURN_STAMP] = [len(turn.messages or ()) + 1, self._template(turn)]
         verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence, alias)
         self.held.stored(turn, backend.name)
         tracing.note(conversation=tracing.key_hash(key),
@@ -300,6 +310,12 @@ class Flow:
         turn.outcome = STORED
         self.storing.add(verdict)
         verdict.add_done_callback(lambda v: self._stored(turn, v))
+
+    @staticmethod
+    def _template(turn: Turn) -> str:
+        if turn.template is None:
+            turn.template = template_digest(turn.body)
+        return turn.template
 
     @staticmethod
     def _keys(turn: Turn, collector: Collector) -> tuple[Key, Key | None]:

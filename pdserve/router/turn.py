@@ -38,6 +38,7 @@ class Turn:
     outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
     history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
+    template: str | None = None        # policy.template_digest of the body, once computed
 
     @property
     def headers(self) -> dict[str, str]:

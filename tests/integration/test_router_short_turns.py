@@ -123,3 +123,37 @@ async def test_a_short_follow_up_matched_by_history_goes_to_d_without_tokenizing
         async with dep.session.post(dep.url + CHAT, json={"model": "fake", "messages": history, "max_tokens": 4}) as r:
             assert r.status == 200
         assert p.tokenized == 2
+
+
+TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a command",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def test_new_text_the_bound_cannot_see_sends_the_turn_to_the_checked_path():
+    """Issue 35 item 6: new text before a fabricated assistant message, or in tools / documents /
+    chat_template_kwargs, is not a short turn to serve on D unchecked: P tokenizes it (and a real vLLM's count
+    then sends it P then D); the same tools as the turn D holds keep the unchecked path."""
+    async with deployment(decode_only=True) as dep:
+        p = dep.prefill[0][FAKE]
+        history: list = []
+
+        async def send(messages: list, **fields) -> str:
+            body = {"model": "fake", "messages": messages, "max_tokens": 4, "tools": TOOLS, **fields}
+            async with dep.session.post(dep.url + CHAT, json=body) as resp:   # no conversation id: by history
+                assert resp.status == 200
+                history[:] = messages + [(await resp.json())["choices"][0]["message"]]
+                return resp.headers["X-PDServe-Plan"]
+
+        await send([{"role": "user", "content": "alpha " * LONG}])
+        assert await send(history + [{"role": "user", "content": "yes"}]) == "decode_only" and p.tokenized == 0
+        hidden = "hidden " * 2000
+        plan = await send(history + [{"role": "user", "content": hidden}, {"role": "assistant", "content": "ok"},
+                                     {"role": "user", "content": "yes"}])
+        assert (plan, p.tokenized) == ("prefill_then_decode", 1)     # the fake counts the hidden words
+        for i, fields in enumerate(({"tools": TOOLS + [{"type": "function", "function": {"name": hidden}}]},
+                                    {"documents": [{"text": hidden}]},
+                                    {"chat_template_kwargs": {"system": hidden}})):
+            await send(history + [{"role": "user", "content": "yes"}], **fields)
+            assert p.tokenized == 2 + i                               # checked on P's tokens
+        await send(history + [{"role": "user", "content": "yes"}])     # the tools changed back: checked once more
+        assert await send(history + [{"role": "user", "content": "yes"}]) == "decode_only" and p.tokenized == 5

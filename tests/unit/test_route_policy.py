@@ -182,3 +182,22 @@ PER = 16    # TEMPLATE_TOKENS_PER_MESSAGE
 def test_new_tokens_are_bounded_by_the_bytes_of_the_messages_after_the_last_reply(messages, bound):
     from pdserve.router.policy import new_tokens_bound
     assert new_tokens_bound(messages) == bound
+
+
+def test_the_bound_counts_every_message_after_what_d_holds_and_the_template_inputs_have_a_digest():
+    import json
+
+    from pdserve.router.policy import new_tokens_bound, template_digest
+    held = [{"role": "user", "content": "hi"}, A]
+    fabricated = held + [{"role": "user", "content": "x" * 1000}, {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": "yes"}]
+    assert new_tokens_bound(fabricated) == PER + 3 + PER                      # after the last reply: blind
+    assert new_tokens_bound(fabricated, 2) == PER + (1000 + PER) + (2 + PER) + (3 + PER)   # after what D holds
+    assert new_tokens_bound(held, 3) is None and new_tokens_bound(held, 0) is None
+    tools = [{"type": "function", "function": {"name": "run"}}]
+    assert template_digest({"messages": held}) == ""
+    # Each turn's body is parsed anew: equal JSON, equal digest.
+    assert template_digest(json.loads(json.dumps({"tools": tools}))) == template_digest(
+        json.loads(json.dumps({"messages": [], "tools": tools})))
+    assert len({template_digest(b) for b in ({"tools": tools}, {"tools": tools, "documents": []},
+                                             {"chat_template_kwargs": {"a": 1}}, {"tools": tools[:0]})}) == 4
