@@ -24,6 +24,7 @@ from pdserve.launchers.local import same_process
 from pdserve.launchers.stop import stop_tree
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import ROLE_ORDER, ClusterPlan
+from pdserve.plan.routers import MEMORY_STORE, SECRET_FILE
 from pdserve.checks.preflight import machine_findings
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
@@ -34,6 +35,7 @@ from pdserve.observe.logfiles import last_lines, root_cause
 from pdserve.observe.resources import GpuLeft, gpus_still_holding, process_gpus
 from pdserve.state.folder import ClusterDir, models_dir, write_json_atomic
 from pdserve.state.records import ClusterState, Phase, ProcState
+from pdserve.state.secret import ensure_secret
 
 
 
@@ -43,6 +45,13 @@ def plan_from_file(path: str | Path | None) -> tuple[ClusterSpec, ClusterPlan, C
     plan = build_plan(spec, python=sys.executable, cluster_dir=cdir.root, models_dir=models_dir(),
                       memory_gib=psutil.virtual_memory().total / 2**30)
     return spec, plan, cdir
+
+
+def ensure_store_secret(plan: ClusterPlan, cdir: ClusterDir) -> None:
+    """A shared store's secret, before a process reads it: the managed Redis includes it, routers namespace the
+    cluster's keys by it (state/secret.py)."""
+    if plan.router_config.get("store", MEMORY_STORE) != MEMORY_STORE:
+        ensure_secret(cdir.root / SECRET_FILE)
 
 
 def find_cluster(name: str) -> ClusterDir:
@@ -152,6 +161,7 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
     if config_path:
         shutil.copyfile(config_path, cdir.spec_path)
     write_json_atomic(cdir.plan_path, plan.to_dict())
+    ensure_store_secret(plan, cdir)
     write_json_atomic(Path(plan.router_config_path), plan.router_config)
     if not alive:
         cdir.state_path.unlink(missing_ok=True)
@@ -268,6 +278,7 @@ def apply_changes(plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None)
     if config_path:
         shutil.copyfile(config_path, cdir.spec_path)
     write_json_atomic(cdir.plan_path, plan.to_dict())
+    ensure_store_secret(plan, cdir)
     write_json_atomic(Path(plan.router_config_path), plan.router_config)
     return request_restart(cdir, changed, reload=True)
 

@@ -176,7 +176,7 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
         "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
         # every router: field passes by its own name, but the two given in MiB and the computed TTL
         **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl", "store_port"}),
-        "store": store_url(spec),
+        "store": store_url(spec, cluster_dir),
         "reuse_ttl": spec.reuse_ttl,
         "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
         "max_body_bytes": int(spec.router.max_body_mb * MIB),

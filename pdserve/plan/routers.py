@@ -9,7 +9,10 @@ tests must reach one replica, which the shared port cannot promise.
 
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
+from urllib.parse import quote
 
 from pdserve.plan.records import MARKER_ENV, ProcessPlan, connect_host
 from pdserve.spec.schema import MANAGED_STORE, ClusterSpec
@@ -17,13 +20,29 @@ from pdserve.spec.schema import MANAGED_STORE, ClusterSpec
 REDIS_SERVER = "redis-server"
 STORE_NAME = "redis"
 STORE_ROLE = "store"
+MEMORY_STORE = "memory"
+# The cluster's store secret in its state folder (`up` makes it: state/secret.py), a Redis config line
+# (`requirepass ...`): the managed Redis includes it, the routers read it (router/store_redis.py).
+SECRET_FILE = "store-secret.conf"
 
 
-def store_url(spec: ClusterSpec) -> str:
-    """router.store as the router reads it: `managed` becomes the managed Redis's URL."""
+def store_url(spec: ClusterSpec, cluster_dir: Path | None = None) -> str:
+    """router.store as the router reads it: `managed` becomes the managed Redis's URL. A Redis URL names the
+    cluster's store secret (SECRET_FILE), whose hash namespaces the cluster's keys: every replica reads the one
+    file, which outlives restarts, and no other cluster has it, whatever its name (issue 35, item 10). The
+    managed Redis's password is that secret too, read from the file: never in a file of the plan nor on a
+    command line. A URL that names its own deployment keeps it."""
+    if cluster_dir is None:      # a plan of no state folder: the store as given
+        return f"redis://127.0.0.1:{spec.router.managed_store_port}/0" if spec.router.store == MANAGED_STORE \
+            else spec.router.store
+    secret = quote(str(Path(cluster_dir) / SECRET_FILE))
     if spec.router.store == MANAGED_STORE:
-        return f"redis://127.0.0.1:{spec.router.managed_store_port}/0"
-    return spec.router.store
+        return (f"redis://127.0.0.1:{spec.router.managed_store_port}/0"
+                f"?deployment_file={secret}&password_file={secret}")
+    url = spec.router.store
+    if url == MEMORY_STORE or re.search(r"[?&]deployment(_file)?=", url):
+        return url
+    return url + ("&" if "?" in url else "?") + f"deployment_file={secret}"
 
 
 def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> list[ProcessPlan]:
@@ -46,13 +65,14 @@ def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> li
 def store_plans(spec: ClusterSpec, cluster_dir, marker) -> list[ProcessPlan]:
     """The managed Redis: loopback only, the cluster folder as its working directory, memory bounded by
     reuse_max_mb (entries nearest their expiry evicted first), nothing written there (an entry is worth
-    at most reuse_ttl seconds, and D's blocks may be gone after a restart anyway)."""
+    at most reuse_ttl seconds, and D's blocks may be gone after a restart anyway), and a password: it includes
+    the cluster's store secret (SECRET_FILE, mode 0600), so no command line shows the password."""
     if spec.router.store != MANAGED_STORE:
         return []
     port = spec.router.managed_store_port
     argv = [shutil.which(REDIS_SERVER) or REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port),
             "--protected-mode", "yes", "--dir", str(cluster_dir), "--save", "", "--appendonly", "no",
             "--maxmemory", f"{max(1, int(spec.router.reuse_max_mb))}mb", "--maxmemory-policy", "volatile-ttl",
-            "--daemonize", "no", "--logfile", ""]
+            "--daemonize", "no", "--logfile", "", "--include", str(Path(cluster_dir) / SECRET_FILE)]
     return [ProcessPlan(name=STORE_NAME, role=STORE_ROLE, argv=argv, env={MARKER_ENV: marker(STORE_NAME)},
                         host="127.0.0.1", port=port, health_url=f"redis://127.0.0.1:{port}")]

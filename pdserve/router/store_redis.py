@@ -1,8 +1,9 @@
 """The shared reuse store: entries in Redis (`router.store: redis://HOST:PORT/DB`, or `managed`), through
 redis-py's asyncio client. Every router replica sees the same entries, and a router restart loses none.
 
-- Keys name no conversation: `pdserve:<cluster>:e:<sha256(tenant, conversation)>` (the tenant is already a
-  hash of the credentials; a conversation id is hashed here too).
+- Keys name no conversation: `pdserve:<cluster>:<deployment>:e:<sha256(tenant, conversation)>` (the tenant is
+  already a hash of the credentials; a conversation id is hashed here too). The deployment id keeps two
+  deployments on one Redis apart, even of one name (`own_params`: issue 35, item 10).
 - Single use: a take is one Lua script over the candidate keys: the first that exists is read and deleted
   (GETDEL) in the same atomic step, so two concurrent turns never both get an entry. An entry's second key
   (its prompt's) holds a NUL and the entry's Redis key: taking it takes the entry, if it is still there (an
@@ -23,7 +24,9 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -120,14 +123,22 @@ class RedisStore:
     def __init__(self, url: str, *, ttl: float, max_bytes: int, cluster: str, decodes: list[str], timeout: float,
                  on_evict: Callable[[str, int], None]):
         self.ttl_ms = max(1, int(ttl * 1000))
-        self.prefix = f"pdserve:{cluster}:"
+        url, own = own_params(url)
+        deployment = own.get("deployment") or (deployment_id(read_secret(own["deployment_file"]))
+                                                if own.get("deployment_file") else "")
+        self.prefix = f"pdserve:{cluster}:{deployment}:" if deployment else f"pdserve:{cluster}:"
+        if not deployment:
+            log.warning("router.store names no deployment (?deployment=ID, or ?deployment_file=PATH as pdserve up "
+                        "writes): keys are namespaced by the cluster name %r alone, so another deployment of that "
+                        "name on this Redis would read and drop this one's entries", cluster)
+        password = {"password": read_secret(own["password_file"])} if own.get("password_file") else {}
         self.decodes = decodes
         self.on_evict = on_evict
         self.max_bytes = max_bytes
         # No retries inside the client: a failed call is answered at once (the caller recomputes) and the next
         # call takes a fresh connection. GuardedStore bounds every call: no socket timeout per read on top.
         self.client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-                                              health_check_interval=0)
+                                              health_check_interval=0, **password)
         # A turn's put and take: one pipelined connection (redis_pipe.py); the rest through the client's pool.
         # EVAL with the script's text: Redis caches it by its hash, and a Redis restarted (its cache empty)
         # needs no reload.
@@ -222,6 +233,47 @@ class RedisStore:
     async def close(self) -> None:
         await self.pipe.close()
         await self.client.aclose()
+
+
+OWN_PARAMS = ("deployment", "deployment_file", "password_file")
+
+
+def own_params(url: str) -> tuple[str, dict[str, str]]:
+    """`router.store`'s own query parameters, taken out of the URL (redis-py refuses names it does not know):
+    `deployment=ID`, the namespace of this deployment's keys (every replica of one deployment names the same,
+    no other deployment on the Redis does); `deployment_file=PATH`, the id derived from the secret in that
+    file (what `pdserve up` writes: read_secret); `password_file=PATH`, the password read from that file (the
+    managed Redis's). Values are URL-quoted."""
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url, {}
+    own, rest = {}, []
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        if name in OWN_PARAMS:
+            own[name] = unquote(value)
+        elif pair:
+            rest.append(pair)
+    return (base + "?" + "&".join(rest) if rest else base), own
+
+
+def read_secret(path: str) -> str:
+    """The token of a store secret file: a Redis config line `requirepass TOKEN` (pdserve/state/secret.py makes
+    it at `pdserve up`; the managed Redis includes the same file)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise ValueError(f"router.store's secret file {path}: {err.strerror} (`pdserve up` makes it; a router "
+                         "run by hand can name its deployment with ?deployment=ID instead)") from err
+    tokens = [line.split(None, 1)[1].strip() for line in lines if line.startswith("requirepass ")]
+    if not tokens or not tokens[-1]:
+        raise ValueError(f"router.store's secret file {path} holds no `requirepass TOKEN` line")
+    return tokens[-1]
+
+
+def deployment_id(secret: str) -> str:
+    """A one-way hash: the id, in Redis's key names, says nothing of the secret (the managed Redis's password)."""
+    return hashlib.sha256(b"pdserve deployment\0" + secret.encode()).hexdigest()[:16]
 
 
 def _put_replied(dropped: int, decode: str) -> bool:

@@ -1,5 +1,5 @@
 """Health probes: ready means the health endpoint answers 200 (a managed Redis, `redis://HOST:PORT`: PONG to
-a PING), never "alive N seconds"."""
+a PING, or NOAUTH: it answers, behind its password), never "alive N seconds"."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def redis_ping(url: str, timeout: float = 2.0) -> bool:
         with socket.create_connection((where.hostname or "127.0.0.1", where.port or 6379), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            # NOAUTH: Redis answers, behind its password (the managed one's), which the probe need not know
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False

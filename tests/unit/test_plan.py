@@ -261,7 +261,9 @@ def test_router_replicas_share_the_port_and_each_has_its_own():
     assert [arg(p.argv, "--replica") for p in routers] == ["router-0", "router-1", "router-2"]
     assert [p.health_url for p in routers] == [f"http://127.0.0.1:{8001 + i}/health" for i in range(3)]
     assert plan.router_url == "http://127.0.0.1:8000"            # what clients and the canary use
-    assert plan.router_config["store"] == "redis://10.0.0.5:6380/2" and plan.router_config["replicas"] == 3
+    # the cluster's store secret names its keys' namespace (issue 35, item 10): router/store_redis.py
+    assert plan.router_config["store"] == "redis://10.0.0.5:6380/2?deployment_file=/h/clusters/t/store-secret.conf"
+    assert plan.router_config["replicas"] == 3
     assert not any(p.role == "store" for p in plan.processes)     # a given Redis is never started by pdserve
     assert len({p.env[MARKER_ENV] for p in routers}) == 3
 
@@ -272,11 +274,23 @@ def test_managed_store_is_a_supervised_loopback_redis_in_the_cluster_folder():
     assert redis.role == "store" and arg(redis.argv, "--bind") == "127.0.0.1" and arg(redis.argv, "--port") == "8003"
     assert arg(redis.argv, "--dir") == "/h/clusters/t" and arg(redis.argv, "--maxmemory-policy") == "volatile-ttl"
     assert redis.health_url == "redis://127.0.0.1:8003"
-    assert plan.router_config["store"] == "redis://127.0.0.1:8003/0"
+    secret = "/h/clusters/t/store-secret.conf"
+    assert plan.router_config["store"] == f"redis://127.0.0.1:8003/0?deployment_file={secret}&password_file={secret}"
+    assert redis.argv[-2:] == ["--include", secret]        # the password: in the 0600 file, on no command line
     assert [p.name for p in plan.stop_order()][:3] == ["router-0", "router-1", "redis"]   # routers first, then Redis
     one = plan_of(with_("router.store", "managed"))
-    assert one.router.name == "router" and one.router_config["store"] == "redis://127.0.0.1:8001/0"
+    assert one.router.name == "router" and one.router_config["store"].startswith("redis://127.0.0.1:8001/0?")
     assert plan_of(GOOD).router_config["store"] == "memory"
+
+
+def test_two_clusters_of_one_name_name_two_secrets_and_a_url_keeps_its_own_deployment():
+    from pdserve.plan.routers import store_url
+    spec = parse_spec(with_("router.store", "redis://r:6379/0?ssl_ca_certs=/ca%20dir/ca.crt"))
+    assert store_url(spec, Path("/home/a/.pdserve/clusters/t")) == \
+        "redis://r:6379/0?ssl_ca_certs=/ca%20dir/ca.crt&deployment_file=/home/a/.pdserve/clusters/t/store-secret.conf"
+    assert store_url(spec, Path("/b/my clusters/t")).endswith("deployment_file=/b/my%20clusters/t/store-secret.conf")
+    own = parse_spec(with_("router.store", "redis://r:6379/0?deployment=shared-by-hand"))
+    assert store_url(own, Path("/h/clusters/t")) == "redis://r:6379/0?deployment=shared-by-hand"
 
 
 def test_a_router_setting_change_restarts_every_replica():
