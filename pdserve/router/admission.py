@@ -2,7 +2,8 @@
 
 Per tenant (identity.tenant: a hash of the credentials), a cap on requests in flight (queued ones count, so
 one tenant cannot fill the queue) and a token bucket on the request rate; over either, 429 with
-`Retry-After`. For the deployment, a cap on requests in flight; past it a request waits in a bounded FIFO
+`Retry-After`. The same per client address (an IPv6 address's /64), which a caller cannot escape by sending
+new credentials with every request (each would be a new tenant), nor share with others by using one key. For the deployment, a cap on requests in flight; past it a request waits in a bounded FIFO
 queue at most `queue_timeout`, and when the queue is full (or the wait ran out) it gets 503 with
 `Retry-After`. Every request ends in exactly one outcome (OUTCOMES), counted. Off by default: with no limit
 set, the router installs nothing (build_app), so admission costs nothing.
@@ -15,6 +16,7 @@ of the completion routes only (/health, /metrics and /v1/models are never limite
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 import time
 from collections import deque
@@ -32,14 +34,17 @@ ADMITTED = "admitted"                      # served at once
 QUEUED = "queued"                          # served after a wait in the queue
 REJECTED_TENANT_RATE = "rejected_tenant_rate"            # 429: the tenant's token bucket was empty
 REJECTED_TENANT_IN_FLIGHT = "rejected_tenant_in_flight"  # 429: the tenant had its cap in flight (or queued)
+REJECTED_CLIENT_RATE = "rejected_client_rate"            # 429: the client address's token bucket was empty
+REJECTED_CLIENT_IN_FLIGHT = "rejected_client_in_flight"  # 429: the client address had its cap in flight (or queued)
 REJECTED_SATURATED = "rejected_saturated"  # 503: the deployment at its cap and the queue full
 QUEUE_TIMEOUT = "queue_timeout"            # 503: waited queue_timeout without a free slot
 CLIENT_GONE = "client_gone"                # the client left while its request was queued
-OUTCOMES = (ADMITTED, QUEUED, REJECTED_TENANT_RATE, REJECTED_TENANT_IN_FLIGHT, REJECTED_SATURATED, QUEUE_TIMEOUT,
-            CLIENT_GONE)
+OUTCOMES = (ADMITTED, QUEUED, REJECTED_TENANT_RATE, REJECTED_TENANT_IN_FLIGHT, REJECTED_CLIENT_RATE,
+            REJECTED_CLIENT_IN_FLIGHT, REJECTED_SATURATED, QUEUE_TIMEOUT, CLIENT_GONE)
 WAIT = "wait"                              # a decision, not an outcome: the request joins the queue
 TENANT_REJECTIONS = (REJECTED_TENANT_RATE, REJECTED_TENANT_IN_FLIGHT)
-PRUNE_AT = 4096                            # tenants remembered before idle ones are forgotten
+CLIENT_REJECTIONS = (REJECTED_CLIENT_RATE, REJECTED_CLIENT_IN_FLIGHT)
+PRUNE_AT = 4096                            # tenants (or clients) remembered before idle ones are forgotten
 
 
 @dataclass(frozen=True)
@@ -50,15 +55,22 @@ class Limits:
     tenant_max_in_flight: int = 0    # per tenant, queued ones included; 0: unlimited
     tenant_rate: float = 0.0         # requests per second per tenant (token bucket); 0: unlimited
     tenant_burst: int = 0            # the bucket's size; 0: max(1, ceil(tenant_rate))
+    client_max_in_flight: int = 0    # per client address (IPv6: its /64), queued ones included; 0: unlimited
+    client_rate: float = 0.0         # requests per second per client address; 0: unlimited
+    client_burst: int = 0            # its bucket's size; 0: max(1, ceil(client_rate))
 
     @classmethod
     def from_config(cls, cfg) -> "Limits":
         return cls(cfg.max_in_flight, cfg.queue_size, cfg.queue_timeout, cfg.tenant_max_in_flight,
-                   cfg.tenant_rate, cfg.tenant_burst)
+                   cfg.tenant_rate, cfg.tenant_burst, cfg.client_max_in_flight, cfg.client_rate, cfg.client_burst)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.max_in_flight or self.tenant_max_in_flight or self.tenant_rate)
+        return bool(self.max_in_flight or self.tenant_max_in_flight or self.tenant_rate or self.per_client)
+
+    @property
+    def per_client(self) -> bool:
+        return bool(self.client_max_in_flight or self.client_rate)
 
     @property
     def burst(self) -> float:
@@ -80,45 +92,85 @@ class Tenant:
         self.stamp = now
 
 
+class Table:
+    """One kind of caller (tenants, or client addresses): each one's requests in flight or queued, and its
+    token bucket; idle callers with a full bucket are forgotten (they are as a new one would be)."""
+
+    def __init__(self, rate: float, burst: int, cap: int, rejections: tuple[str, str]):
+        self.rate = rate
+        self.burst = float(burst or max(1, math.ceil(rate)))
+        self.cap = cap
+        self.over_rate, self.over_cap = rejections
+        self.entries: dict[str, Tenant] = {}
+        self.prune_at = PRUNE_AT
+
+    def get(self, name: str, now: float) -> Tenant:
+        t = self.entries.get(name)
+        if t is None:
+            if len(self.entries) >= self.prune_at:
+                self._prune(now)
+                self.prune_at = max(PRUNE_AT, 2 * len(self.entries))   # amortized O(1) per new caller
+            t = self.entries[name] = Tenant(self.burst, now)
+        elif self.rate:
+            t.tokens = min(self.burst, t.tokens + (now - t.stamp) * self.rate)
+            t.stamp = now
+        return t
+
+    def _prune(self, now: float) -> None:
+        for name in [n for n, t in self.entries.items() if not t.in_flight and (
+                not self.rate or t.tokens + (now - t.stamp) * self.rate >= self.burst)]:
+            del self.entries[name]
+
+    def refusal(self, t: Tenant) -> Verdict | None:
+        if self.rate and t.tokens < 1.0:
+            return Verdict(self.over_rate, max(1, math.ceil((1.0 - t.tokens) / self.rate)))
+        if self.cap and t.in_flight >= self.cap:
+            return Verdict(self.over_cap, 1)
+        return None
+
+    def take(self, t: Tenant) -> None:
+        t.in_flight += 1
+        if self.rate:
+            t.tokens -= 1.0
+
+    def done(self, name: str) -> None:
+        t = self.entries.get(name)
+        if t is not None:
+            t.in_flight -= 1
+
+
 class AdmissionPolicy:
     """Counts and decisions only; `now` comes from the clock. A caller that gets ADMITTED calls release()
-    when the request is done; one that gets WAIT calls dequeued() when its wait ends, however it ends."""
+    when the request is done; one that gets WAIT calls dequeued() when its wait ends, however it ends.
+    Every request counts against its tenant and, with per-client limits, its client address too: a caller
+    who makes up a new credential per request is a new tenant each time, but not a new address."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self.clock = clock
         self.in_flight = 0           # admitted, all tenants
         self.queued = 0
-        self.tenants: dict[str, Tenant] = {}
-        self.prune_at = PRUNE_AT
+        self.by_tenant = Table(limits.tenant_rate, limits.tenant_burst, limits.tenant_max_in_flight, TENANT_REJECTIONS)
+        self.by_client = Table(limits.client_rate, limits.client_burst, limits.client_max_in_flight,
+                               CLIENT_REJECTIONS) if limits.per_client else None
 
-    def _tenant(self, name: str, now: float) -> Tenant:
-        t = self.tenants.get(name)
-        if t is None:
-            if len(self.tenants) >= self.prune_at:
-                self._prune(now)
-                self.prune_at = max(PRUNE_AT, 2 * len(self.tenants))   # amortized O(1) per new tenant
-            t = self.tenants[name] = Tenant(self.limits.burst, now)
-        elif self.limits.tenant_rate:
-            t.tokens = min(self.limits.burst, t.tokens + (now - t.stamp) * self.limits.tenant_rate)
-            t.stamp = now
-        return t
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return self.by_tenant.entries
 
-    def _prune(self, now: float) -> None:
-        """Forget tenants with nothing in flight and a full bucket: they are as a new one would be."""
-        lim = self.limits
-        for name in [n for n, t in self.tenants.items() if not t.in_flight and (
-                not lim.tenant_rate or t.tokens + (now - t.stamp) * lim.tenant_rate >= lim.burst)]:
-            del self.tenants[name]
-
-    def arrive(self, tenant: str) -> Verdict:
+    def arrive(self, tenant: str, client: str = "") -> Verdict:
         now = self.clock()
         lim = self.limits
-        t = self._tenant(tenant, now)
-        if lim.tenant_rate and t.tokens < 1.0:
-            return Verdict(REJECTED_TENANT_RATE, max(1, math.ceil((1.0 - t.tokens) / lim.tenant_rate)))
-        if lim.tenant_max_in_flight and t.in_flight >= lim.tenant_max_in_flight:
-            return Verdict(REJECTED_TENANT_IN_FLIGHT, 1)
+        t = self.by_tenant.get(tenant, now)
+        refused = self.by_tenant.refusal(t)
+        if refused is not None:
+            return refused
+        c = None
+        if self.by_client is not None:
+            c = self.by_client.get(client, now)
+            refused = self.by_client.refusal(c)
+            if refused is not None:
+                return refused
         if lim.max_in_flight and (self.in_flight >= lim.max_in_flight or self.queued):
             if self.queued >= lim.queue_size:
                 # By the queue's longest wait every request now queued was served or gave up.
@@ -128,27 +180,27 @@ class AdmissionPolicy:
         else:
             outcome = ADMITTED
             self.in_flight += 1
-        t.in_flight += 1
-        if lim.tenant_rate:
-            t.tokens -= 1.0
+        self.by_tenant.take(t)
+        if c is not None:
+            self.by_client.take(c)     # type: ignore[union-attr]
         return Verdict(outcome)
 
-    def dequeued(self, admitted: bool, tenant: str) -> None:
+    def dequeued(self, admitted: bool, tenant: str, client: str = "") -> None:
         """A queued request's wait ended: it took a freed slot (admitted), or it left the queue."""
         self.queued -= 1
         if admitted:
             self.in_flight += 1
         else:
-            self._tenant_done(tenant)
+            self._done(tenant, client)
 
-    def release(self, tenant: str) -> None:
+    def release(self, tenant: str, client: str = "") -> None:
         self.in_flight -= 1
-        self._tenant_done(tenant)
+        self._done(tenant, client)
 
-    def _tenant_done(self, tenant: str) -> None:
-        t = self.tenants.get(tenant)
-        if t is not None:
-            t.in_flight -= 1
+    def _done(self, tenant: str, client: str) -> None:
+        self.by_tenant.done(tenant)
+        if self.by_client is not None:
+            self.by_client.done(client)
 
     def slot_free(self) -> bool:
         return not self.limits.max_in_flight or self.in_flight < self.limits.max_in_flight
@@ -162,9 +214,10 @@ class Refusal(Exception):
     def response(self, shape: Callable[[dict, int], dict] = lambda body, status: body) -> web.Response:
         """The refusal (429 or 503, with Retry-After), its body in the client's shape (`shape`)."""
         v = self.verdict
-        if v.outcome in TENANT_REJECTIONS:
-            what = "request rate" if v.outcome == REJECTED_TENANT_RATE else "requests in flight"
-            status, body = 429, error_body(f"too many requests: this API key is over its limit on {what}; "
+        if v.outcome in TENANT_REJECTIONS or v.outcome in CLIENT_REJECTIONS:
+            who = "this API key" if v.outcome in TENANT_REJECTIONS else "this client address"
+            what = "request rate" if v.outcome in (REJECTED_TENANT_RATE, REJECTED_CLIENT_RATE) else "requests in flight"
+            status, body = 429, error_body(f"too many requests: {who} is over its limit on {what}; "
                                            f"retry after {v.retry_after} s", "rate_limit_exceeded", 429)
         else:
             why = "the wait queue is full" if v.outcome == REJECTED_SATURATED else "no slot freed in time"
@@ -173,32 +226,35 @@ class Refusal(Exception):
         return web.json_response(shape(body, status), status=status, headers={"Retry-After": str(v.retry_after)})
 
 
+Waiter = tuple[str, str, asyncio.Future]     # tenant, client, the future the slot is handed over on
+
+
 class Admission:
     """The policy with its queue: enter() returns once the request may go on (or raises Refusal)."""
 
     def __init__(self, limits: Limits, metrics, clock: Callable[[], float] = time.monotonic):
         self.policy = AdmissionPolicy(limits, clock)
         self.metrics = metrics
-        self.waiters: deque[tuple[str, asyncio.Future]] = deque()
+        self.waiters: deque[Waiter] = deque()
         metrics.admission_in_flight.set_function(lambda: self.policy.in_flight)
 
     def _count(self, outcome: str) -> None:
         self.metrics.admission.labels(outcome).inc()
 
-    async def enter(self, tenant: str) -> None:
-        verdict = self.policy.arrive(tenant)
+    async def enter(self, tenant: str, client: str = "") -> None:
+        verdict = self.policy.arrive(tenant, client)
         if verdict.outcome == ADMITTED:
             self._count(ADMITTED)
             return
         if verdict.outcome != WAIT:
             self._count(verdict.outcome)
             raise Refusal(verdict)
-        await self._wait(tenant)
+        await self._wait(tenant, client)
 
-    async def _wait(self, tenant: str) -> None:
+    async def _wait(self, tenant: str, client: str) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        entry = (tenant, fut)
+        entry = (tenant, client, fut)
         self.waiters.append(entry)
         self.metrics.admission_queue.set(self.policy.queued)
         timer = loop.call_later(self.policy.limits.queue_timeout, self._expire, entry)
@@ -207,10 +263,10 @@ class Admission:
             admitted = await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.result():
-                self.exit(tenant)            # a slot was handed over just as the client left: give it on
+                self.exit(tenant, client)    # a slot was handed over just as the client left: give it on
             elif entry in self.waiters:
                 self.waiters.remove(entry)
-                self.policy.dequeued(False, tenant)
+                self.policy.dequeued(False, tenant, client)
             self._count(CLIENT_GONE)
             raise
         finally:
@@ -222,28 +278,44 @@ class Admission:
             raise Refusal(Verdict(QUEUE_TIMEOUT, max(1, math.ceil(self.policy.limits.queue_timeout))))
         self._count(QUEUED)
 
-    def _expire(self, entry: tuple[str, asyncio.Future]) -> None:
-        if not entry[1].done() and entry in self.waiters:
+    def _expire(self, entry: Waiter) -> None:
+        if not entry[2].done() and entry in self.waiters:
             self.waiters.remove(entry)
-            self.policy.dequeued(False, entry[0])
-            entry[1].set_result(False)
+            self.policy.dequeued(False, entry[0], entry[1])
+            entry[2].set_result(False)
 
-    def exit(self, tenant: str) -> None:
-        self.policy.release(tenant)
+    def exit(self, tenant: str, client: str = "") -> None:
+        self.policy.release(tenant, client)
         while self.waiters and self.policy.slot_free():
-            waiter, fut = self.waiters.popleft()
+            waiter, address, fut = self.waiters.popleft()
             if fut.done():
                 # Its client just left: the cancel reached the future, its task has not run yet (and will
                 # find itself out of the queue). It leaves the queue here; the slot goes to the next one.
-                self.policy.dequeued(False, waiter)
+                self.policy.dequeued(False, waiter, address)
                 continue
-            self.policy.dequeued(True, waiter)
+            self.policy.dequeued(True, waiter, address)
             fut.set_result(True)
+
+
+def client_address(request: web.Request) -> str:
+    """Who is asking, by network address, for per-client limits: an IPv4 address, or an IPv6 address's /64
+    (what one host or subscriber is usually given: its addresses are one client)."""
+    peer = request.remote or ""
+    if ":" not in peer:
+        return peer
+    try:
+        address = ipaddress.IPv6Address(peer.split("%", 1)[0])
+    except ValueError:
+        return peer
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.IPv6Network((address, 64), strict=False))
 
 
 def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[WireFormat], None]):
     """Admission in front of the completion routes (`formats`: route -> wire format); every other path goes
     straight through."""
+    per_client = admission.policy.by_client is not None
 
     @web.middleware
     async def admit(request: web.Request, handler):
@@ -251,14 +323,15 @@ def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused:
         if fmt is None:
             return await handler(request)
         tenant = identity.tenant(request)
+        client = client_address(request) if per_client else ""
         try:
-            await admission.enter(tenant)
+            await admission.enter(tenant, client)
         except Refusal as refusal:
             on_refused(fmt)
             return refusal.response(fmt.client_error)
         try:
             return await handler(request)
         finally:
-            admission.exit(tenant)
+            admission.exit(tenant, client)
 
     return admit

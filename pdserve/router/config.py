@@ -68,6 +68,9 @@ class RouterConfig:
     tenant_max_in_flight: int = 0      # per tenant (API key), queued ones included (then 429)
     tenant_rate: float = 0.0           # per tenant, requests per second (token bucket; then 429)
     tenant_burst: int = 0              # the bucket's size; 0: max(1, ceil(tenant_rate))
+    client_max_in_flight: int = 0      # per client address (IPv6: its /64), queued ones included (then 429)
+    client_rate: float = 0.0           # per client address, requests per second (token bucket; then 429)
+    client_burst: int = 0              # the bucket's size; 0: max(1, ceil(client_rate))
     store: str = "memory"              # where reuse entries live: memory, or redis://HOST:PORT/DB (store.py)
     store_timeout: float = 0.25        # a store call answers within this, else the turn recomputes
     replicas: int = 1                  # router processes sharing the store (one port, SO_REUSEPORT)

@@ -142,6 +142,8 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
                         "for a free slot under that cap; without it nothing ever waits)")
     if spec.router.tenant_burst and not spec.router.tenant_rate:
         problems.append("router.tenant_burst: needs router.tenant_rate (the bucket refills at that rate)")
+    if spec.router.client_burst and not spec.router.client_rate:
+        problems.append("router.client_burst: needs router.client_rate (the bucket refills at that rate)")
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         from pdserve.engine.models import BUILTIN_MODELS  # light module: sizes only
         kind = spec.model[len(BUILTIN_MODEL_PREFIX):]

@@ -181,6 +181,15 @@ class RouterSpec(Strict):
                                       "past it 429 with Retry-After. 0: unlimited.", ge=0)
     tenant_burst: int = router_field("tenant_burst", "Requests a tenant may send at once above tenant_rate (the "
                                      "bucket's size); 0: max(1, tenant_rate).", ge=0)
+    client_max_in_flight: int = router_field(
+        "client_max_in_flight", "Completion requests one client address (an IPv6 /64) may have in flight or "
+        "queued, whatever credentials it sends; past it 429 with Retry-After. Keep it below tenant_max_in_flight "
+        "so that clients sharing one key share it fairly; behind a proxy every client has the proxy's address. "
+        "0: unlimited.", ge=0)
+    client_rate: float = router_field("client_rate", "Requests per second one client address may send (token "
+                                      "bucket), whatever credentials it sends; past it 429. 0: unlimited.", ge=0)
+    client_burst: int = router_field("client_burst", "Requests a client address may send at once above "
+                                     "client_rate; 0: max(1, client_rate).", ge=0)
 
     store: str = router_field(
         "store", "Where the router keeps D's block handles between turns: 'memory' (this router process; lost "

@@ -135,3 +135,33 @@ async def test_the_canary_waits_out_a_retry_after_instead_of_failing():
             await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 0.5)
         assert refused.value.code == 429
         assert parse_metrics(await dep.metrics())["admission"] == {"admitted": 2, "rejected_tenant_rate": 2}
+
+
+async def test_a_flooder_rotating_credentials_does_not_starve_a_client_at_another_address():
+    """Issue 35 item 8: one address floods with a new Authorization per request (each a new tenant); the
+    per-address cap holds it to its share, and a client at another address keeps being served."""
+    async with deployment(decode_args=(["--delay", "0.05"],), max_in_flight=4, queue_size=8, queue_timeout=1,
+                          tenant_max_in_flight=8, client_max_in_flight=3) as dep:
+        stop = asyncio.Event()
+        flood_statuses: list[int] = []
+
+        async def flooder(session: aiohttp.ClientSession, k: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                headers = {"Authorization": f"Bearer flood-{k}-{n}"}
+                async with session.post(dep.url + CHAT, json=BODY, headers=headers) as resp:
+                    flood_statuses.append(resp.status)
+                    await resp.read()
+
+        flood = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0), limit=0))
+        tasks = [asyncio.create_task(flooder(flood, k)) for k in range(24)]
+        await asyncio.sleep(0.2)
+        good = [(await post(dep, ALICE))[0] for _ in range(12)]      # from 127.0.0.1, one at a time
+        stop.set()
+        await asyncio.gather(*tasks)
+        await flood.close()
+        assert good.count(200) >= 10, good
+        assert 429 in flood_statuses and flood_statuses.count(200) > 12
+        stats = parse_metrics(await dep.metrics())["admission"]
+        assert stats["rejected_client_in_flight"] == flood_statuses.count(429)

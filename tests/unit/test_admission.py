@@ -261,3 +261,29 @@ def test_refusal_bodies_are_openai_shaped():
     assert err["type"] == "rate_limit_exceeded" and err["code"] == 429 and "request rate" in err["message"]
     resp = Refusal(adm.Verdict(adm.QUEUE_TIMEOUT, 2)).response()
     assert resp.status == 503 and json.loads(resp.body)["error"]["type"] == "server_overloaded"
+
+
+def test_a_client_address_cannot_escape_its_limits_by_rotating_credentials():
+    clock = Clock()
+    policy = AdmissionPolicy(Limits(client_max_in_flight=2, tenant_max_in_flight=10), clock)
+    assert [policy.arrive(f"key{i}", "10.0.0.9").outcome for i in range(3)] == [
+        adm.ADMITTED, adm.ADMITTED, adm.REJECTED_CLIENT_IN_FLIGHT]
+    assert policy.arrive("key0", "10.0.0.7").outcome == adm.ADMITTED        # another address, even one key
+    policy.release("key0", "10.0.0.9")
+    assert policy.arrive("key5", "10.0.0.9").outcome == adm.ADMITTED
+    rated = AdmissionPolicy(Limits(client_rate=1.0, client_burst=2), clock)
+    assert [rated.arrive(f"k{i}", "a").outcome for i in range(3)] == [adm.ADMITTED] * 2 + [adm.REJECTED_CLIENT_RATE]
+    assert rated.arrive("k9", "b").outcome == adm.ADMITTED
+    assert Refusal(rated.arrive("k3", "a")).response().status == 429
+    assert len(AdmissionPolicy(Limits(max_in_flight=1), clock).tenants) == 0  # off: no client table at all
+    assert AdmissionPolicy(Limits(max_in_flight=1), clock).by_client is None
+
+
+def test_client_address_is_the_ipv4_address_or_the_ipv6_slash_64():
+    from types import SimpleNamespace
+    address = adm.client_address
+    assert address(SimpleNamespace(remote="10.1.2.3")) == "10.1.2.3"
+    assert address(SimpleNamespace(remote="::ffff:10.1.2.3")) == "10.1.2.3"
+    assert address(SimpleNamespace(remote="2001:db8:1:2:aaaa::1")) == address(SimpleNamespace(remote="2001:db8:1:2::9"))
+    assert address(SimpleNamespace(remote="2001:db8:1:3::1")) == "2001:db8:1:3::/64"
+    assert address(SimpleNamespace(remote=None)) == ""
