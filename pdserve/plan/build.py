@@ -13,7 +13,10 @@ from typing import Any
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.spec.load import ROLES, SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
 from pdserve.plan.routers import router_plans, store_plans, store_url
-from pdserve.plan.records import LOCAL_HOST, MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan, connect_host
+from pdserve.engine.entry import own_cores
+from pdserve.plan.records import (BIND, CORES, GPUS, LOCAL_HOST, MARKER, MARKER_ENV, MEMORY, MODEL, PROGRAM,
+                                  SIDE_CHANNEL_HOST, ClusterPlan, HostPlan, ProcessPlan, argv_slot, connect_host,
+                                  env_slot)
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 from pdserve.spec.topology import platform_env, replica_host
 from pdserve.plan.tools import tool_call_args
@@ -59,7 +62,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     python = (host.python if host else None) or python
     reuse = spec.kv_transfer.bidirectional_kv_xfer   # streamed handles + pulled counts need the entry's patches
     server = [python, "-m", ENTRY_MODULE if delay or cpus or reuse else VLLM_SERVER_MODULE]
-    argv = [*(spec.server_command or server),
+    program = spec.server_command or server
+    argv = [*program,
             "--model", model,
             "--served-model-name", spec.model_name,
             "--host", bind,
@@ -101,7 +105,24 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=bind, port=http_port,
                        health_url=f"http://{connect_host(bind)}:{http_port}/health", side_channel_ports=side_ports,
                        env_from=env_from, host_name=host_name or LOCAL_HOST, start_after=after,
-                       defaults=defaults)
+                       defaults=defaults, host_specific=server_host_specific(spec, len(program), env, bind))
+
+
+def server_host_specific(spec: ClusterSpec, at: int, env: dict[str, str], bind: str) -> dict[str, str]:
+    """Where a server's argv and env name this machine (records.py): `at` is where its own flags start
+    (after the program), so --model's value is at + 1 and --host's at + 5."""
+    out = {BIND: argv_slot(at + 5), MARKER: env_slot(MARKER_ENV)}
+    if not spec.server_command:
+        out[PROGRAM] = argv_slot(0)
+    if spec.model.startswith(BUILTIN_MODEL_PREFIX):
+        out[MODEL] = argv_slot(at + 1)
+    if env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == connect_host(bind):    # not a value the user set
+        out[SIDE_CHANNEL_HOST] = env_slot("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    if "CUDA_VISIBLE_DEVICES" in env:
+        out[GPUS] = env_slot("CUDA_VISIBLE_DEVICES")
+    if own_cores(env.get(CORES_ENV)):           # a list of cores (from cpus: or env), not auto/nobind
+        out[CORES] = env_slot(CORES_ENV)
+    return out
 
 
 def engine_tracing(spec: ClusterSpec, role: RoleSpec) -> list[str]:
@@ -150,9 +171,35 @@ def cpu_memory_shares(servers: list[ProcessPlan], spec: ClusterSpec, memory_gib:
         if s in cpu and not explicit:
             local = memory_gib if s.host_name == LOCAL_HOST else None
             share = 1 if local is None else max(1, min(4, int(0.25 * local / per_host[s.host_name])))
-            s = dataclasses.replace(s, env={**s.env, CPU_KV_ENV: str(share)})
+            s = dataclasses.replace(s, env={**s.env, CPU_KV_ENV: str(share)},
+                                    host_specific={**s.host_specific, MEMORY: env_slot(CPU_KV_ENV)})
         out.append(s)
     return out
+
+
+def router_config(spec: ClusterSpec, servers: list[ProcessPlan], store: str) -> dict[str, Any]:
+    """What the router reads (router.json; pdserve/router/config.py): every server by name at its URL, the
+    router's settings and the ones it shares with the servers. `store` is router.store as the router reaches
+    it (routers.store_url)."""
+    return {
+        "cluster": spec.name,
+        "model": spec.model_name,
+        "prefill": [{"name": p.name, "url": p.url} for p in servers if p.role == "prefill"],
+        "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
+        # every router: field passes by its own name, but the two given in MiB and the computed TTL
+        **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl", "store_port"}),
+        "store": store,
+        "reuse_ttl": spec.reuse_ttl,
+        "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
+        "max_body_bytes": int(spec.router.max_body_mb * MIB),
+        "kv_recompute_threshold": spec.kv_transfer.kv_recompute_threshold,
+        "decoder_kv_blocks_ttl": spec.kv_transfer.decoder_kv_blocks_ttl,
+        "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
+        "health_interval": spec.supervisor.health_interval,
+        # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window
+        "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),
+        **spec.observability.model_dump(),
+    }
 
 
 def launcher_settings(spec: ClusterSpec) -> dict[str, Any]:
@@ -169,31 +216,13 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
     servers = cpu_memory_shares([_server_plan(spec, r, getattr(spec, r), i, python, model, cluster_dir)
                                  for r in ROLES for i in range(getattr(spec, r).replicas)], spec, memory_gib)
     router_cfg_path = str(cluster_dir / "router.json")
-    router_config = {
-        "cluster": spec.name,
-        "model": spec.model_name,
-        "prefill": [{"name": p.name, "url": p.url} for p in servers if p.role == "prefill"],
-        "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
-        # every router: field passes by its own name, but the two given in MiB and the computed TTL
-        **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl", "store_port"}),
-        "store": store_url(spec, cluster_dir),
-        "reuse_ttl": spec.reuse_ttl,
-        "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
-        "max_body_bytes": int(spec.router.max_body_mb * MIB),
-        "kv_recompute_threshold": spec.kv_transfer.kv_recompute_threshold,
-        "decoder_kv_blocks_ttl": spec.kv_transfer.decoder_kv_blocks_ttl,
-        "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
-        "health_interval": spec.supervisor.health_interval,
-        # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window
-        "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),
-        **spec.observability.model_dump(),
-    }
     routers = router_plans(spec, python, router_cfg_path, lambda name: marker(cluster_dir, name))
     stores = store_plans(spec, cluster_dir, lambda name: marker(cluster_dir, name))
     hosts = [HostPlan(name=h.name, address=h.address, ssh_host=h.ssh_host, user=h.user, port=h.port,
                       identity_file=h.identity_file, ssh_options=list(h.ssh_options), python=h.python or python)
              for h in spec.hosts or []]
-    return ClusterPlan(name=spec.name, processes=[*servers, *stores, *routers], router_config=router_config,
+    return ClusterPlan(name=spec.name, processes=[*servers, *stores, *routers],
+                       router_config=router_config(spec, servers, store_url(spec, cluster_dir)),
                        router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
                        supervisor=spec.supervisor.model_dump(), launcher=spec.launcher, hosts=hosts,
                        launcher_settings=launcher_settings(spec),

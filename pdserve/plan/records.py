@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,29 @@ LOCAL_HOST = "local"
 # Environment variable every process of a cluster carries (children inherit it), so stop/down can find
 # strays by identity rather than by pid alone.
 MARKER_ENV = "PDSERVE_PROCESS"
+
+# Kinds of values in a process's argv or env that belong to the machine its plan was made for
+# (ProcessPlan.host_specific): a renderer for another place (`pdserve export`) replaces them by kind, never
+# by parsing argv. Everything else in argv and env is the same wherever the process runs.
+PROGRAM = "program"                 # argv[0]: this machine's Python (or redis-server)
+BIND = "bind"                       # the address the process binds to
+SIDE_CHANNEL_HOST = "side_channel_host"   # where NIXL peers reach the server's side channel
+GPUS = "gpus"                       # the GPUs of this machine the server sees (CUDA_VISIBLE_DEVICES)
+CORES = "cores"                     # the cores of this machine the server is pinned to
+MEMORY = "memory"                   # a CPU server's default KV cache, sized from this machine's memory
+MARKER = "marker"                   # the marker variable that finds the process tree again (MARKER_ENV)
+MODEL = "model"                     # a built-in model's path under this machine's $PDSERVE_HOME
+STATE = "state"                     # a path in the cluster's state folder (the router's config, Redis's dir)
+REPLICA = "replica"                 # a router replica's name, one per process on this machine
+LOOPBACK_ONLY = "loopback_only"     # the managed Redis's --protected-mode: `yes` while it is bound to loopback
+
+
+def argv_slot(i: int) -> str:
+    return f"argv:{i}"
+
+
+def env_slot(name: str) -> str:
+    return f"env:{name}"
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,8 @@ class ProcessPlan:
     host_name: str = LOCAL_HOST   # the spec's host this process runs on (`host` is its bind address there)
     # Variables of `env` that pdserve set by default rather than the user, name -> why (plan/transport.py).
     defaults: dict[str, str] = field(default_factory=dict)
+    # Host-specific values, kind (PROGRAM, BIND, ...) -> where: argv_slot(i) or env_slot(NAME).
+    host_specific: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -48,6 +74,33 @@ class ProcessPlan:
     def fingerprint(self) -> str:
         """Stable identity of what would run: changes whenever argv or env change."""
         return json.dumps([self.argv, sorted(self.env.items()), sorted(self.env_from.items())])
+
+    def host_value(self, kind: str) -> str | None:
+        """The planned value of a host-specific kind (None when this process has none)."""
+        where = self.host_specific.get(kind)
+        if where is None:
+            return None
+        source, _, key = where.partition(":")
+        return self.argv[int(key)] if source == "argv" else self.env.get(key)
+
+    def replaced(self, values: Mapping[str, str | None]) -> tuple[list[str], dict[str, str]]:
+        """argv and env with the host-specific values of the kinds in `values` replaced: a string in its
+        place, None to leave an env variable out (an argv item is never left out: positions would move)."""
+        argv, env = list(self.argv), dict(self.env)
+        for kind, value in values.items():
+            where = self.host_specific.get(kind)
+            if where is None:
+                continue
+            source, _, key = where.partition(":")
+            if source == "argv":
+                if value is None:
+                    raise ValueError(f"{self.name}: argv's {kind} cannot be left out")
+                argv[int(key)] = value
+            elif value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return argv, env
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 from urllib.parse import quote
 
-from pdserve.plan.records import MARKER_ENV, ProcessPlan, connect_host
+from pdserve.plan.records import (BIND, LOOPBACK_ONLY, MARKER, MARKER_ENV, PROGRAM, REPLICA, STATE, ProcessPlan,
+                                  argv_slot, connect_host, env_slot)
 from pdserve.spec.schema import MANAGED_STORE, ClusterSpec
 
 REDIS_SERVER = "redis-server"
@@ -50,15 +51,19 @@ def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> li
     r = spec.router
     rhost = connect_host(r.host)
     base = [python, "-m", "pdserve.router", "--config", config_path]
+    # the router's bind address is in its config (router.json), not in argv
+    where = {PROGRAM: argv_slot(0), STATE: argv_slot(4), MARKER: env_slot(MARKER_ENV)}
     if r.replicas == 1:
         return [ProcessPlan(name="router", role="router", argv=base, env={MARKER_ENV: marker("router")},
-                            host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health")]
+                            host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health",
+                            host_specific=where)]
     out = []
     for i in range(r.replicas):
         name, own = f"router-{i}", r.replica_port(i)
         out.append(ProcessPlan(name=name, role="router", argv=[*base, "--replica", name, "--own-port", str(own)],
                                env={MARKER_ENV: marker(name)}, host=r.host, port=own,
-                               health_url=f"http://{rhost}:{own}/health"))
+                               health_url=f"http://{rhost}:{own}/health",
+                               host_specific={**where, REPLICA: argv_slot(len(base) + 1)}))
     return out
 
 
@@ -74,5 +79,7 @@ def store_plans(spec: ClusterSpec, cluster_dir, marker) -> list[ProcessPlan]:
             "--protected-mode", "yes", "--dir", str(cluster_dir), "--save", "", "--appendonly", "no",
             "--maxmemory", f"{max(1, int(spec.router.reuse_max_mb))}mb", "--maxmemory-policy", "volatile-ttl",
             "--daemonize", "no", "--logfile", "", "--include", str(Path(cluster_dir) / SECRET_FILE)]
+    where = {PROGRAM: argv_slot(0), BIND: argv_slot(2), LOOPBACK_ONLY: argv_slot(6), STATE: argv_slot(8),
+             MARKER: env_slot(MARKER_ENV)}
     return [ProcessPlan(name=STORE_NAME, role=STORE_ROLE, argv=argv, env={MARKER_ENV: marker(STORE_NAME)},
-                        host="127.0.0.1", port=port, health_url=f"redis://127.0.0.1:{port}")]
+                        host="127.0.0.1", port=port, health_url=f"redis://127.0.0.1:{port}", host_specific=where)]

@@ -20,6 +20,8 @@ class Platform:
     gpus_per_host: int
     backends: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    instance_type: str | None = None    # the cloud's name for the host (Kubernetes: node.kubernetes.io/instance-type)
+    efa_devices: int = 0                # EFA interfaces per host (Kubernetes: vpc.amazonaws.com/efa)
 
 
 # AWS P5en: 8 H200 per host, EFA between hosts. NIXL reaches EFA through its LIBFABRIC backend; libfabric
@@ -28,7 +30,8 @@ class Platform:
 PLATFORMS = {
     "p5en-efa": Platform(
         gpus_per_host=8, backends=["LIBFABRIC"],
-        env={"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}),
+        env={"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"},
+        instance_type="p5en.48xlarge", efa_devices=16),
 }
 
 
