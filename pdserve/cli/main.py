@@ -43,8 +43,9 @@ def main(version: bool = typer.Option(False, "--version", callback=version_callb
 
 
 def register() -> None:
-    from pdserve.cli import bench, dashboard, doctor, down, logs, plan, restart, schema, scrape_config, status, up
-    for module in (up, status, down, restart, logs, plan, doctor, bench, schema, dashboard, scrape_config):
+    from pdserve.cli import (bench, dashboard, doctor, down, export, logs, plan, restart, schema, scrape_config,
+                             status, up)
+    for module in (up, status, down, restart, logs, plan, doctor, bench, export, schema, dashboard, scrape_config):
         app.command(module.NAME, help=module.__doc__)(handle_errors(module.command))
 
 

@@ -18,6 +18,7 @@ from pdserve.checks import doctor as live_checks
 from pdserve.checks.findings import Finding
 from pdserve.checks.preflight import machine_findings
 from pdserve.errors import NotRunningError, UsageError
+from pdserve.export import EXPORTERS, Export
 from pdserve.launchers import LauncherKind, launcher_for_handle
 from pdserve.launchers.base import Handle
 from pdserve.launchers.local import environ_mark
@@ -27,14 +28,15 @@ from pdserve.observe.resources import TreeSampler, TreeUsage, gpu_memory_by_pid
 from pdserve.orchestrate import cluster
 from pdserve.orchestrate.cluster import StartFailed, StopReport
 from pdserve.plan.records import ClusterPlan
-from pdserve.spec.load import DEFAULT_CONFIG
+from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import STARTUP_TIMEOUT_S, ClusterSpec
 from pdserve.state.folder import ClusterDir, list_clusters, targets_dir
 from pdserve.state.records import ClusterState, ProcState
 
 __all__ = ["STARTUP_TIMEOUT_S", "ClusterState", "ProcState", "StartFailed", "StopReport", "UpInterrupted", "UpResult", "PlanResult", "Usage",
            "up", "stay_attached", "down", "status", "cluster_names", "restart", "logs", "follow_log", "plan",
-           "doctor", "schema", "dashboard", "scrape_config", "stored_plan", "is_running", "processes_of"]
+           "doctor", "export", "EXPORT_TARGETS", "schema", "dashboard", "scrape_config", "stored_plan", "is_running",
+           "processes_of"]
 
 Note = Callable[[str], None]
 OnState = Callable[[ClusterState | None], None]
@@ -291,6 +293,19 @@ def doctor(config: str | Path | None = None, min_gbps: float | None = None) -> l
     else:
         findings.append(Finding("ok", "cluster", f"{spec.name} is not running: live checks skipped"))
     return findings
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+EXPORT_TARGETS = tuple(EXPORTERS)
+
+
+def export(target: str, config: str | Path | None = None, **options: Any) -> Export:
+    """The cluster a cluster.yaml describes, as objects for another place to run it (pdserve/export/): the
+    servers' argv and env are the plan's, host-specific values replaced. Starts nothing, reads no state."""
+    if target not in EXPORTERS:
+        raise UsageError(f"unknown export target {target!r}", hint=f"one of {', '.join(EXPORTERS)}")
+    return EXPORTERS[target](load_spec(config or DEFAULT_CONFIG), **options)
 
 
 def schema() -> dict[str, Any]:

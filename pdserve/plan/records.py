@@ -31,6 +31,7 @@ MEMORY = "memory"                   # a CPU server's default KV cache, sized fro
 MARKER = "marker"                   # the marker variable that finds the process tree again (MARKER_ENV)
 MODEL = "model"                     # a built-in model's path under this machine's $PDSERVE_HOME
 STATE = "state"                     # a path in the cluster's state folder (the router's config, Redis's dir)
+SECRET = "secret"                   # the cluster's store secret file in the state folder (routers.SECRET_FILE)
 REPLICA = "replica"                 # a router replica's name, one per process on this machine
 LOOPBACK_ONLY = "loopback_only"     # the managed Redis's --protected-mode: `yes` while it is bound to loopback
 

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from urllib.parse import quote
 
-from pdserve.plan.records import (BIND, LOOPBACK_ONLY, MARKER, MARKER_ENV, PROGRAM, REPLICA, STATE, ProcessPlan,
-                                  argv_slot, connect_host, env_slot)
+from pdserve.plan.records import (BIND, LOOPBACK_ONLY, MARKER, MARKER_ENV, PROGRAM, REPLICA, SECRET, STATE,
+                                  ProcessPlan, argv_slot, connect_host, env_slot)
 from pdserve.spec.schema import MANAGED_STORE, ClusterSpec
 
 REDIS_SERVER = "redis-server"
@@ -80,6 +80,6 @@ def store_plans(spec: ClusterSpec, cluster_dir, marker) -> list[ProcessPlan]:
             "--maxmemory", f"{max(1, int(spec.router.reuse_max_mb))}mb", "--maxmemory-policy", "volatile-ttl",
             "--daemonize", "no", "--logfile", "", "--include", str(Path(cluster_dir) / SECRET_FILE)]
     where = {PROGRAM: argv_slot(0), BIND: argv_slot(2), LOOPBACK_ONLY: argv_slot(6), STATE: argv_slot(8),
-             MARKER: env_slot(MARKER_ENV)}
+             SECRET: argv_slot(len(argv) - 1), MARKER: env_slot(MARKER_ENV)}
     return [ProcessPlan(name=STORE_NAME, role=STORE_ROLE, argv=argv, env={MARKER_ENV: marker(STORE_NAME)},
                         host="127.0.0.1", port=port, health_url=f"redis://127.0.0.1:{port}", host_specific=where)]

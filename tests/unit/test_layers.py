@@ -21,7 +21,8 @@ ALLOWED = {
     "state": {"launchers", "errors"},
     "supervise": {"plan", "spec", "state", "launchers", "observe", "errors"},
     "checks": {"plan", "spec", "observe", "supervise", "launchers", "engine", "errors"},
-    "orchestrate": {"spec", "plan", "state", "launchers", "observe", "checks", "engine", "errors"},
+    "export": {"plan", "spec", "engine", "errors"},      # renders the plan for another place (kubernetes)
+    "orchestrate": {"spec", "plan", "state", "launchers", "observe", "checks", "engine", "export", "errors"},
     "bench": {"orchestrate", "spec", "observe", "router", "errors"},   # router: the prefill policies' names
     "router": {"errors"},
     "ui": set(),
