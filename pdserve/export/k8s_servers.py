@@ -95,12 +95,13 @@ def server_container(t: Target, proc: ProcessPlan, gpus: int, *, nodes: int = 1,
     command = command_of(proc, server_values(t))
     if nodes > 1:
         rank = "$(LWS_WORKER_INDEX)" if worker else "0"
-        multi = ["--nnodes", str(nodes), "--node-rank", rank, "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+        command += ["--nnodes", str(nodes), "--node-rank", rank, "--master-addr", "$(LWS_LEADER_ADDRESS)"]
         if worker:
-            flags = command[DEFAULT_PROGRAM_LEN:] if PROGRAM in proc.host_specific else command
-            command = [*VLLM_CLI, *flags] if PROGRAM in proc.host_specific else [*command]
-            multi.append("--headless")
-        command += multi
+            # pdserve's default program runs vLLM's API server module, which has no headless mode: a worker
+            # runs vLLM's CLI with the same flags (a server_command of the user's runs as given)
+            if PROGRAM in proc.host_specific:
+                command = [*VLLM_CLI, *command[DEFAULT_PROGRAM_LEN:]]
+            command.append("--headless")
     container: dict[str, Any] = {
         "name": "vllm", "image": t.image, "command": command,
         "env": container_env(t, proc, server_values(t)),
