@@ -164,6 +164,7 @@ class _Connection(asyncio.Protocol):
             self.body = []
 
     def _fail(self, err: Exception) -> None:
+        self.body = []               # nothing of a failed answer is kept (the error lives on; its body need not)
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(err)
 

@@ -221,7 +221,7 @@ class FakeVLLM:
             raise asyncio.CancelledError
         if self.manners.any:
             self.manners.before(request)
-            if self.args.endless_body or self.args.huge_body:
+            if self.args.endless_body or self.args.huge_body or (self.args.endless_events and body.get("stream")):
                 return await self.manners.endless(request, body)
         if self.args.status != 200 and self.args.plain_error:   # e.g. a proxy's or a crashed server's page
             return web.Response(status=self.args.status, text="Internal Server Error")

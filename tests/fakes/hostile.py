@@ -10,6 +10,8 @@
   see whether it got its own answer.
 - --endless-body: an answer that never ends (chunked JSON, or for a stream one SSE line that never ends).
 - --huge-body N: a valid JSON answer of N bytes (its reply text that long), with its Content-Length.
+- --endless-events: a stream of valid events that never ends (a generation without end).
+- --huge-ids N: the answer's prompt_token_ids (when asked for) N ids long.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def add_flags(p) -> None:
     p.add_argument("--echo", action="store_true", help="the reply begins with the last message's text")
     p.add_argument("--endless-body", action="store_true", help="an answer that never ends")
     p.add_argument("--huge-body", type=int, default=0, help="a valid JSON answer of this many bytes")
+    p.add_argument("--endless-events", action="store_true", help="a stream of valid events that never ends")
+    p.add_argument("--huge-ids", type=int, default=0, help="prompt_token_ids this many ids long")
 
 
 def prompt_sum(prompt: list[int]) -> int:
@@ -56,7 +60,8 @@ class Manners:
     @property
     def any(self) -> bool:
         a = self.args
-        return a.interim or a.stray_answer or a.request_id_headers or a.endless_body or bool(a.huge_body)
+        return (a.interim or a.stray_answer or a.request_id_headers or a.endless_body or bool(a.huge_body)
+                or a.endless_events or bool(a.huge_ids))
 
     def headers(self, request: web.Request) -> dict[str, str]:
         rid = request.headers.get("X-Request-Id")
@@ -68,6 +73,8 @@ class Manners:
 
     async def whole(self, request: web.Request, resp: dict[str, Any]) -> web.StreamResponse:
         """A whole JSON answer, then (--stray-answer) the previous one again."""
+        if self.args.huge_ids and "prompt_token_ids" in resp:
+            resp["prompt_token_ids"] = [1000 + i % 30000 for i in range(self.args.huge_ids)]
         payload = json.dumps(resp).encode()
         headers = {"Content-Type": "application/json", "Content-Length": str(len(payload)), **self.headers(request)}
         raw = (b"HTTP/1.1 200 OK\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
@@ -106,6 +113,15 @@ class Manners:
             except ConnectionError:     # the router gave up on it
                 pass
             return out
+        if self.args.endless_events and stream:
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self.headers(request)})
+            await out.prepare(request)
+            event = b'data: {"id": "cmpl-fake", "choices": [{"index": 0, "delta": {"content": "w "}, "token_ids": [7]}]}\n\n'
+            try:
+                while True:
+                    await out.write(event * 64)
+            except ConnectionError:
+                return out
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else "application/json",
                                           **self.headers(request)})
         out.enable_chunked_encoding()
