@@ -24,8 +24,8 @@ from pdserve.router.held import HeldKV, NoHeld
 from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
-    LOCAL_PARAMS, TOO_LONG, TURN_STAMP, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs,
-    TurnPlan, new_tokens_bound, template_digest,
+    LOCAL_PARAMS, TOO_LONG, TURN_STAMP, UNTOKENIZED, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode,
+    RoutePolicy, TurnInputs, TurnPlan, new_tokens_bound, template_digest,
 )
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import HIT, Decision, ReuseEntry
@@ -178,12 +178,14 @@ class Flow:
         # P's /tokenize of the new prompt: the token-level check a pull needs (reuse.decide)
         decision = await self.prefill.decide(entry, why, turn.fmt, turn.body)
         turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
-        return self.policy.plan(self._inputs(turn, decision))
+        unseen = any(f in turn.body for f in UNTOKENIZED) and not (
+            isinstance(stamp, list) and len(stamp) == 2 and stamp[1] == self._template(turn))
+        return self.policy.plan(self._inputs(turn, decision, unseen))
 
-    def _inputs(self, turn: Turn, decision: Decision) -> TurnInputs:
+    def _inputs(self, turn: Turn, decision: Decision, unseen_change: bool = False) -> TurnInputs:
         holder = self.decode.by_name(decision.holder) if decision.holder else None
         return TurnInputs(decision=decision, block_size=self.prefill.block_size,
-                          holder_load=holder.in_flight if holder else 0,
+                          holder_load=holder.in_flight if holder else 0, unseen_change=unseen_change,
                           anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages))
 
     def _unverified_short_turn(self, turn: Turn, entry: ReuseEntry | None, stamp: Any) -> DecodeOnly | None:
@@ -293,8 +295,9 @@ class Flow:
             self.end(turn, UNAVAILABLE)
             return
         key, alias = self._keys(turn, collector)
-        if turn.explicit is None and turn.fmt.native_token_ids and self.policy.short is not None:
-            # For the next turn's bound (_unverified_short_turn): the messages its key covers (chat's reply is one).
+        if turn.fmt.native_token_ids and self.policy.short is not None:
+            # For the next turn's short-turn rule (_unverified_short_turn, _plan): the messages its history key
+            # covers (chat's reply is one) and its template inputs.
             d_params[TURN_STAMP] = [len(turn.messages or ()) + 1, self._template(turn)]
         verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence, alias)
         self.held.stored(turn, backend.name)

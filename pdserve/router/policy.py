@@ -74,6 +74,7 @@ class TurnInputs:
     anchor: str | None = None
     block_size: int | None = None      # the KV block size (D's prefix cache hits whole blocks)
     holder_load: int = 0               # requests in flight on the holder D now
+    unseen_change: bool = False        # the prompt has inputs P's count cannot see (UNTOKENIZED) not D's turn's
 
 
 def new_tokens(decision: Decision, block_size: int | None) -> int | None:
@@ -95,6 +96,9 @@ UNVERIFIED = "unverified"   # a Decision's reason: D's entry taken, the new prom
 # holds only while these are the very ones of the turn D holds: their digest is stamped on the stored entry.
 TEMPLATE_FIELDS = ("tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs",
                    "add_generation_prompt", "continue_final_message", "tool_choice")
+# Of those, the ones vLLM's /tokenize does not take (it renders without them): a change to them since D's turn
+# is a prompt of unknown length.
+UNTOKENIZED = ("documents", "tool_choice")
 TURN_STAMP = "pdserve_turn"   # in a stored entry's params (flow.py): [messages through D's reply, template digest]
 
 
@@ -161,7 +165,7 @@ class ShortTurns:
         if d is None or d.result != HIT or d.holder is None:
             return ""                      # nothing held for this conversation: not a candidate
         n = new_tokens(d, inputs.block_size)
-        if n is None or d.prompt_tokens is None:
+        if n is None or d.prompt_tokens is None or inputs.unseen_change:
             return UNKNOWN_LENGTH
         if n > self.max_tokens:
             return TOO_LONG

@@ -176,7 +176,9 @@ class FakeVLLM:
 
     def prompt_ids(self, route: str, body: dict) -> list[int]:
         if "messages" in body:
-            return tokenize_text(chat_text(body["messages"], body.get("add_generation_prompt", True)))
+            # As a chat template does, the tools and the like go into the prompt (before the messages).
+            rendered = " ".join(json.dumps(body[f]) for f in hostile.RENDERED if f in body)
+            return tokenize_text(rendered + " " + chat_text(body["messages"], body.get("add_generation_prompt", True)))
         p = body.get("prompt")
         return p if isinstance(p, list) else tokenize_text(str(p))
 
@@ -357,7 +359,8 @@ class FakeVLLM:
             f"{float(self.computed_tokens)}\n"
             f'vllm:nixl_bytes_transferred_sum{{engine="0"}} {self.xfer_bytes}\n'
             f'vllm:nixl_xfer_time_seconds_sum{{engine="0"}} {self.xfer_seconds}\n'
-            f'vllm:nixl_xfer_time_seconds_count{{engine="0"}} {float(self.xfer_count)}\n'))
+            f'vllm:nixl_xfer_time_seconds_count{{engine="0"}} {float(self.xfer_count)}\n'
+            f"fake_tokenize_requests_total {float(self.tokenized)}\n"))
 
     async def received_endpoint(self, request: web.Request) -> web.Response:
         return web.json_response(self.received)

@@ -23,6 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
+# What the fake's chat "template" renders into the prompt besides the messages (fake_vllm.prompt_ids).
+RENDERED = ("tools", "documents", "chat_template_kwargs")
 INTERIM = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
 CHUNK = 1 << 16
 

@@ -131,8 +131,9 @@ TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a 
 
 async def test_new_text_the_bound_cannot_see_sends_the_turn_to_the_checked_path():
     """Issue 35 item 6: new text before a fabricated assistant message, or in tools / documents /
-    chat_template_kwargs, is not a short turn to serve on D unchecked: P tokenizes it (and a real vLLM's count
-    then sends it P then D); the same tools as the turn D holds keep the unchecked path."""
+    chat_template_kwargs, is not a short turn to serve on D unchecked: P tokenizes it and the count sends it P
+    then D (documents, which /tokenize does not take, changed: of unknown length); the same tools as the turn D
+    holds keep the unchecked path."""
     async with deployment(decode_only=True) as dep:
         p = dep.prefill[0][FAKE]
         history: list = []
@@ -153,7 +154,7 @@ async def test_new_text_the_bound_cannot_see_sends_the_turn_to_the_checked_path(
         for i, fields in enumerate(({"tools": TOOLS + [{"type": "function", "function": {"name": hidden}}]},
                                     {"documents": [{"text": hidden}]},
                                     {"chat_template_kwargs": {"system": hidden}})):
-            await send(history + [{"role": "user", "content": "yes"}], **fields)
-            assert p.tokenized == 2 + i                               # checked on P's tokens
+            plan = await send(history + [{"role": "user", "content": "yes"}], **fields)
+            assert (plan, p.tokenized) == ("prefill_then_decode", 2 + i)   # checked first (documents: unseen)
         await send(history + [{"role": "user", "content": "yes"}])     # the tools changed back: checked once more
         assert await send(history + [{"role": "user", "content": "yes"}]) == "decode_only" and p.tokenized == 5
