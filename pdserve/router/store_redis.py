@@ -4,8 +4,8 @@ redis-py's asyncio client. Every router replica sees the same entries, and a rou
 - Keys name no conversation: `pdserve:<cluster>:<deployment>:e:<sha256(tenant, conversation)>` (the tenant is
   already a hash of the credentials; a conversation id is hashed here too). The deployment id keeps two
   deployments on one Redis apart, even of one name (`own_params`: issue 35, item 10).
-- Single use: a take is one Lua script over the candidate keys: the first that exists is read and deleted
-  (GETDEL) in the same atomic step, so two concurrent turns never both get an entry. An entry's second key
+- Single use: a take is one Lua script over the candidate keys (at most MAX_CANDIDATES): the first that exists
+  is read and deleted (GETDEL) in the same atomic step, so two concurrent turns never both get an entry. An entry's second key
   (its prompt's) holds a NUL and the entry's Redis key: taking it takes the entry, if it is still there (an
   alias left after its entry was taken finds nothing and expires with the entry's TTL).
 - Expiry in Redis: SET ... PX reuse_ttl; an expired entry is simply gone (a `no_entry` miss).
@@ -15,6 +15,9 @@ redis-py's asyncio client. Every router replica sees the same entries, and a rou
   maxmemory is said once in the log.
 - Per decode server, a sorted set of its entry keys (scored by expiry) and the engine id of its last entry:
   a new engine id (D restarted) or D seen down drops that server's handles for every replica.
+- What Redis holds is not trusted (issue 35, item 9): an entry is read back only if it meets store_entry.py's
+  schema (else that take's miss, `invalid_entry`), and no key of another type fails a script (OWN, TAKE_FIRST).
+  A put that a full Redis refuses (OOM under `noeviction`) is that put's loss, not the store's failure.
 """
 
 from __future__ import annotations
