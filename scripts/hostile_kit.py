@@ -67,10 +67,12 @@ def fake(*args: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def router(prefill: list[str], decode: list[str], log: str | None = None, **settings) -> Iterator[tuple[subprocess.Popen, str]]:
-    """The router process on a free port with these backends and settings (router.json's keys): (process, URL).
-    Its log goes to `log` (a path), else nowhere."""
-    port = free_port()
+def router(prefill: list[str], decode: list[str], log: str | None = None, args: tuple[str, ...] = (),
+           port: int | None = None, **settings) -> Iterator[tuple[subprocess.Popen, str]]:
+    """The router process on a free port (or `port`) with these backends and settings (router.json's keys):
+    (process, URL); `args` go on its command line (a replica's --replica, --own-port). Its log goes to `log`
+    (a path), else nowhere."""
+    port = port or free_port()
     cfg = {"prefill": [{"name": f"prefill-{i}", "url": u} for i, u in enumerate(prefill)],
            "decode": [{"name": f"decode-{i}", "url": u} for i, u in enumerate(decode)],
            "model": "fake", "port": port, "health_interval": 0.5, **settings}
@@ -78,7 +80,7 @@ def router(prefill: list[str], decode: list[str], log: str | None = None, **sett
         path = Path(tmp) / "router.json"
         path.write_text(json.dumps(cfg))
         out = open(log, "w") if log else subprocess.DEVNULL   # noqa: SIM115 - closed below
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(path)], cwd=TREE,
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(path), *args], cwd=TREE,
                                 stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -13,7 +13,7 @@ import sys
 from aiohttp import web
 
 from pdserve.router import logs
-from pdserve.router.app import METRICS, build_app, server_limits
+from pdserve.router.app import DRAINING, METRICS, build_app, server_limits
 from pdserve.router.config import RouterConfig
 from pdserve.router.limits import GuardedRunner, fd_budget, raise_fd_limit
 
@@ -39,6 +39,10 @@ def fit_descriptors(cfg: RouterConfig) -> RouterConfig:
 # thresholds (700, 10, 10) the collector ran ~80 us per request and paused the loop up to 57 ms (a full
 # collection walking every module object). Collected more rarely, and the startup heap left out of it.
 GC_THRESHOLDS = (20_000, 20, 50)
+# A replica's SIGTERM: how long it goes on answering (each answer closing its connection) before it stops
+# listening and closes its idle connections. Clients that send within it never meet a connection closed under
+# them; longer would only keep new connections coming to a replica on its way out.
+REPLICA_DRAIN_GRACE_S = 1.0
 
 
 def quiet_gc() -> None:
@@ -70,6 +74,15 @@ async def serve(cfg: RouterConfig, host: str, port: int, own_port: int | None = 
     log.info("listening on %s:%d%s", host, port, f" (shared) and {own_port}" if own_port is not None else "")
     await stop.wait()
     log.info("draining (up to %gs)", cfg.drain_timeout)
+    if own_port is not None:
+        # A replica: it stops listening (new connections go to its siblings), then for a moment still answers
+        # on the connections it has, each answer with Connection: close (app.DRAINING), so that clients on
+        # kept-alive connections leave them after an answer instead of sending a request into one closed
+        # under them.
+        for site in list(runner.sites):
+            await site.stop()
+        app[DRAINING].set()
+        await asyncio.sleep(min(REPLICA_DRAIN_GRACE_S, cfg.drain_timeout / 2))
     await runner.cleanup()
 
 

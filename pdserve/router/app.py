@@ -45,6 +45,7 @@ API_KEY = web.AppKey("api_key", str)
 OPEN_PATHS = ("/health",)
 REPLICA_HEADER = "X-PDServe-Router"   # which router replica answered (its name only, nothing of the backends)
 LINGER_SECONDS = 1.0
+DRAINING = web.AppKey("draining", asyncio.Event)   # set on SIGTERM (__main__.serve)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -281,8 +282,15 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         await store.close()
 
     app.cleanup_ctx.append(lifecycle)
+    draining = app[DRAINING] = asyncio.Event()
     if cfg.replica:
         async def name_replica(request: web.Request, response: web.StreamResponse) -> None:
             response.headers[REPLICA_HEADER] = cfg.replica
+            if draining.is_set():
+                # SIGTERM: this answer closes its connection (Connection: close), so the client's next request
+                # goes to a sibling on a new connection instead of meeting this one closed (__main__.serve).
+                # The hook runs after aiohttp chose the headers: the header is set here, the close forced.
+                response.headers["Connection"] = "close"
+                response.force_close()
         app.on_response_prepare.append(name_replica)
     return app
