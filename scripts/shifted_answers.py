@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Issue 35 item 4: does a pooled backend connection ever hand one request another's answer? The real router
-against fake P and D servers that send interim answers (100 Continue, 103 Early Hints) before every answer and,
+against fake P and D servers that send interim answers (100 Continue, 103 Early Hints) before every answer and/or,
 after every whole answer, the previous answer once more, unsolicited (tests/fakes/hostile.py); each client
 message carries a nonce that D echoes at the start of its reply, and D's reply says MISMATCH when the P handles
 it was given were made for another prompt. Counted: answers that are another request's (a wrong nonce, or P
 handles of another), failed requests, and requests served.
 
-Arms (--arms): `glued` (the stray answer in the same write as the real one), `late` (the stray --stray-delay
-seconds after it: under load the connection may already carry the next request), and `late-ids` (the same, the
-backends echoing X-Request-Id as vLLM does with --enable-request-id-headers).
+Arms (--arms): `interim` (the 1xx answers alone), `stray` (the unsolicited answer alone, in the same write as
+the real one), `glued` (both), `late` (1xx, and the stray answer 1 ms after the real one: under load the
+connection may already carry the next request), and `late-ids` (the same, the backends echoing X-Request-Id
+as vLLM does with --enable-request-id-headers).
 
 Usage: flock /tmp/vllm.lock .venv/bin/python scripts/shifted_answers.py [--requests 3000] [--concurrency 16]
 """
@@ -25,8 +26,9 @@ import aiohttp
 from hostile_kit import fake, router
 
 CHAT = "/v1/chat/completions"
-ARMS = {"glued": ["--stray-delay", "0"], "late": ["--stray-delay", "0.001"],
-        "late-ids": ["--stray-delay", "0.001", "--request-id-headers"]}
+STRAY = ["--stray-answer", "--stray-delay"]
+ARMS = {"interim": ["--interim"], "stray": [*STRAY, "0"], "glued": ["--interim", *STRAY, "0"],
+        "late": ["--interim", *STRAY, "0.001"], "late-ids": ["--interim", *STRAY, "0.001", "--request-id-headers"]}
 
 
 async def load(url: str, requests: int, concurrency: int) -> dict:
@@ -68,7 +70,7 @@ def main() -> None:
     ap.add_argument("--log", help="the router's log file")
     args = ap.parse_args()
     for arm in args.arms:
-        manners = ["--interim", "--stray-answer", "--echo", *ARMS[arm]]
+        manners = ["--echo", *ARMS[arm]]
         with fake(*manners) as p, fake(*manners) as d, \
                 router([p], [d], log=args.log, decode_only=False, bidirectional_kv_xfer=False) as (_, url):
             result = asyncio.run(load(url, args.requests, args.concurrency))
