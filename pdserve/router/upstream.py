@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.router import bigjson
 from pdserve.router.backends import Backend, Pool, Suspects
 from pdserve.router.http1 import ROUTER_ERRNOS, AnswerTooLarge, ConnectFailed, Http1Client, PoolTimeout
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
@@ -137,7 +138,7 @@ class Upstream:
                                          timeout=self.timeout) as resp:
                 status, raw = resp.status, await read_bounded(resp, self.max_answer_bytes)
         try:
-            return status, json.loads(raw)
+            return status, await bigjson.loads(raw)   # a large answer's token ids parsed with the loop running
         except (json.JSONDecodeError, UnicodeDecodeError):
             return 502, error_body(f"backend {backend.name} sent a non-JSON body (HTTP {status})", "server_error", 502)
 
