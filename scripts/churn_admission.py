@@ -56,7 +56,8 @@ async def churn(url: str, requests: int, wave: int, leave_within: float, max_in_
             sent += n
         await asyncio.sleep(0.5)
         samples = scrape(url)
-        lost = total(samples, "pdserve_router_admission_in_flight")
+        gauge = any(name == "pdserve_router_admission_in_flight" for name, _ in samples)
+        lost = total(samples, "pdserve_router_admission_in_flight") if gauge else None   # None: a router without it
         queued = total(samples, "pdserve_router_admission_queue_depth")
         admitted_before = total(samples, "pdserve_router_admission_total", outcome="admitted")
         # The probe: max_in_flight requests at once, none should wait.
@@ -64,8 +65,8 @@ async def churn(url: str, requests: int, wave: int, leave_within: float, max_in_
         await asyncio.gather(*(one(session, url, None, probe) for _ in range(max_in_flight)))
         admitted = total(scrape(url), "pdserve_router_admission_total", outcome="admitted") - admitted_before
     return {"requests": requests, "seconds": round(time.monotonic() - started, 1), "statuses": dict(statuses),
-            "slots_lost": int(lost), "queue_depth_after": int(queued),
-            "probe_admitted_at_once": f"{int(admitted)} of {max_in_flight}",
+            "slots_lost": "n/a (no gauge)" if lost is None else int(lost), "queue_depth_after": int(queued),
+            "probe_admitted_at_once": f"{int(admitted)} of {max_in_flight} (the others lost)",
             "admission_outcomes": {dict(labels)["outcome"]: int(value) for (name, labels), value in samples.items()
                                    if name == "pdserve_router_admission_total"}}
 
