@@ -6,10 +6,10 @@ message carries a nonce that D echoes at the start of its reply, and D's reply s
 it was given were made for another prompt. Counted: answers that are another request's (a wrong nonce, or P
 handles of another), failed requests, and requests served.
 
-Arms (--arms): `interim` (the 1xx answers alone), `stray` (the unsolicited answer alone, in the same write as
-the real one), `glued` (both), `late` (1xx, and the stray answer 1 ms after the real one: under load the
-connection may already carry the next request), and `late-ids` (the same, the backends echoing X-Request-Id
-as vLLM does with --enable-request-id-headers).
+Arms (--arms): `interim` (the 1xx answers alone), `stray` (the unsolicited answer alone, right after the real
+one), `glued` (both), `late` (1xx, and the stray answer 1 ms after the real one: under load the connection may
+already carry the next request); the backends echo X-Request-Id as vLLM does with --enable-request-id-headers
+(which pdserve's entry gives them). `glued-no-ids` and `late-no-ids`: the same from backends that do not.
 
 Usage: flock /tmp/vllm.lock .venv/bin/python scripts/shifted_answers.py [--requests 3000] [--concurrency 16]
 """
@@ -27,8 +27,10 @@ from hostile_kit import fake, router
 
 CHAT = "/v1/chat/completions"
 STRAY = ["--stray-answer", "--stray-delay"]
-ARMS = {"interim": ["--interim"], "stray": [*STRAY, "0"], "glued": ["--interim", *STRAY, "0"],
-        "late": ["--interim", *STRAY, "0.001"], "late-ids": ["--interim", *STRAY, "0.001", "--request-id-headers"]}
+IDS = "--request-id-headers"     # as vLLM run by pdserve's entry answers (--enable-request-id-headers)
+ARMS = {"interim": ["--interim", IDS], "stray": [*STRAY, "0", IDS], "glued": ["--interim", *STRAY, "0", IDS],
+        "late": ["--interim", *STRAY, "0.001", IDS],
+        "glued-no-ids": ["--interim", *STRAY, "0"], "late-no-ids": ["--interim", *STRAY, "0.001"]}
 
 
 async def load(url: str, requests: int, concurrency: int) -> dict:

@@ -22,7 +22,9 @@ process of the server gets them. Importing it changes nothing.
 With the reuse patches the server also gets `--enable-scale-out` (when its CLI has it and the command line
 does not say either way): the router checks a new turn's tokens with `/v1/messages/render`,
 `/v1/responses/render` and `/v1/chat/completions/render`, which vLLM registers only with that flag. It
-registers `/inference/v1/generate` too: like every other endpoint of these servers, not for clients.
+registers `/inference/v1/generate` too: like every other endpoint of these servers, not for clients. It also
+gets `--enable-request-id-headers` (the same way): vLLM then echoes each request's X-Request-Id on the answer,
+by which the router's HTTP client tells an answer to another request from its own (docs/router.md).
 """
 
 from __future__ import annotations
@@ -90,36 +92,52 @@ SCALE_OUT_FLAG = "--enable-scale-out"
 FRONTEND_ARGS_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
 # What the server process decided about SCALE_OUT_FLAG, for its spawned children's log line.
 SCALE_OUT_STATE_ENV = "PDSERVE_ENTRY_SCALE_OUT"
+# vLLM echoes each request's X-Request-Id on its answer: the router's HTTP client then tells an answer to
+# another request (a stray one from a proxy or a broken server) from its own (docs/router.md, issue 35).
+REQUEST_IDS_FLAG = "--enable-request-id-headers"
+REQUEST_IDS_STATE_ENV = "PDSERVE_ENTRY_REQUEST_IDS"
 
 
-def cli_knows_scale_out() -> bool:
-    """Whether this vLLM's API server has the option (FrontendArgs.enable_scale_out), whatever its version."""
+def cli_knows(field: str) -> bool:
+    """Whether this vLLM's API server has the option (a FrontendArgs field), whatever its version."""
     for module in FRONTEND_ARGS_MODULES:
         try:
             args_cls = importlib.import_module(module).FrontendArgs
         except (ImportError, AttributeError):
             continue
         if dataclasses.is_dataclass(args_cls):
-            return "enable_scale_out" in {f.name for f in dataclasses.fields(args_cls)}
-        return hasattr(args_cls, "enable_scale_out")
+            return field in {f.name for f in dataclasses.fields(args_cls)}
+        return hasattr(args_cls, field)
     return False
 
 
-def scale_out_in(argv: list[str]) -> bool:
-    """Whether the command line sets the option either way (--enable-scale-out[=..], --no-enable-scale-out,
-    vLLM's parser also takes underscores)."""
-    names = {SCALE_OUT_FLAG, "--no-" + SCALE_OUT_FLAG[2:]}
+def cli_knows_scale_out() -> bool:
+    return cli_knows("enable_scale_out")
+
+
+def flag_in(argv: list[str], flag: str) -> bool:
+    """Whether the command line sets the option either way (--flag[=..], --no-flag; vLLM's parser also takes
+    underscores)."""
+    names = {flag, "--no-" + flag[2:]}
     return any(arg.split("=", 1)[0].replace("_", "-") in names for arg in argv[1:])
 
 
-def add_scale_out(argv: list[str], knows=cli_knows_scale_out) -> str:
-    """Append --enable-scale-out to argv (in place) when absent and the CLI has it; says what was done."""
-    if scale_out_in(argv):
+def scale_out_in(argv: list[str]) -> bool:
+    return flag_in(argv, SCALE_OUT_FLAG)
+
+
+def add_flag(argv: list[str], flag: str, knows) -> str:
+    """Append `flag` to argv (in place) when absent and the CLI has it; says what was done."""
+    if flag_in(argv, flag):
         return "as given"
     if not knows():
         return "not in this vLLM"
-    argv.append(SCALE_OUT_FLAG)
-    return SCALE_OUT_FLAG + " added"
+    argv.append(flag)
+    return flag + " added"
+
+
+def add_scale_out(argv: list[str], knows=cli_knows_scale_out) -> str:
+    return add_flag(argv, SCALE_OUT_FLAG, knows)
 
 
 def apply_reuse_patches(argv: list[str] | None = None) -> None:
@@ -133,12 +151,15 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     message_stop = patches.patch_message_stop_kv_params()
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
+        os.environ[REQUEST_IDS_STATE_ENV] = add_flag(argv, REQUEST_IDS_FLAG,
+                                                     lambda: cli_knows("enable_request_id_headers"))
     # One line in the server log says what this vLLM got (doctor and the e2e tests read it); the server's
     # children print the same line.
     print(f"pdserve-entry: streamed kv_transfer_params patched: {','.join(streamed) or 'none'}; "
           f"pulled-token counts: {'yes' if counted else 'no'}; "
           f"message_stop kv_transfer_params: {','.join(message_stop) or 'none'}; "
-          f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}", flush=True)
+          f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}; "
+          f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in

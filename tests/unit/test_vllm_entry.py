@@ -12,6 +12,7 @@ from pdserve.engine.entry import (
     CORES_ENV,
     DELAY_ENV,
     REUSE_PATCHES_ENV,
+    REQUEST_IDS_STATE_ENV,
     SCALE_OUT_STATE_ENV,
     add_scale_out,
     cli_knows_scale_out,
@@ -101,9 +102,17 @@ def test_server_process_gets_scale_out_and_says_so_children_repeat_it():
     line, argv = run_python("import sys\nsys.argv = ['entry', '--model', 'm']\n"
                             "from pdserve.engine.entry import apply_reuse_patches\n"
                             "apply_reuse_patches(sys.argv)\nprint('|', sys.argv)", lines=2, **env).split("\n")[-2:]
-    assert argv == "| ['entry', '--model', 'm', '--enable-scale-out']"
+    assert argv == "| ['entry', '--model', 'm', '--enable-scale-out', '--enable-request-id-headers']"
     assert line.startswith("pdserve-entry: streamed kv_transfer_params patched: ") and "OpenAIServingChat" in line
     assert "; pulled-token counts: yes; " in line and "AnthropicServingMessages.message_stream_converter" in line
     assert "; render endpoints: --enable-scale-out added" in line, line
-    child = run_python(AS_SPAWNED_CHILD, **env, **{SCALE_OUT_STATE_ENV: "--enable-scale-out added"})
+    assert line.endswith("; request ids: --enable-request-id-headers added"), line
+    child = run_python(AS_SPAWNED_CHILD, **env, **{SCALE_OUT_STATE_ENV: "--enable-scale-out added",
+                                                   REQUEST_IDS_STATE_ENV: "--enable-request-id-headers added"})
     assert child.split("\n")[-1] == line
+
+
+def test_installed_vllm_cli_has_request_id_headers():
+    # The router's client tells a stray answer from the request's own by the X-Request-Id vLLM echoes with it.
+    from pdserve.engine.entry import cli_knows
+    assert cli_knows("enable_request_id_headers")
