@@ -63,7 +63,7 @@ class AnswerTooLarge(Disconnected):
     """The answer grew past max_answer_bytes: refused at that point, the connection closed."""
 
 
-DEFAULT_MAX_ANSWER_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_ANSWER_BYTES = 32 * 1024 * 1024   # router.max_answer_mb's default
 
 
 class _Connection(asyncio.Protocol):
@@ -106,7 +106,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.headers_done and not self.framed and not self.interim:
+        if self.headers_done and not self.framed and not self.interim and not self.foreign:
             self._complete(False)    # RFC 9112 6.3: a body with no length framing ends at the close
             return
         self._fail(Disconnected("the backend closed the connection before a whole answer",
