@@ -51,21 +51,28 @@ async def test_unmodified_openai_client_gets_reuse_by_history():
         assert sample(m, 'pdserve_router_conversation_identity_total{source="none"}') == 1
 
 
-async def test_history_match_needs_the_same_reply_and_the_same_caller():
+async def test_history_match_needs_the_same_caller_and_an_edited_reply_reuses_only_the_prompt():
     async with deployment() as dep:
         first = [{"role": "user", "content": "alpha " * 40}]
         _, data = await dep.post(CHAT, {"model": "fake", "messages": first, "max_tokens": 4},
                                  {"Authorization": "Bearer a"})
         reply = data["choices"][0]["message"]["content"]
-        edited = first + [{"role": "assistant", "content": reply + " extra"}, {"role": "user", "content": "go"}]
-        await dep.post(CHAT, {"model": "fake", "messages": edited, "max_tokens": 4}, {"Authorization": "Bearer a"})
         same = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "go"}]
         await dep.post(CHAT, {"model": "fake", "messages": same, "max_tokens": 4}, {"Authorization": "Bearer b"})
-        assert offered(dep.prefill[0]) == [None, None, None]
+        assert offered(dep.prefill[0]) == [None, None]      # another caller's history matches nothing
         # The caller who got the reply, sending it back unchanged (as [{"type": "text"}] parts), does match.
         same[1]["content"] = [{"type": "text", "text": reply}]
         await dep.post(CHAT, {"model": "fake", "messages": same, "max_tokens": 4}, {"Authorization": "Bearer a"})
         assert offered(dep.prefill[0])[-1] is not None
+        # An edited reply is found by its prompt, and P is offered no more than the previous prompt's tokens.
+        second = [{"role": "user", "content": "beta " * 40}]
+        _, data = await dep.post(CHAT, {"model": "fake", "messages": second, "max_tokens": 4},
+                                 {"Authorization": "Bearer a"})
+        edited = second + [{"role": "assistant", "content": data["choices"][0]["message"]["content"] + " extra"},
+                           {"role": "user", "content": "go"}]
+        await dep.post(CHAT, {"model": "fake", "messages": edited, "max_tokens": 4}, {"Authorization": "Bearer a"})
+        offer = offered(dep.prefill[0])[-1]
+        assert offer is not None and offer["remote_num_tokens"] <= data["usage"]["prompt_tokens"]
 
 
 async def test_streamed_reply_is_matched_too():
