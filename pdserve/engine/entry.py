@@ -144,10 +144,10 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     """The reuse patches; with argv (the server process's own), also the scale-out option."""
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
-    from pdserve.engine import held, patches
+    from pdserve.engine import held_http, patches
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
-    held_kv = held.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held.py)
+    held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
     message_stop = patches.patch_message_stop_kv_params()
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)

@@ -278,32 +278,3 @@ def patch_reaper_order() -> str:
         raise Unsupported(f"{WORKER_MODULE} has no {WORKER_CLASS}.get_finished")
     cls.get_finished = keep_deadline_order(cls.get_finished)
     return "expiry in deadline order"
-
-
-def patch_held_kv() -> str:
-    """Install the engine and worker methods and the API routes; a word for the entry's log line."""
-    missing = missing_source()
-    if missing:
-        log.warning("pdserve held-KV control not installed, this vLLM lacks: %s", "; ".join(missing))
-        return "no (vLLM lacks " + ", ".join(m.split(": ")[1] for m in missing) + ")"
-    try:
-        from vllm.v1.engine.core import EngineCore
-        from vllm.v1.worker.worker_base import WorkerWrapperBase
-    except ImportError as e:
-        log.warning("pdserve held-KV control not installed: %s", e)
-        return "no (no EngineCore/WorkerWrapperBase)"
-    if not hasattr(EngineCore, "collective_rpc"):
-        return "no (EngineCore has no collective_rpc)"
-    try:
-        order = patch_reaper_order()
-    except (ImportError, Unsupported) as e:
-        log.warning("pdserve held-KV control not installed: %s", e)
-        return "no (the NIXL worker's expiry could not be kept in deadline order)"
-    EngineCore.pdserve_held = engine_method
-    WorkerWrapperBase.pdserve_held_worker = worker_method
-    from pdserve.engine.held_http import patch_attach_router, patch_build_app
-    if not (patch_build_app() or patch_attach_router()):
-        log.warning("pdserve held-KV control: no %s.build_app nor %s.attach_router, so no HTTP routes",
-                    APP_MODULE, ROUTER_MODULE)
-        return "engine only (no build_app to add routes to)"
-    return "yes" + (f" ({order})" if order else "")

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 from typing import Any
 
+from pdserve.engine import held
 from pdserve.engine.held import (APP_MODULE, CALL_TIMEOUT_S, CLOCK, ENGINE_METHOD, MAX_GRACE_S, MAX_IDS, MAX_TTL_S,
                                  P_READ_MARGIN_S, PATH, ROUTER_MODULE, Unsupported, merge_answers)
 
 
 class BadRequest(ValueError):
     pass
+
+log = logging.getLogger("pdserve.engine")
 
 
 def parse_ids(body: Any) -> list[str]:
@@ -234,3 +238,31 @@ def patch_build_app() -> bool:
         if (getattr(loaded, "__dict__", None) or {}).get("build_app") is original:
             loaded.build_app = wrapped
     return True
+
+
+def patch_held_kv() -> str:
+    """Install the engine and worker methods and the API routes; a word for the entry's log line."""
+    missing = held.missing_source()
+    if missing:
+        log.warning("pdserve held-KV control not installed, this vLLM lacks: %s", "; ".join(missing))
+        return "no (vLLM lacks " + ", ".join(m.split(": ")[1] for m in missing) + ")"
+    try:
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+    except ImportError as e:
+        log.warning("pdserve held-KV control not installed: %s", e)
+        return "no (no EngineCore/WorkerWrapperBase)"
+    if not hasattr(EngineCore, "collective_rpc"):
+        return "no (EngineCore has no collective_rpc)"
+    try:
+        order = held.patch_reaper_order()
+    except (ImportError, held.Unsupported) as e:
+        log.warning("pdserve held-KV control not installed: %s", e)
+        return "no (the NIXL worker's expiry could not be kept in deadline order)"
+    EngineCore.pdserve_held = held.engine_method
+    WorkerWrapperBase.pdserve_held_worker = held.worker_method
+    if not (patch_build_app() or patch_attach_router()):
+        log.warning("pdserve held-KV control: no %s.build_app nor %s.attach_router, so no HTTP routes",
+                    APP_MODULE, ROUTER_MODULE)
+        return "engine only (no build_app to add routes to)"
+    return "yes" + (f" ({order})" if order else "")

@@ -302,7 +302,7 @@ def test_installed_vllm_has_what_the_control_needs():
     # Fails when a vLLM upgrade moves the state this module changes (then the control is off, logged).
     pytest.importorskip("vllm")
     assert held.missing_source() == []
-    code = ("import sys; from pdserve.engine import held; word = held.patch_held_kv();"
+    code = ("import sys; from pdserve.engine import held, held_http; word = held_http.patch_held_kv();"
             "from vllm.v1.engine.core import EngineCore; from vllm.v1.worker.worker_base import WorkerWrapperBase;"
             "import vllm.entrypoints.launchers.app as app, vllm.entrypoints.launchers.api_server.entry as entry;"
             "print(word, EngineCore.pdserve_held is held.engine_method,"
