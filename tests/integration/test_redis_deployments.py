@@ -63,8 +63,9 @@ async def test_two_clusters_of_one_name_on_one_redis_never_read_each_others_entr
     """Before: keys were namespaced by the cluster name only: B's P was offered A's D's handles (the issue: 80
     of 80 offers), and B's puts, with its D's engine id, dropped A's entries."""
     a, b = cluster_secret(tmp_path / "home-a" / "t"), cluster_secret(tmp_path / "home-b" / "t")
-    async with deployment(store=with_deployment(redis_server.url, a), cluster="t") as dep_a, \
-            deployment(store=with_deployment(redis_server.url, b), cluster="t") as dep_b:
+    # A generous store_timeout: this is about namespaces, and a loaded CI box once took over 0.25 s for a take.
+    async with deployment(store=with_deployment(redis_server.url, a), cluster="t", store_timeout=5.0) as dep_a, \
+            deployment(store=with_deployment(redis_server.url, b), cluster="t", store_timeout=5.0) as dep_b:
         history_a, history_b = [], []
         for i in range(3):                     # turn by turn: the same tenant, conversation id and words in both
             history_a = await turn(dep_a, history_a, i)
