@@ -25,19 +25,12 @@ from pdserve.spec.load import parse_spec
 from pdserve.state.secret import ensure_secret
 from pdserve.supervise.health import probe
 from tests.fakes.fake_vllm import FAKE
-from tests.integration.rediskit import RedisServer, free_port
+from tests.integration.rediskit import free_port
 from tests.integration.routerkit import deployment
 from tests.integration.test_router_store_redis import PARAMS, _hits, store_at
 from tests.unit.test_spec import GOOD, with_
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def cluster_secret(folder: Path) -> Path:

@@ -17,13 +17,6 @@ from pdserve.router.redis_pipe import RedisPipe
 from tests.integration.rediskit import RedisServer
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
-
 @contextlib.asynccontextmanager
 async def pipe_to(server: RedisServer, timeout: float):
     client = aioredis.Redis.from_url(server.url)

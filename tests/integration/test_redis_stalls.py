@@ -8,19 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import pytest
 
-from tests.integration.rediskit import RedisServer
 from tests.integration.test_router_store_redis import PARAMS, store_at
 
 SLACK = 0.3     # the event loop's share on a busy 2-core box
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 @contextlib.asynccontextmanager

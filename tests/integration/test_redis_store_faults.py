@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
 import redis.asyncio as aioredis
 
 from pdserve.router.store_redis import MAX_CANDIDATES
@@ -18,13 +17,6 @@ from tests.integration.routerkit import deployment
 from tests.integration.test_router_store_redis import PARAMS, _hits, store_at
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 async def raw_post(url: str, path: str, body: dict, header: bytes) -> tuple[int, bytes]:

@@ -7,25 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 import redis.asyncio as aioredis
 
 from pdserve.router.app import FLOW, REPLICA_HEADER
 from pdserve.router.store import UNAVAILABLE, open_store
 from tests.fakes.fake_vllm import FAKE
-from tests.integration.rediskit import RedisServer, add_router
+from tests.integration.rediskit import add_router
 from tests.integration.routerkit import deployment
 
 CHAT = "/v1/chat/completions"
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e1", "remote_request_id": "r",
           "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def store_at(url: str, ttl: float = 30.0, timeout: float = 0.25, errors: list | None = None):
