@@ -80,11 +80,11 @@ async def test_replicas_and_restarts_of_one_cluster_share_its_entries(redis_serv
     secret = cluster_secret(tmp_path / "t")
     assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     url = with_deployment(redis_server.url, secret)
-    first, second = store_at(url), store_at(url)
+    first, second = store_at(url, timeout=5.0), store_at(url, timeout=5.0)
     try:
         assert await (await first.put(("t", "c"), PARAMS, "decode-0", 0, [1, 2]))
         assert (await second.take_first([("t", "c")]))[1] == "ok"         # another replica, or after a restart
-        other = store_at(with_deployment(redis_server.url, cluster_secret(tmp_path / "other")))
+        other = store_at(with_deployment(redis_server.url, cluster_secret(tmp_path / "other")), timeout=5.0)
         assert await (await other.put(("t", "c"), PARAMS, "decode-0", 0, [1, 2]))
         assert await first.take_first([("t", "c")]) == (None, "no_entry")
         await other.close()
@@ -120,7 +120,7 @@ async def test_the_managed_redis_wants_the_clusters_secret_which_no_command_line
         await raw.aclose()
         cfg = RouterConfig.from_dict(plan.router_config)
         errors: list = []
-        shared = store_at(cfg.store, errors=errors)
+        shared = store_at(cfg.store, timeout=5.0, errors=errors)
         try:
             assert await (await shared.put(("t", "c"), PARAMS, "decode-0", 0, [3]))
             assert (await shared.take_first([("t", "c")]))[1] == "ok" and errors == []
