@@ -16,6 +16,7 @@ from pdserve.spec.topology import PLATFORMS
 
 K8S_VERSION = "1.34"            # the Kubernetes API the objects are written for (tests validate against it)
 LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_RELEASE = "v0.10.0"         # the LWS release whose CRD the LeaderWorkerSets are written for (tests validate)
 FORMATS = ("statefulset", "lws")
 DEFAULT_IMAGE = f"pdserve:{__version__}"   # docs/kubernetes.md builds it: vLLM's image plus this pdserve
 DEFAULT_GPUS_PER_NODE = 8

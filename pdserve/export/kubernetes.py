@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 
 from pdserve.errors import ConfigError, UsageError
 from pdserve.export import Export
-from pdserve.export.k8s_common import (DEFAULT_GPUS_PER_NODE, DEFAULT_IMAGE, DNS_LABEL, FORMATS, MAX_WORKLOAD_NAME,
-                                       MODELS_DIR, PYTHON, REDIS_IMAGE, STATE_DIR, STORE_SECRET_SUFFIX, Target,
-                                       k8s_base)
+from pdserve.export.k8s_common import (DEFAULT_GPUS_PER_NODE, DEFAULT_IMAGE, DNS_LABEL, FORMATS, LWS_API,
+                                       LWS_RELEASE, MAX_WORKLOAD_NAME, MODELS_DIR, PYTHON, REDIS_IMAGE, STATE_DIR,
+                                       STORE_SECRET_SUFFIX, Target, k8s_base)
 from pdserve.export.k8s_router import router_objects, scrape_objects, store_objects, store_secret
 from pdserve.export.k8s_servers import gpu_layout, server_objects
 from pdserve.plan.build import build_plan
@@ -112,6 +112,9 @@ def notes(t: Target) -> list[str]:
                    "mount a volume there)")
     if spec.server_command:
         out.append(f"server_command: runs as given, from the image ({' '.join(spec.server_command)})")
+    if t.fmt == "lws":
+        out.append(f"--format lws: LeaderWorkerSets ({LWS_API}) as LWS {LWS_RELEASE} defines them: install that "
+                   "release's controller first (docs/kubernetes.md)")
     multi = [p.name for p in servers if gpu_layout(t, p)[0] > 1]
     if multi:
         out.append(f"{', '.join(multi)}: GPUs span nodes: a LeaderWorkerSet group per server, the leader with "

@@ -1,12 +1,13 @@
 """`pdserve export kubernetes`: every object of every shipped config is valid Kubernetes (the OpenAPI schemas of
-k8s_common.K8S_VERSION that kubernetes-validate ships; LeaderWorkerSets against the vendored LWS CRD schema,
-tests/unit/schemas/), each server's container runs exactly what `pdserve plan --json` prints for it with only
-the host-specific values replaced, and the router's ConfigMap names every server at a DNS name its workload
-gives it."""
+k8s_common.K8S_VERSION that kubernetes-validate ships; LeaderWorkerSets against the CRD of the LWS release they
+target, k8s_common.LWS_RELEASE, vendored whole in tests/unit/schemas/), each server's container runs exactly
+what `pdserve plan --json` prints for it with only the host-specific values replaced, and the router's
+ConfigMap names every server at a DNS name its workload gives it."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -21,7 +22,7 @@ from typer.testing import CliRunner
 
 from pdserve.cli.main import app
 from pdserve.errors import ConfigError
-from pdserve.export.k8s_common import K8S_VERSION, LWS_API
+from pdserve.export.k8s_common import K8S_VERSION, LWS_API, LWS_RELEASE
 from pdserve.orchestrate import ops
 from pdserve.orchestrate.cluster import plan_from_file
 from pdserve.plan.records import (BIND, CORES, GPUS, MARKER, MEMORY, MODEL, PROGRAM, SIDE_CHANNEL_HOST, ProcessPlan)
@@ -32,7 +33,9 @@ from pdserve.state.targets import scrape_targets
 
 CONFIGS = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
 FORMATS = ("statefulset", "lws")
-LWS_SCHEMA = Path(__file__).parent / "schemas" / "leaderworkerset-v1.openapi.yaml"
+# LWS_RELEASE's CRD (v0.10.0: kubernetes-sigs/lws commit 2161f38f), as released; its header says where from
+LWS_CRD = Path(__file__).parent / "schemas" / f"leaderworkerset-{LWS_RELEASE}.crd.yaml"
+LWS_CRD_SHA256 = "c5dcad8ed943e495490241f00b9a1b45d51203b6d484020db3636d5bf553568e"   # the release's file
 K8S_DEFS = "https://kubernetes.io/api/_definitions.json"
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")   # DNS-1123 subdomain
 SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")                                 # DNS-1035 label
@@ -72,28 +75,58 @@ def k8s_registry() -> Registry:
     return Resource.from_contents(defs) @ Registry()
 
 
-def _strict(node, ref=lambda name: {"$ref": f"{K8S_DEFS}#/$defs/{name}"}):
-    """The vendored OpenAPI schema as JSON Schema: elided nodes refer to Kubernetes' definitions, and objects
-    take no unknown field (the API server's strict field validation reports them; pruning would drop them)."""
+def _strict(node):
+    """The CRD's OpenAPI v3 schema as JSON Schema, as strict as the API server: an object takes no field its
+    schema does not name (strict field validation reports them; pruning would drop them) unless the schema
+    preserves unknown fields, and a list of type `set` holds no item twice (`map`: _list_map_keys)."""
     if isinstance(node, list):
         return [_strict(n) for n in node]
     if not isinstance(node, dict):
         return node
-    if "x-pdserve-elided" in node:
-        return ref(node["x-pdserve-elided"])
     out = {k: ({name: _strict(v) for name, v in value.items()} if k == "properties" else _strict(value))
            for k, value in node.items()}
-    if "properties" in node:
+    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
         out.setdefault("additionalProperties", False)
+    if node.get("x-kubernetes-list-type") == "set":
+        out["uniqueItems"] = True
     return out
 
 
+def _list_map_keys(validator, keys, instance, schema):
+    """`x-kubernetes-list-type: map`: no two items with the same key fields (the API server refuses them)."""
+    if schema.get("x-kubernetes-list-type") != "map" or not validator.is_type(instance, "array"):
+        return
+    seen = [tuple(json.dumps(item.get(k)) for k in keys) for item in instance if isinstance(item, dict)]
+    for key in sorted({s for s in seen if seen.count(s) > 1}):
+        yield jsonschema.ValidationError(f"two items with the same {', '.join(keys)}: {', '.join(key)}")
+
+
+CRDValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                            {"x-kubernetes-list-map-keys": _list_map_keys})
+
+
+def lws_crd_text() -> str:
+    return LWS_CRD.read_text()
+
+
 @functools.cache
-def lws_validator() -> jsonschema.Draft202012Validator:
-    vendored = yaml.safe_load(LWS_SCHEMA.read_text())
-    schema = _strict(vendored["openAPIV3Schema"])
+def lws_validator() -> jsonschema.protocols.Validator:
+    """LWS_RELEASE's (v0.10.0's) LeaderWorkerSet v1 schema, whole (its pod templates are controller-gen's
+    PodSpec), with metadata as Kubernetes' ObjectMeta (the CRD says only `type: object`)."""
+    crd = yaml.load(lws_crd_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    assert f"{crd['spec']['group']}/v1" == LWS_API and crd["spec"]["names"]["kind"] == "LeaderWorkerSet"
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    schema = _strict(version["schema"]["openAPIV3Schema"])
     schema["properties"]["metadata"] = {"$ref": f"{K8S_DEFS}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}
-    return jsonschema.Draft202012Validator(schema, registry=k8s_registry())
+    return CRDValidator(schema, registry=k8s_registry())
+
+
+@functools.cache
+def pod_spec_validator() -> jsonschema.Draft202012Validator:
+    """Kubernetes K8S_VERSION's PodSpec, strict: LWS v0.10.0's CRD renders pod templates from k8s.io/api v0.36, so
+    a field newer than the Kubernetes the export targets would pass the CRD but not that cluster."""
+    return jsonschema.Draft202012Validator({"$ref": f"{K8S_DEFS}#/$defs/io.k8s.api.core.v1.PodSpec"},
+                                           registry=k8s_registry())
 
 
 def validate(doc: dict) -> None:
@@ -103,6 +136,9 @@ def validate(doc: dict) -> None:
         assert SERVICE_NAME.match(doc["metadata"]["name"]), doc["metadata"]["name"]
     if doc["apiVersion"] == LWS_API:
         lws_validator().validate(doc)
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        for pod in (lwt[t] for t in ("leaderTemplate", "workerTemplate") if t in lwt):
+            pod_spec_validator().validate(pod["spec"])
     else:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -119,20 +155,48 @@ def test_every_object_of_every_shipped_config_validates(config):
         assert len(names) == len(set(names)), names
 
 
+def test_the_vendored_crd_is_the_release_file():
+    text = lws_crd_text()
+    body = text[text.index("\n---\n") + 1:]                 # the header comment, then the file as released
+    assert hashlib.sha256(body.encode()).hexdigest() == LWS_CRD_SHA256
+    assert f"tag {LWS_RELEASE} (commit 2161f38ff333f9e24d3c44adef7cd5d9787cac00" in text
+    notes = ops.export("kubernetes", SHIPPED_CONFIGS / "local-cpu.yaml", fmt="lws").notes
+    assert any(f"LWS {LWS_RELEASE}" in n for n in notes)            # the user is told which controller to install
+
+
+def lws_doc() -> dict:
+    return json.loads(json.dumps(kinds(exported(SHIPPED_CONFIGS / "local-cpu.yaml", "lws"), "LeaderWorkerSet")[0]))
+
+
+@pytest.mark.parametrize("change", [
+    lambda lws: lws["spec"]["leaderWorkerTemplate"].update(restartPolicy="Always"),             # not in the enum
+    lambda lws: lws["spec"].update(groupIdentity="Hash"),               # an open LWS PR's field: not in v0.10.0
+    lambda lws: lws["spec"]["leaderWorkerTemplate"].update(sizee=1),                            # unknown field
+    lambda lws: lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0].update(
+        imagePullPolicy2="x"),                                                           # PodSpec, strict
+    lambda lws: lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"].append(
+        lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]),   # list-map: name twice
+    lambda lws: lws["spec"].update(replicas="1"),                                                # a string
+], ids=["enum", "groupIdentity", "unknown-field", "podspec-unknown-field", "duplicate-container", "type"])
+def test_the_lws_crd_schema_refuses_what_the_api_server_would(change):
+    lws = lws_doc()
+    lws_validator().validate(lws)
+    change(lws)
+    with pytest.raises(jsonschema.ValidationError):
+        lws_validator().validate(lws)
+
+
 def test_the_validators_refuse_what_the_api_server_would():
     docs = exported(SHIPPED_CONFIGS / "local-cpu.yaml")
     sts = json.loads(json.dumps(kinds(docs, "StatefulSet")[0]))
     sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "8100"     # a string
     with pytest.raises(jsonschema.ValidationError):
         kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
-    lws = json.loads(json.dumps(kinds(exported(SHIPPED_CONFIGS / "local-cpu.yaml", "lws"), "LeaderWorkerSet")[0]))
-    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"                          # not in the enum
+    lws = lws_doc()
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["schedulingGroup"] = {"podGroupName": "g"}
+    lws_validator().validate(lws)         # in the PodSpec of k8s.io/api v0.36 that LWS v0.10.0's CRD renders ...
     with pytest.raises(jsonschema.ValidationError):
-        lws_validator().validate(lws)
-    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "None"
-    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagePullPolicy2"] = "x"
-    with pytest.raises(jsonschema.ValidationError):                                          # PodSpec, strict
-        lws_validator().validate(lws)
+        validate(lws)                     # ... not in Kubernetes 1.34's, which the export targets
 
 
 # -- one source of argv and env -------------------------------------------------------------------------------
