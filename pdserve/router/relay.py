@@ -68,12 +68,32 @@ class StreamRelay:
             self.done = True
         if self.keep_lines:
             self.blocks.append(block)
-        if not any(marker in block for marker in self.collector.markers):
+        return self._scrub(block)
+
+    def _scrub(self, block: bytes) -> bytes:
+        """The block with router-only fields taken out of the lines that mention one; every other line is
+        passed on as it came, unparsed (a block is often most of a stream: reads lag behind a fast D)."""
+        markers = self.collector.markers
+        hit = _first(block, markers, 0)
+        if hit < 0:
             return block
-        return b"".join(self.collector.scrub_sse_line(line, collect_reply=False)
-                        for line in block.splitlines(keepends=True))
+        parts: list[bytes] = []
+        pos = 0
+        while hit >= 0:
+            start = block.rfind(b"\n", pos, hit) + 1 or pos
+            end = block.find(b"\n", hit) + 1 or len(block)
+            parts += (block[pos:start], self.collector.scrub_sse_line(block[start:end], collect_reply=False))
+            pos = end
+            hit = _first(block, markers, pos)
+        parts.append(block[pos:])
+        return b"".join(parts)
 
     def finish(self) -> None:
         if self.keep_lines and self.collector.kv_params is not None:
-            self.collector.collect_reply_from([line for line in b"".join(self.blocks).split(b"\n")
-                                               if line.startswith(b"data: {")])
+            self.collector.collect_reply_from_stream(b"".join(self.blocks))
+
+
+def _first(block: bytes, markers: tuple[bytes, ...], pos: int) -> int:
+    """Where the first of `markers` is in block[pos:], or -1."""
+    found = [at for at in (block.find(m, pos) for m in markers) if at >= 0]
+    return min(found) if found else -1

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 
+import pytest
+
+from tests.unit import test_wire_formats as wire
+from pdserve.router import api
 from pdserve.router.api.chat import ChoicesCollector as SequenceCollector
 from pdserve.router.relay import StreamRelay
 
@@ -43,3 +48,92 @@ def test_plain_lines_pass_untouched_and_reply_is_skipped_without_blocks():
     assert relay.feed(plain) == plain
     relay.finish()
     assert collector.kv_params is None and collector.reply["content"] == ""   # nothing to remember
+
+
+# -- what the relay costs, and that no chunking changes a byte (issue 31) ----------------------------------
+def chat_stream(n: int, token_ids: bool = False) -> bytes:
+    """A chat stream as vLLM writes it (compact JSON): a role chunk, n tokens (one a tool call's), D's handles
+    in a last chunk, [DONE]."""
+    def chunk(choice: dict, **top) -> bytes:
+        return b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [choice], **top},
+                                      separators=(",", ":")).encode() + b"\n\n"
+    ids = {"token_ids": [7]} if token_ids else {}
+    out = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, **ids}, prompt_token_ids=[1, 2])
+    for i in range(n):
+        out += chunk({"index": 0, "delta": {"content": f"t\u00e9{i} \"q\"\n"}, **ids})
+    out += chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]},
+                  **ids})
+    return out + b'data: {"choices":[],"kv_transfer_params":{"remote_block_ids":[[1]]}}\n\ndata: [DONE]\n\n'
+
+
+def by_lines(fmt, stream: bytes) -> tuple[bytes, list]:
+    """The client's bytes and the stored reply as the relay made them before issue 31's change: every line
+    scrubbed on its own, the reply rebuilt event by event."""
+    from pdserve.router.api.base import sse_event
+    collector = fmt.collector()
+    out = b"".join(collector.scrub_sse_line(line, collect_reply=False) for line in stream.splitlines(keepends=True))
+    collector.reset_reply()
+    for line in stream.split(b"\n"):
+        event = sse_event(line) if line.startswith(b"data: {") else None
+        if event is not None:
+            collector.collect_event(event)
+    return out, collector.reply_items()
+
+
+def test_a_block_of_many_events_parses_only_the_lines_with_router_fields_and_the_reply_once(monkeypatch):
+    """A fast D's stream often arrives in a few large reads: each line of a read used to be parsed when any
+    line of it carried D's handles, and the reply was rebuilt with one parse an event (5 ms of router CPU a
+    128-token stream, docs/router.md). Now: the lines with router fields, and the reply in one parse."""
+    import pdserve.router.api.base as base
+    stream, calls = chat_stream(128), []
+    real = json.loads
+    monkeypatch.setattr(base.json, "loads", lambda s, *a, **k: calls.append(1) or real(s, *a, **k))
+    collector = SequenceCollector(keep_for_client=False)
+    relay = StreamRelay(collector, keep_lines=True)
+    out = relay.feed(stream) + relay.close()
+    relay.finish()
+    assert len(calls) == 3 and relay.done         # the prompt ids' line, the handles' line, the reply
+    monkeypatch.undo()
+    assert (out, collector.reply_items()) == by_lines(api.for_path("/v1/chat/completions"), stream)
+    assert collector.reply["content"].endswith("t\u00e9127 \"q\"\n") and collector.reply["tool_calls"]
+
+
+STREAMS = {"/v1/chat/completions": chat_stream(40), "/v1/messages": wire.STREAM, "/v1/responses": wire.R_STREAM}
+
+
+@pytest.mark.parametrize("route", list(STREAMS))
+@pytest.mark.parametrize("chunking", ["1", "2", "3", "7", "64", "whole", "events", "random"])
+def test_any_chunking_gives_the_client_the_same_bytes_and_stores_the_same_reply(route, chunking):
+    fmt, stream = api.for_path(route), STREAMS[route]
+    if chunking == "whole":
+        pieces = [stream]
+    elif chunking == "events":
+        pieces = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+    elif chunking == "random":
+        rng, pieces, at = random.Random(31), [], 0
+        while at < len(stream):
+            step = rng.choice([1, 2, 5, 40, 300])
+            pieces.append(stream[at:at + step])
+            at += step
+    else:
+        pieces = [stream[i:i + int(chunking)] for i in range(0, len(stream), int(chunking))]
+    assert b"".join(pieces) == stream
+    collector = fmt.collector()
+    relay = StreamRelay(collector, keep_lines=True)
+    out = b"".join(relay.feed(p) for p in pieces) + relay.close()
+    relay.finish()
+    want_out, want_reply = by_lines(fmt, stream)
+    assert out == want_out and b"kv_transfer_params" not in out
+    assert collector.reply_items() == want_reply and collector.kv_params is not None
+
+
+def test_a_bad_line_leaves_out_that_line_only_from_the_reply():
+    stream = (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\ndata: {not json}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{"content":"c"}}]},{"x":1}\n\n'
+              b'data: {"choices":[],"kv_transfer_params":{"remote_block_ids":[[1]]}}\n\ndata: [DONE]\n\n')
+    collector = SequenceCollector(keep_for_client=False)
+    relay = StreamRelay(collector, keep_lines=True)
+    relay.feed(stream)
+    relay.finish()
+    assert collector.reply["content"] == "ab"

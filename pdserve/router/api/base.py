@@ -11,6 +11,7 @@ clients.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pdserve.router.errors import error_body
@@ -24,6 +25,8 @@ HistoryItem = dict[str, Any]     # {"role", "content", "tool_calls"?}: what iden
 # vLLM's Responses events before the last each carry the response so far with a null kv_transfer_params
 # (pydantic's compact JSON): taken out as bytes, no parse.
 NULL_PARAMS = b',"kv_transfer_params":null'
+# A stream's data lines that hold a JSON object (the line's end, a \r, is JSON whitespace; `.` stops at \n)
+DATA_OBJECT = re.compile(rb"^data: ?(\{.*)$", re.MULTILINE)
 
 
 class Collector:
@@ -107,11 +110,13 @@ class Collector:
 
     def collect_reply_from(self, lines: list[bytes]) -> None:
         """Rebuild the reply from the stream's data lines (done only when it will be stored)."""
+        self.collect_reply_from_stream(b"\n".join(lines))
+
+    def collect_reply_from_stream(self, stream: bytes) -> None:
+        """Rebuild the reply from the stream's bytes as D sent them (done only when it will be stored)."""
         self.reset_reply()
-        for line in lines:
-            event = sse_event(line)
-            if event is not None:
-                self.collect_event(event)
+        for event in stream_events(stream):
+            self.collect_event(event)
 
 
 def _line_at(block: bytes, start: bytes) -> int:
@@ -121,6 +126,26 @@ def _line_at(block: bytes, start: bytes) -> int:
         return 0
     at = block.find(b"\n" + start)
     return at + 1 if at >= 0 else -1
+
+
+def stream_events(stream: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of a stream's data lines, in order: parsed as one JSON array (one call of the C
+    parser, not one a line); a line that is not one JSON object is left out, as sse_event leaves it out."""
+    payloads = DATA_OBJECT.findall(stream)
+    try:
+        events = json.loads(b"[" + b",".join(payloads) + b"]")
+    except ValueError:
+        events = None
+    if not isinstance(events, list) or len(events) != len(payloads):   # a bad line (or lines that only parse
+        events = [_object(p) for p in payloads]                         # when joined): one by one
+    return [e for e in events if isinstance(e, dict)]
+
+
+def _object(payload: bytes) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        return None
 
 
 def sse_event(line: bytes) -> dict[str, Any] | None:
