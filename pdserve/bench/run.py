@@ -30,7 +30,7 @@ from typing import Any
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
 from pdserve.observe.promtext import Samples, auth_headers, parse
-from pdserve.router.turn import PLAN_HEADER, PULLED_HEADER
+from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 REQUEST_TIMEOUT_S = 60.0     # `--request-timeout`: a turn stalled on D fails instead of hanging the bench

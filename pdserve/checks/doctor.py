@@ -9,7 +9,7 @@ from pdserve.checks.findings import Finding
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
 from pdserve.observe.routerstats import read_router
-from pdserve.supervise.canary import run_canary
+from pdserve.supervise.canary import canary_of_plan
 from pdserve.supervise.health import probe
 
 
@@ -39,12 +39,8 @@ def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
         return [Finding("fail", "router", f"{plan.router_url} does not answer /health",
                         f"`pdserve status {plan.name}`; `pdserve logs {plan.name} router`")]
     out = [Finding("ok", "router", f"{plan.router_url} answers"), *store_findings(plan)]
-    cfg = plan.router_config
     floor = plan.transfer_floor_gbps if min_gbps is None else min_gbps
-    urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
-                        prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
-                        floor_gbps=floor)
+    result = canary_of_plan(plan, floor)
     hint = "" if result.ok else ("" if result.slow else f"`pdserve logs {plan.name} decode-0` for NIXL errors")
     out.append(Finding("ok" if result.ok else "fail", "canary", result.detail, hint))
     min_gbps = floor or None

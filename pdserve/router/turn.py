@@ -11,11 +11,7 @@ from aiohttp import web
 from pdserve.router.api import WireFormat
 from pdserve.router.backends import Suspects
 from pdserve.router.identity import Key
-
-# The tokens of this turn's prompt that P read from D's KV instead of computing (a count, no handles).
-PULLED_HEADER = "X-PDServe-Pulled-Tokens"
-# Where the turn was served (policy.PLANS: prefill_then_decode, decode_only, degraded).
-PLAN_HEADER = "X-PDServe-Plan"
+from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
 
 
 @dataclass

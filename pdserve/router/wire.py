@@ -21,3 +21,9 @@ TOKENS_KEY = "pdserve_token_ids"
 EXPECT_KEY = "pdserve_expect_token_ids"
 # ... and adds to P's returned params the common prefix it found (before vLLM's recompute threshold).
 CHECKED_KEY = "pdserve_checked_tokens"
+
+# Response headers for benchmarks, scripts and the supervisor's canary. The tokens of this turn's prompt
+# that P read from D's KV instead of computing (a count, no handles):
+PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+# Where the turn was served (policy.PLANS: prefill_then_decode, decode_only, degraded):
+PLAN_HEADER = "X-PDServe-Plan"

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from pdserve.errors import ConfigError
 from pdserve.router.store import MEMORY, STORES, scheme
+from pdserve.spec.canary_size import canary_tokens_at_least
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MANAGED_STORE, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
 from pdserve.spec.topology import ROLES, ROUTER_MACHINE, apply_platform, port_key, topology_problems
 # Shipped configs travel inside the package (the top-level configs/ links here), so a wheel has them.
@@ -177,9 +178,17 @@ def kv_problems(spec: ClusterSpec) -> list[str]:
                         "(vLLM reads D->P only from device buffers); use cuda")
     for role_name in ROLES:
         limit = _max_model_len(getattr(spec, role_name).vllm_args)
-        if kv.bidirectional_kv_xfer and limit is not None and kv.kv_recompute_threshold >= limit:
+        if not kv.bidirectional_kv_xfer or limit is None:
+            continue
+        canary = canary_tokens_at_least(kv.kv_recompute_threshold,
+                                       spec.router.decode_only_max_tokens if spec.router.decode_only else 0)
+        if kv.kv_recompute_threshold >= limit:
             problems.append(f"kv_transfer.kv_recompute_threshold: {kv.kv_recompute_threshold} is not below "
                             f"{role_name}'s --max-model-len {limit}: nothing would ever be reused")
+        elif spec.supervisor.canary and canary > limit:
+            problems.append(f"kv_transfer.kv_recompute_threshold: {kv.kv_recompute_threshold} leaves the canary "
+                            f"no room to prove the D->P pull within {role_name}'s --max-model-len {limit} (its "
+                            f"second turn takes at least {canary} tokens); lower the threshold or set supervisor.canary: false")
     return problems
 
 

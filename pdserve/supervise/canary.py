@@ -6,8 +6,11 @@ own `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}` before a
 It also times the transfers: each direction's rate is the bytes NIXL moved over the time those transfers
 took (the deltas of vLLM's `nixl_bytes_transferred` and `nixl_xfer_time_seconds` across the canary's own
 transfers; vLLM's logged throughput sums per-transfer rates, vLLM #48224). With reuse on, a second turn
-makes P pull the first one back from D. A path that works but at a rate below the plan's floor (on GPUs:
-UCX's TCP emulation, slower than recomputing) fails: a deployment slower than one without P-D is no success.
+makes P pull the first one back from D: its first turn is sized past the router's `kv_recompute_threshold` and
+its second past `decode_only_max_tokens`, so that pull is due on every config, and a second turn that pulls
+nothing fails (a D->P path never proven is not a working one). A path that works but at a rate below the
+plan's floor (on GPUs: UCX's TCP emulation, slower than recomputing) fails: a deployment slower than one
+without P-D is no success.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from pdserve.observe import transfer
 from pdserve.observe.promtext import Samples, api_key_of, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
+from pdserve.router.wire import PULLED_HEADER
+from pdserve.spec.canary_size import CANARY_ITEMS, canary_items
 from pdserve.supervise.process import ManagedProcess
 
 log = logging.getLogger("pdserve.supervisor")
@@ -35,17 +40,15 @@ CANARY_PAUSE = 2.0
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
-# Long enough to fill at least one KV block on every backend (CPU blocks are 128 tokens).
-CANARY_TEXT = "pdserve canary: " + " ".join(f"check {i}" for i in range(160))
 FLOOR_HINT = ("the transport is emulated or misrouted: for GPU buffers over UCX keep UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y "
               "(pdserve sets it unless a server's env says otherwise), check UCX_TLS and the NIXL backend "
               "(LIBFABRIC on EFA); `kv_transfer.min_transfer_gbps: 0` accepts a slow transport")
 
 
-def canary_text() -> str:
+def canary_text(items: int = CANARY_ITEMS) -> str:
     """Fresh text each time, varied from its first token: D's prefix cache held a repeated canary, so D
     read only the last 2 tokens from P and the check proved almost nothing."""
-    return f"{uuid.uuid4().hex} {CANARY_TEXT}"
+    return f"{uuid.uuid4().hex} pdserve canary: " + " ".join(f"check {i}" for i in range(items))
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class CanaryResult:
     slow: bool = False                 # it worked, below the floor
 
 
-def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) -> dict:
+def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) -> tuple[dict, dict[str, str]]:
     """One turn; refused by the router's admission control (429/503 with Retry-After), asked again after
     the wait it names while `timeout` allows: the canary is a request like any other (its tenant is the
     cluster's API key, or no key), and a busy deployment is not a broken one."""
@@ -109,7 +112,7 @@ def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) 
                                      headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read())
+                return json.loads(resp.read()), dict(resp.headers)
         except urllib.error.HTTPError as err:
             wait = err.headers.get("Retry-After", "") if err.code in (429, 503) else ""
             if not wait.isdigit() or time.monotonic() + int(wait) > deadline:
@@ -120,28 +123,31 @@ def _chat(router_url: str, headers: dict[str, str], body: dict, timeout: float) 
 
 def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str | None = None,
                timeout: float = 120.0, prefill_urls: list[str] | None = None,
-               floor_gbps: float = 0.0) -> CanaryResult:
-    """The P->D turn; with `prefill_urls` (reuse on) a second turn that P should pull from D. A measured
-    rate below `floor_gbps` (0: no floor) fails as slow."""
+               floor_gbps: float = 0.0, pull_threshold: int = 0, decode_only_max_tokens: int = 0) -> CanaryResult:
+    """The P->D turn; with `prefill_urls` (reuse on) a second turn that P must pull from D: the first turn
+    holds more than `pull_threshold` tokens (the router's kv_recompute_threshold) and the second brings more
+    than `decode_only_max_tokens` new ones (else the router serves it on D alone). A measured rate below
+    `floor_gbps` (0: no floor) fails as slow."""
     headers = {"Content-Type": "application/json", **auth_headers(api_key)}
     # No conversation id: the first turn then has no entry to look up (a named conversation would count a
     # no_entry miss), and the second is found by its history, as an unmodified client's is.
-    messages = [{"role": "user", "content": canary_text()}]
+    first_items = canary_items(pull_threshold) if prefill_urls else CANARY_ITEMS
+    messages = [{"role": "user", "content": canary_text(first_items)}]
     body = {"model": model, "max_tokens": 2, "messages": messages}
     readings = lambda urls: [reading(u) for u in urls]  # noqa: E731
     before = readings(decode_urls)
+    offered = None
     try:
-        reply = _chat(router_url, headers, body, timeout)
+        reply, _ = _chat(router_url, headers, body, timeout)
         to_decode = leg(before, readings(decode_urls))
         to_prefill = None
         if prefill_urls and to_decode.tokens > 0:
             p_before = readings(prefill_urls)
             message = (reply.get("choices") or [{}])[0].get("message") or {"role": "assistant", "content": ""}
-            _chat(router_url, headers, {**body, "messages": [*messages, message,
-                                                             # long: a short follow-up is served on D
-                                                             # alone (router.decode_only), with no pull
-                                                             {"role": "user", "content": canary_text()}]},
-                  timeout)
+            follow_up = {"role": "user", "content": canary_text(canary_items(decode_only_max_tokens + 1))}
+            _, answer_headers = _chat(router_url, headers, {**body, "messages": [*messages, message, follow_up]},
+                                      timeout)
+            offered = answer_headers.get(PULLED_HEADER)
             to_prefill = leg(p_before, readings(prefill_urls))
     except urllib.error.HTTPError as err:
         return CanaryResult(False, f"canary request failed: HTTP {err.code} "
@@ -155,7 +161,12 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
         return CanaryResult(False, "canary answered but no KV reached a decode server (check NIXL: side-channel "
                                    "host/ports, UCX)", to_decode)
     said = [to_decode.describe("P->D")]
-    if to_prefill is not None and to_prefill.tokens > 0:
+    if to_prefill is not None and to_prefill.tokens <= 0:
+        why = (f"the router offered P {offered} tokens but P's counters show no read" if offered and offered != "0"
+               else "the router offered P nothing of the first turn (see the router log for the miss reason)")
+        return CanaryResult(False, f"canary moved {said[0]}, but no KV came back D->P on its second turn: {why} "
+                                   f"(check decoder_kv_blocks_ttl, NIXL on the prefill servers)", to_decode, to_prefill)
+    if to_prefill is not None:
         said.append(to_prefill.describe("D->P"))
     detail = "canary moved " + ", ".join(said)
     slow = [d for d, lg in (("P->D", to_decode), ("D->P", to_prefill))
@@ -166,14 +177,22 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
     return CanaryResult(True, detail, to_decode, to_prefill)
 
 
-def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
-    """The canary through a planned cluster's router, checked on its servers."""
+def canary_of_plan(plan: ClusterPlan, floor_gbps: float | None = None) -> CanaryResult:
+    """The canary through a planned cluster's router, checked on its servers (`up` and `doctor`);
+    `floor_gbps` None: the plan's own floor."""
     cfg = plan.router_config
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    result = run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
-                        timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0),
-                        prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
-                        floor_gbps=plan.transfer_floor_gbps)
+    return run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
+                      timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0),
+                      prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
+                      floor_gbps=plan.transfer_floor_gbps if floor_gbps is None else floor_gbps,
+                      pull_threshold=int(cfg.get("kv_recompute_threshold", 0)),
+                      decode_only_max_tokens=int(cfg.get("decode_only_max_tokens", 0))
+                      if cfg.get("decode_only", True) else 0)
+
+
+def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
+    result = canary_of_plan(plan)
     return result.ok, result.detail
 
 

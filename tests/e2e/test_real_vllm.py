@@ -30,9 +30,18 @@ def status():
     return status_of(NAME)
 
 
+# Above the canary's default turn (160 items, at most 664 tokens): `up`'s canary must size its D->P turn to
+# pass it (issue 33); each conversation turn here adds ~1,000 tokens, so every follow-up still pulls.
+THRESHOLD = 700
+
+
+def above_the_canarys_default_size(cfg: dict, ports: list[int]) -> None:
+    cfg["kv_transfer"]["kv_recompute_threshold"] = THRESHOLD
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e"), NAME)
+    info = up(tmp_path_factory.mktemp("e2e"), NAME, above_the_canarys_default_size)
     yield info
     pdserve("down", NAME)
     REPORT.write_text(json.dumps({k: v for k, v in info.items() if k in ("up_seconds", "turns")}, indent=1))
@@ -43,8 +52,14 @@ def test_all_ready(cluster):
     assert st["phase"] == "running"
     assert [p["state"] for p in st["processes"]] == ["ready"] * 3
     assert st["router"]["backends"]["decode-0"]["healthy"] == 1
-    # `up` returned only after its canary moved KV from P to D, as D's own counter shows.
+    # `up` returned only after its canary moved KV from P to D, as D's own counter shows, and back from D
+    # to P past a threshold above the canary's default size, as P's shows.
     assert metric(cluster["decode"][0], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+    said = pdserve("logs", NAME, "supervisor", "-n", "400").stdout
+    pulled = re.search(r"canary moved .*D->P (\d+) tokens", said)
+    assert pulled and int(pulled.group(1)) >= THRESHOLD, said
+    assert metric(cluster["prefill"][0], "vllm:prompt_tokens_by_source_total",
+                  source="external_kv_transfer") >= THRESHOLD
 
 
 def test_every_thread_of_a_server_stays_on_its_own_cores(cluster):

@@ -4,6 +4,7 @@ restarts, failed starts, orphan-free shutdown, exit codes."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import random
 import signal
@@ -365,6 +366,32 @@ def test_up_fails_when_the_canary_moves_no_kv(tmp_path, home):
     assert up.returncode == 1
     assert "no KV reached a decode server" in up.stderr, up.stderr
     assert all_markers(home, "nokv") == []
+
+
+def test_up_fails_when_the_canary_pulls_nothing_back_from_decode(tmp_path, home):
+    # D answers without block handles (no bidirectional transfer): P->D works, D->P is never proven
+    path, _ = write_config(tmp_path, "nopull", server_args=["--no-bidirectional"])
+    up = pdserve("up", str(path))
+    assert up.returncode == 1
+    assert "no KV came back D->P" in up.stderr and "offered P nothing" in up.stderr, up.stderr
+    assert all_markers(home, "nopull") == []
+
+
+def test_the_canary_pulls_past_a_threshold_above_its_default_size(tmp_path, home):
+    # the canary's default turn is 160 items (~330 tokens here): below 1000 no pull was due, and up passed
+    path, _ = write_config(tmp_path, "bigpull", kv_transfer={"kv_recompute_threshold": 1000},
+                           router={"port": free_ports(1)[0], "decode_only_max_tokens": 600})
+    up = pdserve("up", str(path))
+    try:
+        assert up.returncode == 0, up.stderr
+        said = pdserve("logs", "bigpull", "supervisor", "-n", "400").stdout
+        pulled = re.search(r"canary moved .*D->P (\d+) tokens", said)      # the canary `up` waited for
+        assert pulled and int(pulled.group(1)) >= 1000, said
+        doctor = pdserve("doctor", str(path))
+        pulled = re.search(r"D->P (\d+) tokens", doctor.stdout)
+        assert doctor.returncode == 0 and pulled and int(pulled.group(1)) >= 1000, doctor.stdout
+    finally:
+        assert pdserve("down", "bigpull").returncode == 0
 
 
 def test_up_fails_when_gpu_kv_moves_slower_than_the_floor_and_the_opt_out_lets_it_run(tmp_path, home):

@@ -19,7 +19,7 @@ ALLOWED = {
     "plan": {"spec", "engine", "errors"},
     "launchers": {"plan", "spec", "observe", "errors"},   # spec: the launcher names (LauncherKind)
     "state": {"launchers", "errors"},
-    "supervise": {"plan", "spec", "state", "launchers", "observe", "errors"},
+    "supervise": {"plan", "spec", "state", "launchers", "observe", "errors", "router"},  # router.wire: the canary's header
     "checks": {"plan", "spec", "observe", "supervise", "launchers", "engine", "errors"},
     "export": {"plan", "spec", "engine", "errors"},      # renders the plan for another place (kubernetes)
     "orchestrate": {"spec", "plan", "state", "launchers", "observe", "checks", "engine", "export", "errors"},

@@ -75,6 +75,8 @@ BROKEN = [
     (with_("router.store", "managed", with_("decode.port", 8001)), "decode.port: 8001 is already used by the managed Redis"),
     (with_("kv_transfer.kv_recompute_threshold", 9000, with_("decode.vllm_args", ["--max-model-len", "8192"])),
      "kv_transfer.kv_recompute_threshold: 9000 is not below decode's --max-model-len 8192"),
+    (with_("kv_transfer.kv_recompute_threshold", 8000, with_("decode.vllm_args", ["--max-model-len", "8192"])),
+     "kv_transfer.kv_recompute_threshold: 8000 leaves the canary no room to prove the D->P pull within decode's"),
 ]
 
 
@@ -93,6 +95,13 @@ def test_good_config_and_defaults():
     assert spec.kv_transfer.bidirectional_kv_xfer is True
     assert spec.reuse_ttl == pytest.approx(0.9 * 480)
     assert spec.model_name == "org/some-model"
+
+
+def test_a_threshold_the_canary_can_pass_or_no_canary_is_accepted():
+    # the canary's second turn (a first past 3000 tokens + a follow-up past decode_only_max_tokens) fits 8192
+    parse_spec(with_("kv_transfer.kv_recompute_threshold", 3000, with_("decode.vllm_args", ["--max-model-len", "8192"])))
+    parse_spec(with_("supervisor.canary", False, with_("kv_transfer.kv_recompute_threshold", 8000,
+                                                       with_("decode.vllm_args", ["--max-model-len", "8192"]))))
 
 
 def test_second_replica_clashes_with_other_role():
