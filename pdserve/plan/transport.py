@@ -5,6 +5,11 @@ UCX turns CUDA-IPC GET zero-copy off on GPUs it sees no active NVLink on, and NI
 D on one GPU, or on PCIe-only GPUs (L4, L40S, A10), then move KV through UCX's TCP software emulation.
 Later NIXL releases set it too and, like pdserve, leave a variable the environment already has (history
 in docs/gpu.md).
+
+Over CUDA IPC each server maps its peer's KV cache (D reads P's blocks, P pulls D's). UCX keeps those
+mappings in a per-peer cache that nothing releases when the peer dies (UCX 1.22 closed it at endpoint
+teardown and reverted that, openucx/ucx #11335, #11744), so a crashed server's GPU memory stayed held by
+the survivor and one crash stopped both servers. With the cache off UCX unmaps after each transfer.
 """
 
 from __future__ import annotations
@@ -27,9 +32,15 @@ GET_ZCOPY = TransportSetting(
     "READ is a GET: without it KV moves through UCX's TCP emulation, slower than recomputing (docs/gpu.md)")
 
 
+IPC_CACHE = TransportSetting(
+    "UCX_CUDA_IPC_CACHE", "n",
+    "each server maps its peer's KV cache over CUDA IPC and UCX's cache of those mappings outlives the peer: "
+    "a crashed server's GPU memory stayed held by the survivor until it restarted too (docs/gpu.md)")
+
+
 def transport_settings(spec: ClusterSpec) -> list[TransportSetting]:
     """The settings every server of this cluster gets unless its env says otherwise."""
     kv = spec.kv_transfer
     if kv.kv_buffer_device == "cuda" and "UCX" in kv.backends:
-        return [GET_ZCOPY]
+        return [GET_ZCOPY, IPC_CACHE]
     return []

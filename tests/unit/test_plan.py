@@ -226,7 +226,20 @@ def test_gpu_servers_get_cuda_ipc_get_zero_copy_and_plan_says_why():
         proc = plan.by_name(name)
         assert proc.env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
         assert "NVLink" in proc.defaults["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"]
+        # a crashed peer's memory must not stay mapped in the survivor (issue 33)
+        assert proc.env["UCX_CUDA_IPC_CACHE"] == "n" and "crashed" in proc.defaults["UCX_CUDA_IPC_CACHE"]
     assert plan.router.defaults == {}
+
+
+def test_gpu_buffers_ask_for_one_kv_region_across_layers_unless_the_config_says_otherwise():
+    def extra(plan, name="prefill-0"):
+        argv = plan.by_name(name).argv
+        return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra(plan_of(gpu_spec()))["enable_cross_layers_blocks"] == "true"
+    assert extra(plan_of(gpu_spec()), "decode-0")["enable_cross_layers_blocks"] == "true"
+    assert "enable_cross_layers_blocks" not in extra(plan_of(GOOD))              # CPU buffers
+    off = plan_of(gpu_spec(extra_config={"enable_cross_layers_blocks": "false"}))
+    assert extra(off)["enable_cross_layers_blocks"] == "false"
 
 
 def test_the_users_transport_setting_wins_and_is_not_called_a_default():
@@ -234,15 +247,15 @@ def test_the_users_transport_setting_wins_and_is_not_called_a_default():
     data["decode"]["env"] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
     plan = plan_of(data)
     assert plan.by_name("decode-0").env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
-    assert plan.by_name("decode-0").defaults == {}
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in plan.by_name("decode-0").defaults
     assert plan.by_name("prefill-0").env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
 
 
 def test_no_cuda_ipc_setting_without_gpu_buffers_or_without_ucx():
     for proc in plan_of(GOOD).processes:                               # kv_buffer_device cpu
-        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env
+        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env and "UCX_CUDA_IPC_CACHE" not in proc.env
     for proc in plan_of(gpu_spec(backends=["LIBFABRIC"])).processes:
-        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env
+        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env and "UCX_CUDA_IPC_CACHE" not in proc.env
 
 
 def test_stored_plans_without_defaults_still_load():
