@@ -1,5 +1,7 @@
 """Write a variant of configs/gpu-1p1d.yaml for the GPU runs: the random-weight model, extra vLLM args and env.
-  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--arg ARG ...] [--env K=V ...] [--no-cost-aware]
+  python3 cluster.py OUT.yaml NAME [--shared] [--block N] [--arg ARG ...] [--env K=V ...] [--extra K=V ...]
+                    [--no-cost-aware]
+--extra sets a kv_transfer.extra_config key (vLLM's kv_connector_extra_config).
 --shared starts from configs/gpu-1p1d-shared.yaml (P and D on GPU 0); --arg adds a vLLM argument to both.
 Only the model changes unless asked (the random-weight model: no hub there): the rest runs as shipped."""
 import argparse
@@ -15,6 +17,7 @@ a.add_argument("--block", type=int)
 a.add_argument("--shared", action="store_true")
 a.add_argument("--arg", action="append", default=[])
 a.add_argument("--env", action="append", default=[])
+a.add_argument("--extra", action="append", default=[])
 a.add_argument("--cost-aware", action="store_true", help="force the cost guard on (it is on as shipped)")
 a.add_argument("--no-cost-aware", action="store_true", help="turn the shipped cost guard off")
 a.add_argument("--model", default="/tmp/pdserve-model")
@@ -29,6 +32,8 @@ for role in ("prefill", "decode"):
         i = r["vllm_args"].index("--block-size")
         r["vllm_args"][i + 1] = str(args.block)
     r["env"].update(dict(kv.split("=", 1) for kv in args.env))
+if args.extra:
+    cfg["kv_transfer"].setdefault("extra_config", {}).update(dict(kv.split("=", 1) for kv in args.extra))
 if args.cost_aware or args.no_cost_aware:
     cfg["router"]["cost_aware"] = args.cost_aware
 Path(args.out).write_text(yaml.safe_dump(cfg))

@@ -8,3 +8,12 @@ export PDSERVE_HOME=/tmp/pdhome NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$code
 [ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
 pd() { python3 -m pdserve "$@"; }
+# pd_up NAME CONFIG: `pdserve up`, its output in $out/up-NAME.txt and the time it took; on failure the
+# servers' last log lines, and the calling script exits 1.
+pd_up() {
+  local t0; t0=$(date +%s)
+  if ! pd up "$2" > "$out/up-$1.txt" 2>&1; then
+    cat "$out/up-$1.txt"; pd logs "$1" prefill-0 -n 60; pd logs "$1" decode-0 -n 60; exit 1
+  fi
+  echo "up $1: $(( $(date +%s) - t0 )) s"; tail -3 "$out/up-$1.txt"
+}

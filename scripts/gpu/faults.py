@@ -1,5 +1,6 @@
-"""A server crash on GPUs, through pdserve itself: up, load, reuse, SIGKILL of one server's API-server pid
-(FAULTS_KILL, default decode-0; prefill-0 too), recovery, reuse, down.
+"""Server crashes on GPUs, through pdserve itself: up, load, reuse, then for each server of FAULTS_KILL
+(comma-separated, default decode-0; e.g. decode-0,prefill-0) a SIGKILL of its API-server pid, recovery,
+reuse; down. FAULTS_ATTACH=1 uses the cluster already running (no up); FAULTS_KEEP=1 leaves it running.
 
   python3 faults.py CONFIG.yaml OUT_DIR [RECOVERY_TIMEOUT_S]
 
@@ -116,7 +117,8 @@ def main() -> int:
 
     def save() -> None:
         res.update(timeline=timeline, gpu_mib=gpus, requests=requests)
-        (out_dir / f"{name}-{os.environ.get('FAULTS_KILL', 'decode-0')}-faults.json").write_text(json.dumps(res, indent=1))
+        kills = os.environ.get("FAULTS_KILL", "decode-0").replace(",", "+")
+        (out_dir / f"{name}-{kills}-faults.json").write_text(json.dumps(res, indent=1))
 
     def log(key: str, value) -> None:
         res[key] = value
@@ -124,58 +126,63 @@ def main() -> int:
         save()
 
     log("gpu_mib_before_up", gpu_memory())
-    up = pd("up", config)
-    log("up", {"rc": up.returncode, "s": now(), "tail": (up.stdout + up.stderr)[-1500:]})
-    if up.returncode != 0:
-        stop.set()
-        log("down", {"rc": pd("down", name).returncode})
-        return 1
+    if os.environ.get("FAULTS_ATTACH") != "1":
+        up = pd("up", config)
+        log("up", {"rc": up.returncode, "s": now(), "tail": (up.stdout + up.stderr)[-1500:]})
+        if up.returncode != 0:
+            stop.set()
+            log("down", {"rc": pd("down", name).returncode})
+            return 1
     load = threading.Thread(target=client, args=(router, requests), daemon=True)
     load.start()
     log("reuse_before", conversation(router, p_url, "before"))
-    time.sleep(4)
-    victim = os.environ.get("FAULTS_KILL", "decode-0")    # or prefill-0
-    d = state_of(name, victim)
-    restarts0, t_kill = d["restarts"], now()
-    os.kill(d["pid"], signal.SIGKILL)      # the API server's pid only: its engine and workers are left orphaned
-    log("killed", {"process": victim, "t": t_kill, "pid": d["pid"], "gpu_mib": gpu_memory()})
-    deadline = time.monotonic() + recovery_timeout
-    while time.monotonic() < deadline:
-        st = cluster_status(ClusterDir(name))
-        dd = next(p for p in st["processes"] if p["name"] == victim)
-        if dd["restarts"] > restarts0 and dd["state"] == "ready" and st["phase"] == "running":
+    recovered_all = True
+    for victim in os.environ.get("FAULTS_KILL", "decode-0").split(","):
+        time.sleep(4)
+        d = state_of(name, victim)
+        restarts0, t_kill = d["restarts"], now()
+        os.kill(d["pid"], signal.SIGKILL)      # the API server's pid only: its engine and workers are orphaned
+        log(f"killed {victim}", {"t": t_kill, "pid": d["pid"], "gpu_mib": gpu_memory()})
+        deadline = time.monotonic() + recovery_timeout
+        while time.monotonic() < deadline:
+            st = cluster_status(ClusterDir(name))
+            dd = next(p for p in st["processes"] if p["name"] == victim)
+            if dd["restarts"] > restarts0 and dd["state"] == "ready" and st["phase"] == "running":
+                break
+            time.sleep(1)
+        recovered = time.monotonic() < deadline
+        recovered_all &= recovered
+        t_back = now()
+        during = [r for r in requests if t_kill - 1 <= r["t"] <= t_back]
+        log(f"recovered {victim}", {"ok": recovered, "t": t_back, "s_after_kill": round(t_back - t_kill, 1),
+                                    "gpu_mib": gpu_memory(), "requests": len(during),
+                                    "failed": sum(not r["ok"] for r in during),
+                                    "errors": sorted({r.get("error", "")[:80] for r in during if not r["ok"]})})
+        if not recovered:
             break
-        time.sleep(1)
-    recovered = time.monotonic() < deadline
-    log("recovered", {"ok": recovered, "t": now(), "s_after_kill": round(now() - t_kill, 1), "gpu_mib": gpu_memory()})
-    if recovered:
-        time.sleep(8)   # the router's health probe and breaker see the new D a few seconds after the supervisor
-        log("reuse_after", conversation(router, p_url, "after"))
+        time.sleep(8)   # the router's health probe and breaker see the new server a few seconds after the supervisor
+        log(f"reuse_after {victim}", conversation(router, p_url, f"after-{victim}"))
     time.sleep(3)
-    # from the watcher's timeline (read after up: the watcher may see `ready` a moment after up returns)
-    first = lambda pred: next((e["t"] for e in timeline if pred(e)), None)   # noqa: E731
-    log("start_order", {"prefill_ready": first(lambda e: e.get("prefill-0", [None])[0] == "ready"),
-                        "decode_pid_seen": first(lambda e: e.get("decode-0", [None, None])[1]),
-                        "decode_ready": first(lambda e: e.get("decode-0", [None])[0] == "ready")})
     stop.set()
     load.join(timeout=150)
-    during = [r for r in requests if r["t"] >= t_kill - 1 and r["t"] <= res["recovered"]["t"]]
     log("requests", {"total": len(requests), "failed": sum(not r["ok"] for r in requests),
-                     "during_recovery": len(during), "failed_during_recovery": sum(not r["ok"] for r in during),
                      "slowest_s": max((r["s"] for r in requests), default=None)})
     sup_log = (Path(os.environ["PDSERVE_HOME"]) / "clusters" / name / "logs" / "supervisor.log").read_text()
     log("supervisor_log", [ln for ln in sup_log.splitlines()
                            if re.search(r"degraded|running again|failed to start|restarting|stopped;|SIGKILL|"
                                         r"started, pid|ready$|fatal|leftover|still alive", ln)][-60:])
-    log("peer_reset", "failed to start" in sup_log and "which may hold its memory" in sup_log)
+    log("peer_reset", "which may hold its memory" in sup_log)
     status = pd("status", name)
     log("status_after", status.stdout[-2500:])
+    if os.environ.get("FAULTS_KEEP") == "1":
+        save()
+        return 0 if recovered_all else 1
     down = pd("down", name)
     log("down", {"rc": down.returncode, "output": (down.stdout + down.stderr)[-1500:]})
     time.sleep(2)
     log("gpu_mib_after_down", gpu_memory())
     save()
-    return 0 if recovered and down.returncode == 0 else 1
+    return 0 if recovered_all and down.returncode == 0 else 1
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
   python3 measure.py curve ROUTER P_URL OUT.json [LENGTHS]   off/on TTFT per context length, streamed and not
   python3 measure.py guard ROUTER P_URL OUT.json [LENGTH] [TURNS]   cost guard: TTFT per turn vs recompute
+  python3 measure.py split ROUTER P_URL OUT.json [LENGTH] [REPS] D_URL   the streamed "on" turn in parts: the
+      router's Server-Timing legs, and P's and D's own per-request metrics (queue, prefill, TTFT, NIXL)
 
 "on" is turn 2 of a conversation whose turn 1 left its KV on D (P pulls it); "off" is the very same request
 under a new conversation id (nothing to reuse; P's prefix cache is off, so P recomputes all of it). TTFT:
@@ -50,8 +52,13 @@ def metrics(p_url: str) -> dict[str, float]:
         return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
                    if label in (m.group(1) or ""))
     return {"pulled": total("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"'),
+            "computed": total("vllm:prompt_tokens_by_source_total", 'source="local_compute"'),
             "xfer_s": total("vllm:nixl_xfer_time_seconds_sum"), "xfer_n": total("vllm:nixl_xfer_time_seconds_count"),
-            "bytes": total("vllm:nixl_bytes_transferred_sum")}
+            "post_s": total("vllm:nixl_post_time_seconds_sum"), "descs": total("vllm:nixl_num_descriptors_sum"),
+            "bytes": total("vllm:nixl_bytes_transferred_sum"),
+            "queue_s": total("vllm:request_queue_time_seconds_sum"),
+            "prefill_s": total("vllm:request_prefill_time_seconds_sum"),
+            "ttft_s": total("vllm:time_to_first_token_seconds_sum")}
 
 
 def tokens(p_url: str, text: str) -> int:
@@ -144,9 +151,41 @@ def guard(router: str, p_url: str, out: str, length: int, turns: int) -> None:
     print(json.dumps({"decisions": decisions, "costs": costs}))
 
 
+def split(router: str, p_url: str, d_url: str, out: str, length: int, reps: int) -> None:
+    """The streamed 36k "on" turn (and its "off" twin) `reps` times, each part in ms: client TTFT, the
+    router's legs (decide = its /tokenize and reuse decision; prefill = P's whole leg; decode = D's leg to
+    its first byte), and each engine's own sums for that request: queue (for P: waiting for the pull too),
+    prefill (compute), TTFT at the engine, NIXL transfer and post time, descriptors, bytes."""
+    for warm in (2048, 8192):
+        point(router, p_url, warm, True, "warm")
+    rows = []
+    for rep in range(reps):
+        conv = f"s-{length}-{rep}"
+        msgs = [{"role": "user", "content": filler(p_url, length - NEW_TOKENS, length + 7 * rep)}]
+        _, raw = chat(router, msgs, conv, False, 8)
+        msgs += [{"role": "assistant", "content": reply_of(raw, False)},
+                 {"role": "user", "content": filler(p_url, NEW_TOKENS, length + 7 * rep + 1)}]
+        for arm, cid in (("on", conv), ("off", conv + "-off")):
+            p0, d0 = metrics(p_url), metrics(d_url)
+            ttft, _ = chat(router, msgs, cid, True, 4)
+            time.sleep(0.5)      # D's request ends after its 4 tokens: its histograms then hold it
+            p1, d1 = metrics(p_url), metrics(d_url)
+            ms = lambda a, b, k: round(1000 * (b[k] - a[k]), 1)   # noqa: E731
+            row = {"rep": rep, "arm": arm, "length": length, "ttft_ms": round(1000 * ttft, 1), "legs": legs(cid),
+                   "p": {k: ms(p0, p1, k) for k in ("queue_s", "prefill_s", "ttft_s", "xfer_s", "post_s")}
+                   | {k: p1[k] - p0[k] for k in ("pulled", "computed", "descs", "xfer_n", "bytes")},
+                   "d": {k: ms(d0, d1, k) for k in ("queue_s", "prefill_s", "ttft_s", "xfer_s", "post_s")}
+                   | {k: d1[k] - d0[k] for k in ("pulled", "computed", "descs", "xfer_n", "bytes")}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    json.dump(rows, open(out, "w"), indent=1)
+
+
 if __name__ == "__main__":
     mode, router, p_url, out = sys.argv[1:5]
-    if mode == "curve":
+    if mode == "split":
+        split(router, p_url, sys.argv[7], out, int(sys.argv[5]), int(sys.argv[6]))
+    elif mode == "curve":
         lengths = [int(x) for x in (sys.argv[5] if len(sys.argv) > 5 else "2048,8192,16384,24576,32768").split(",")]
         curve(router, p_url, out, lengths)
     else:

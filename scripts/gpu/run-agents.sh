@@ -9,11 +9,7 @@ cfg=/tmp/agents.yaml
 case $1 in
   up)
     python3 "$code/scripts/gpu/cluster.py" "$cfg" agents --shared > "$out/agents.yaml"
-    t0=$(date +%s)
-    if ! pd up "$cfg" > "$out/up.txt" 2>&1; then
-      cat "$out/up.txt"; pd logs agents prefill-0 -n 60; pd logs agents decode-0 -n 60; exit 1
-    fi
-    echo "up: $(( $(date +%s) - t0 )) s"; tail -3 "$out/up.txt" ;;
+    pd_up agents "$cfg" ;;
   measure)
     (cd "$code/scripts/gpu" && python3 measure_apis.py http://127.0.0.1:8000 http://127.0.0.1:8100 \
       "$out/apis.json" 16384,32768) | tee "$out/apis.txt"

@@ -14,11 +14,7 @@ bench=(--workload "$code/scripts/gpu/workload-24x32k.json" --concurrency 4 --str
 case $1 in
   up)
     python3 "$code/scripts/gpu/cluster.py" "$cfg" held --shared > "$out/held.yaml"
-    t0=$(date +%s)
-    if ! pd up "$cfg" > "$out/up.txt" 2>&1; then
-      cat "$out/up.txt"; pd logs held prefill-0 -n 60; pd logs held decode-0 -n 60; exit 1
-    fi
-    echo "up: $(( $(date +%s) - t0 )) s"; tail -3 "$out/up.txt"
+    pd_up held "$cfg"
     pd logs held decode-0 -n 400 | grep -a "pdserve-entry\|pdserve-held" | tail -3 ;;
   on)
     t0=$(date +%s)

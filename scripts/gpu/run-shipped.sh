@@ -12,11 +12,7 @@ case $1 in
   curve)
     python3 "$code/scripts/gpu/cluster.py" "$cfg" shipped --shared > "$out/shipped.yaml"
     pd plan "$cfg" | grep "set by pdserve" | sort -u
-    t0=$(date +%s)
-    if ! pd up "$cfg" > "$out/up.txt" 2>&1; then
-      cat "$out/up.txt"; pd logs shipped prefill-0 -n 60; pd logs shipped decode-0 -n 60; exit 1
-    fi
-    echo "up: $(( $(date +%s) - t0 )) s"; tail -3 "$out/up.txt"
+    pd_up shipped "$cfg"
     pd doctor "$cfg" 2>&1 | tee "$out/doctor.txt"
     python3 "$code/scripts/gpu/measure.py" curve http://127.0.0.1:8000 http://127.0.0.1:8100 "$out/curve.json" \
       2048,4096,8192,16384,24576,32768
