@@ -42,6 +42,9 @@ class DecodeLeg:
         self.costs = costs
         self.metrics = metrics
         self.flow = flow
+        if upstream.http1 is not None:   # streams keep the bounds they had on aiohttp's pool (http1.py)
+            connector = upstream.session.connector
+            upstream.http1.budget_streams(getattr(connector, "limit", 0), getattr(connector, "limit_per_host", 0))
 
     async def on_a_server(self, turn: Turn, pool: Pool, prefer: str | None,
                            attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -93,7 +96,7 @@ class DecodeLeg:
                             max_bytes=self.upstream.max_answer_bytes)
         d_started = time.perf_counter()
         try:
-            async with self.upstream.open_stream(backend, turn.route, body, turn.headers) as resp:
+            async with self._open(backend, turn, body) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
@@ -152,6 +155,15 @@ class DecodeLeg:
         finally:
             pool.release(backend, ok, trial)
 
+    def _open(self, backend: Backend, turn: Turn, body: dict[str, Any]) -> Any:
+        """D's streamed answer, as `async with`: on the lean client (http1.py: a third of the router's CPU per
+        stream went to aiohttp's client, issue 31), else (tracing on, no httptools) on aiohttp."""
+        up = self.upstream
+        if up.http1 is None:
+            return up.open_stream(backend, turn.route, body, turn.headers)
+        return up.http1.stream(backend.url, turn.route, json.dumps(body).encode(), {**turn.headers, **up.auth},
+                               up.request_timeout, up.pool_timeout)
+
     async def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> bool:
         """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
         relay.finish()
@@ -161,7 +173,7 @@ class DecodeLeg:
         await self.flow.remember(turn, backend, relay.collector, track and not relay.overflow)
         return True
 
-    async def _not_a_stream(self, backend: Backend, resp: aiohttp.ClientResponse) -> tuple[bool, int, dict[str, Any]]:
+    async def _not_a_stream(self, backend: Backend, resp: Any) -> tuple[bool, int, dict[str, Any]]:
         """D answered a streamed request with an error or with something that is not SSE:
         (breaker verdict, status, body) for the client, before anything was sent."""
         try:

@@ -3,7 +3,9 @@
 aiohttp's client was ~55% of the router's Python time at 64 clients (docs/router.md, "Side by side with
 vllm-router"): a request object, a response object, timers, traces and payload classes per call. A JSON POST
 to a vLLM server needs far less: keep-alive connections per backend, one write, httptools' C parser (the
-one uvicorn uses) for the answer. Streams and the health and metrics probes stay on aiohttp.
+one uvicorn uses) for the answer. The D leg's streams go here too (`stream`: the body handed on as it
+arrives, all that came since the last read as one piece; aiohttp's client cost a streamed request more than
+the rest of the router's work, docs/router.md, issue 31); the health and metrics probes stay on aiohttp.
 
 Idle connections are closed after `keepalive` seconds, below vLLM's own keep-alive timeout (uvicorn's 5 s),
 so a request is rarely written to a connection the server is closing. When it is (a backend or proxy that
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import time
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 try:
@@ -64,6 +68,9 @@ class AnswerTooLarge(Disconnected):
 
 
 DEFAULT_MAX_ANSWER_BYTES = 32 * 1024 * 1024   # router.max_answer_mb's default
+# A streamed answer's body not yet read past this: the connection stops reading until it is (backpressure:
+# a slow client slows D's socket, not the router's memory), as aiohttp's reader does at 128 KiB.
+STREAM_HIGH_WATER = 128 * 1024
 
 
 class _Connection(asyncio.Protocol):
@@ -77,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self.answers = 0             # final answers read: more than 0 is a kept-alive connection reused
         self.request_id = b""        # the X-Request-Id sent, lowercase (b"": none)
         self.tainted = False         # an answer to another request came here: closed after this request
+        self.streaming = False       # the answer is handed on as it arrives (`StreamAnswer`)
         self._reset()
 
     def _reset(self) -> None:
@@ -88,13 +96,21 @@ class _Connection(asyncio.Protocol):
         self.framed = False          # Content-Length or chunked; else the body ends at the close
         self.interim = False         # the message parsed is a 1xx
         self.foreign = False         # the message parsed names another request (X-Request-Id)
+        self.length: int | None = None   # Content-Length
+        # a streamed answer, once its head came: being read, its end, its failure, the reader waiting, paused
+        self.flowing = False
+        self.finished = False
+        self.keep = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+        self.paused = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.answer is None or self.answer.done():
+        if self.answer is None or self.answer.done() and not self.flowing:
             self.close()             # bytes nobody asked for: never pooled (the next request would get them)
             return
         self.heard = True
@@ -106,6 +122,15 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.streaming and self.answer is not None and self.answer.done():
+            if self.flowing:         # what came is still read; then the end, or the error
+                if self.headers_done and not self.framed:
+                    self.finished = True     # RFC 9112 6.3: a body with no length framing ends at the close
+                else:
+                    self.error = Disconnected("the backend closed the connection mid-answer")
+                self.flowing = False
+                self._wake()
+            return
         if self.headers_done and not self.framed and not self.interim and not self.foreign:
             self._complete(False)    # RFC 9112 6.3: a body with no length framing ends at the close
             return
@@ -116,8 +141,10 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self.answer is None or self.answer.done():
             self.close()             # a second answer after the one asked for: never pooled
+            if self.streaming:
+                return               # the body read so far is still the reader's
         self.content_type, self.body, self.size, self.headers_done, self.framed = "", [], 0, False, False
-        self.foreign = False
+        self.foreign, self.length = False, None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -125,6 +152,8 @@ class _Connection(asyncio.Protocol):
             self.content_type = value.decode("latin-1").split(";", 1)[0].strip().lower()
         elif name == b"content-length" or name == b"transfer-encoding":
             self.framed = True       # llhttp reads both (and refuses what is not chunked-last)
+            if name == b"content-length" and value.strip().isdigit():
+                self.length = int(value)
         elif name == b"x-request-id" and self.request_id and value.strip().lower() != self.request_id:
             self.foreign = True
 
@@ -136,8 +165,22 @@ class _Connection(asyncio.Protocol):
             self.close()
         self.headers_done = True
         self.framed = self.framed or status in (204, 304) or self.interim
+        if self.streaming and not self.interim and not self.foreign and self.answer is not None \
+                and not self.answer.done():
+            self.flowing = True
+            self.answer.set_result((status, self.content_type or "application/octet-stream", self.length))
 
     def on_body(self, body: bytes) -> None:
+        if self.streaming:
+            if self.foreign or not self.flowing:
+                return               # another request's body, never handed on
+            self.body.append(body)
+            self.size += len(body)
+            if self.size > STREAM_HIGH_WATER and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+            self._wake()
+            return
         self.size += len(body)
         if self.size > self.max_bytes:
             if not self.closed:
@@ -154,7 +197,21 @@ class _Connection(asyncio.Protocol):
             self.tainted = True
             self.foreign = self.headers_done = False
             return
+        if self.streaming:
+            if self.flowing:
+                self.flowing, self.finished, self.keep = False, True, self.parser.should_keep_alive()
+                self._wake()
+            return
         self._complete(self.parser.should_keep_alive())
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def time_out(self) -> None:
+        """The whole answer did not come within the request's timeout."""
+        self._fail(asyncio.TimeoutError("no whole answer in time"))
+        self.close()
 
     def _complete(self, keep: bool) -> None:
         if self.answer is not None and not self.answer.done():
@@ -164,12 +221,18 @@ class _Connection(asyncio.Protocol):
             self.body = []
 
     def _fail(self, err: Exception) -> None:
+        if self.streaming and self.answer is not None and self.answer.done():
+            if self.flowing:         # the head was handed on: the reader gets what came, then the error
+                self.flowing, self.error = False, err
+                self._wake()
+            return
         self.body = []               # nothing of a failed answer is kept (the error lives on; its body need not)
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(err)
 
-    def send(self, data: bytes, request_id: str = "") -> asyncio.Future:
+    def send(self, data: bytes, request_id: str = "", streaming: bool = False) -> asyncio.Future:
         self.answer = asyncio.get_running_loop().create_future()
+        self.streaming = streaming
         self._reset()
         self.request_id = request_id.lower().encode("latin-1")
         self.parser = httptools.HttpResponseParser(self)
@@ -181,6 +244,51 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+class StreamAnswer:
+    """A streamed answer (Http1Client.stream): what decode.py reads of aiohttp's ClientResponse, no more.
+    Each read hands on all the body that came since the last one, as one piece."""
+
+    def __init__(self, conn: _Connection, status: int, content_type: str, content_length: int | None):
+        self.status, self.content_type, self.content_length = status, content_type, content_length
+        self.content = self          # `answer.content.iter_any()`, as aiohttp's
+        self._conn = conn
+
+    def iter_any(self) -> StreamAnswer:
+        return self
+
+    def __aiter__(self) -> StreamAnswer:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        while not conn.body:
+            if conn.error is not None:
+                raise conn.error
+            if not conn.flowing:
+                if conn.finished:
+                    raise StopAsyncIteration
+                raise Disconnected("the connection closed mid-answer")
+            conn.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await conn.waiter
+            finally:
+                conn.waiter = None
+        body = conn.body
+        conn.body, conn.size = [], 0
+        if conn.paused and not conn.closed:
+            conn.paused = False
+            conn.transport.resume_reading()     # type: ignore[union-attr]
+        return body[0] if len(body) == 1 else b"".join(body)
+
+
+def _request(pool: _HostPool, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    if head.count("\n") != len(headers) or head.count("\r") != len(headers):
+        raise ValueError("a header name or value with a line break")   # the router's own: never a client's
+    return (f"POST {path} HTTP/1.1\r\nHost: {pool.host}:{pool.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{head}\r\n").encode("latin-1") + body
 
 
 class _HostPool:
@@ -199,15 +307,30 @@ class Http1Client:
         self.clock = clock
         self.max_answer_bytes = max_answer_bytes
         self.pools: dict[str, _HostPool] = {}
+        # Streams on connections of their own (one is held for a whole answer), under their own bounds.
+        self.stream_pools: dict[str, _HostPool] = {}
+        self.stream_limit = self.limit
+        self.stream_slots: asyncio.Semaphore | None = None
         self.closed = False
 
-    def _pool(self, base_url: str) -> _HostPool:
-        pool = self.pools.get(base_url)
+    def budget_streams(self, limit: int | None, limit_per_host: int | None) -> None:
+        """Streams' bounds: at most `limit_per_host` connections to one backend and `limit` in use in all
+        (0 or None: no bound), apart from whole-JSON calls'. decode.py gives them the bounds aiohttp's pool had
+        when the streams were relayed through it, so that moving them here took no capacity away."""
+        self.stream_limit = max(1, limit_per_host) if limit_per_host else 1 << 30
+        self.stream_slots = asyncio.Semaphore(limit) if limit else None
+        for pool in self.stream_pools.values():
+            pool.limit = self.stream_limit
+
+    def _pool(self, base_url: str, streams: bool = False) -> _HostPool:
+        pools = self.stream_pools if streams else self.pools
+        pool = pools.get(base_url)
         if pool is None:
             parts = urlsplit(base_url)
             if parts.scheme != "http" or not parts.hostname:
                 raise ValueError(f"{base_url}: only http:// URLs")
-            pool = self.pools[base_url] = _HostPool(parts.hostname, parts.port or 80, self.limit)
+            pool = pools[base_url] = _HostPool(parts.hostname, parts.port or 80,
+                                               self.stream_limit if streams else self.limit)
         return pool
 
     async def _acquire(self, pool: _HostPool, deadline: float, fresh: bool = False) -> _Connection:
@@ -270,11 +393,7 @@ class Http1Client:
         pool = self._pool(base_url)
         start = self.clock()
         deadline = start + (timeout if pool_timeout is None else min(timeout, pool_timeout))
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        if head.count("\n") != len(headers) or head.count("\r") != len(headers):
-            raise ValueError("a header name or value with a line break")   # the router's own: never a client's
-        request = (f"POST {path} HTTP/1.1\r\nHost: {pool.host}:{pool.port}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n{head}\r\n").encode("latin-1") + body
+        request = _request(pool, path, body, headers)
         for retry in (False, True):
             conn = await self._acquire(pool, deadline, fresh=retry)
             reuse = False
@@ -292,8 +411,51 @@ class Http1Client:
                 self._release(pool, conn, reuse)
         raise AssertionError("unreachable")
 
+    @contextlib.asynccontextmanager
+    async def stream(self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout: float,
+                     pool_timeout: float | None = None) -> AsyncIterator[StreamAnswer]:
+        """POST `body` (JSON) and hand on the answer as it arrives, as `async with`: its status and content
+        type, then its body (`answer.content.iter_any()`, as aiohttp's). Raises what `post` raises;
+        asyncio.TimeoutError when the whole answer did not come within `timeout` (aiohttp's total timeout), at
+        the head or while the body is read. The connection is kept only when the body was read to its end."""
+        pool = self._pool(base_url, streams=True)
+        start = self.clock()
+        deadline = start + (timeout if pool_timeout is None else min(timeout, pool_timeout))
+        request = _request(pool, path, body, headers)
+        slots = self.stream_slots
+        if slots is not None:
+            try:
+                await (asyncio.wait_for(slots.acquire(), max(0.0, deadline - self.clock())) if slots.locked()
+                       else slots.acquire())
+            except asyncio.TimeoutError:
+                raise PoolTimeout(f"no connection free in time for a stream to {pool.host}:{pool.port}") from None
+        try:
+            for retry in (False, True):
+                conn = await self._acquire(pool, deadline, fresh=retry)
+                timer = asyncio.get_running_loop().call_later(max(0.0, start + timeout - self.clock()),
+                                                              conn.time_out)
+                answer: StreamAnswer | None = None
+                try:
+                    try:
+                        status, content_type, length = await conn.send(request, headers.get("X-Request-Id", ""),
+                                                                       streaming=True)
+                    except Disconnected as err:
+                        if retry or not err.stale:
+                            raise
+                        continue     # the backend had closed this kept-alive connection: once more, anew
+                    answer = StreamAnswer(conn, status, content_type, length)
+                    yield answer
+                    return
+                finally:
+                    timer.cancel()
+                    self._release(pool, conn, answer is not None and conn.finished and conn.keep
+                                  and not conn.tainted)
+        finally:
+            if slots is not None:
+                slots.release()
+
     async def close(self) -> None:
         self.closed = True
-        for pool in self.pools.values():
+        for pool in (*self.pools.values(), *self.stream_pools.values()):
             while pool.idle:
                 pool.idle.pop().close()
