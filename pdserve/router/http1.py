@@ -119,6 +119,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as err:
             self._fail(Disconnected(f"not an HTTP answer: {err}"))
             self.close()
+        if self.flowing and self.body:   # a streamed answer: the reader woken once a read, not once a chunk
+            if self.size > STREAM_HIGH_WATER and not self.paused and not self.closed:
+                self.paused = True
+                self.transport.pause_reading()     # type: ignore[union-attr]
+            self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -171,15 +176,10 @@ class _Connection(asyncio.Protocol):
             self.answer.set_result((status, self.content_type or "application/octet-stream", self.length))
 
     def on_body(self, body: bytes) -> None:
-        if self.streaming:
-            if self.foreign or not self.flowing:
-                return               # another request's body, never handed on
-            self.body.append(body)
-            self.size += len(body)
-            if self.size > STREAM_HIGH_WATER and not self.paused and self.transport is not None:
-                self.paused = True
-                self.transport.pause_reading()
-            self._wake()
+        if self.streaming:           # handed on after the read (data_received); another request's, never
+            if self.flowing and not self.foreign:
+                self.body.append(body)
+                self.size += len(body)
             return
         self.size += len(body)
         if self.size > self.max_bytes:

@@ -137,3 +137,41 @@ def test_a_bad_line_leaves_out_that_line_only_from_the_reply():
     relay.feed(stream)
     relay.finish()
     assert collector.reply["content"] == "ab"
+
+
+ODD_EVENTS = {
+    "/v1/chat/completions": [
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "a"}}, {"index": 1, "delta": {"content": "X"}}]},
+        {"choices": [{"index": 1, "delta": {"content": "Y"}}]},
+        {"choices": [{"delta": {"content": "b"}}]},
+        {"choices": [{"index": 0, "delta": {"content": None}}]},
+        {"choices": [{"index": 0, "delta": {"content": "c", "tool_calls": [{"function": {"name": "f"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "message": None, "delta": {"content": "d"}}]},
+        {"choices": "not a list"}, {"choices": []}, {"usage": {}},
+        {"choices": [{"index": 0, "text": "e"}]}],
+    "/v1/messages": [
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lost"}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": "A"}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "b"}},
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "text"}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": 5}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "c"}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": "new "}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "d"}},
+        {"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "name": "f"}},
+        {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{}"}},
+        {"type": "content_block_delta", "index": True, "delta": {"type": "text_delta", "text": "t"}}],
+}
+
+
+@pytest.mark.parametrize("route", list(ODD_EVENTS))
+def test_the_formats_fast_reply_paths_collect_what_collect_event_does(route):
+    fmt = api.for_path(route)
+    fast, slow = fmt.collector(), fmt.collector()
+    fast.collect_events(ODD_EVENTS[route])
+    for event in ODD_EVENTS[route]:
+        slow.collect_event(event)
+    assert fast.reply_items() == slow.reply_items()

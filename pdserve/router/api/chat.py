@@ -63,6 +63,22 @@ class ChoicesCollector(Collector):
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 self._collect_choice(choice)
 
+    def collect_events(self, events: list[dict[str, Any]]) -> None:
+        # A stream's common chunk (choice 0 alone, a delta of text only) taken here; any other as collect_event.
+        text = self._text
+        for event in events:
+            choices = event.get("choices")
+            if type(choices) is list and len(choices) == 1:
+                choice = choices[0]
+                if type(choice) is dict and "message" not in choice and choice.get("index", 0) == 0:
+                    delta = choice.get("delta")
+                    if type(delta) is dict and "tool_calls" not in delta:
+                        content = delta.get("content")
+                        if content is None or type(content) is str:
+                            text.append(content or "")
+                            continue
+            self.collect_event(event)
+
     def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
         changed = self.take_params(obj)
         if isinstance(obj.get("prompt_token_ids"), list):

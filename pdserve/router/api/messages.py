@@ -71,6 +71,30 @@ class MessagesCollector(Collector):
             self._blocks = {i: b for i, b in enumerate(obj["content"]) if isinstance(b, dict)}
         return changed
 
+    def collect_events(self, events: list[dict[str, Any]]) -> None:
+        # Text deltas (most of a stream) joined once a run of them, not concatenated one by one; any other
+        # event as collect_event.
+        texts: dict[int, list[str]] = {}      # block index -> its text so far, in pieces
+        for event in events:
+            if event.get("type") == "content_block_delta":
+                index, delta = event.get("index"), event.get("delta")
+                if isinstance(index, int) and type(delta) is dict and delta.get("type") == "text_delta" \
+                        and index in self._blocks:
+                    pieces = texts.get(index)
+                    if pieces is None:
+                        pieces = texts[index] = [str(self._blocks[index].get("text", ""))]
+                    pieces.append(str(delta.get("text", "")))
+                    continue
+            if texts:
+                self._join(texts)
+            self.collect_event(event)
+        self._join(texts)
+
+    def _join(self, texts: dict[int, list[str]]) -> None:
+        for index, pieces in texts.items():
+            self._blocks[index]["text"] = "".join(pieces)
+        texts.clear()
+
     def collect_event(self, event: dict[str, Any]) -> None:
         kind, index = event.get("type"), event.get("index")
         if not isinstance(index, int):
