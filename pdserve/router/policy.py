@@ -143,6 +143,27 @@ def new_tokens_bound(messages: list[Any] | None, start: int | None = None) -> in
     return total
 
 
+def new_tokens_at_least(messages: list[Any] | None, start: int | None = None) -> int | None:
+    """A lower bound of the tokens that messages[start:] add (start as for new_tokens_bound): their text's
+    whitespace-separated words, as vocabularies split words before merging (GPT-2-style pre-tokenizers,
+    SentencePiece's whitespace split). Parts that are not text count nothing. A tokenizer whose tokens span
+    words would only make a turn look longer than it is: it then goes to P, never to a wrong KV (P checks)."""
+    if not messages:
+        return None
+    if start is None:
+        start = next((i + 1 for i in range(len(messages) - 1, -1, -1)
+                      if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), None)
+    if start is None or not 0 < start <= len(messages):
+        return None
+    words = 0
+    for message in messages[start:]:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [content] if isinstance(content, str) else [p.get("text") for p in content
+                                                             if isinstance(p, dict)] if isinstance(content, list) else []
+        words += sum(len(p.split()) for p in parts if isinstance(p, str))
+    return words
+
+
 class ShortTurns:
     """The DecodeOnly rule. A turn is a candidate when its new tokens (what D's prefix cache cannot serve:
     the prompt beyond the whole blocks D holds) are at most `max_tokens`. It is served on D alone when that

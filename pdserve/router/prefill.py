@@ -63,6 +63,15 @@ class PrefillLeg:
         return {"holder_healthy": bool(holder and holder.healthy),
                 "holder_generation": holder.generation if holder else -1}
 
+    def engine_check(self, entry: ReuseEntry, prompt_tokens: int | None) -> Decision:
+        """The offer with D's sequence for P's engine to cut (reuse.engine_checked), without P's /tokenize."""
+        return dataclasses.replace(engine_checked(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold),
+                                   holder=entry.decode, prompt_tokens=prompt_tokens)
+
+    def engines_check(self) -> bool:
+        """Every prefill server has answered with pdserve's counts: its engine cuts an offer itself."""
+        return all(b.name in self.engine_checks for b in self.pool.backends)
+
     def below_threshold(self, entry: ReuseEntry) -> bool:
         """Too few tokens held to be worth reading (kv_recompute_threshold), whatever the new prompt is."""
         return entry.num_tokens < max(1, self.cfg.kv_recompute_threshold)

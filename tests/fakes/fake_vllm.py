@@ -32,7 +32,8 @@ import zlib
 import aiohttp
 from aiohttp import web
 
-from pdserve.router.wire import LOCAL_KEY, PULLED_KEY
+from pdserve.engine.patches import cut_offer
+from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
 try:
     from tests.fakes import hostile
     from tests.fakes.fake_agent_wire import AgentWire
@@ -234,6 +235,7 @@ class FakeVLLM:
         kv = body.get("kv_transfer_params") or {}
         prompt = self.prompt_ids(request.path, body)
         pulled = 0
+        checked = cut_offer(kv, prompt, BLOCK)    # pdserve's entry patch: an engine-checked offer is cut here
         if kv.get("remote_block_ids") and kv.get("do_remote_decode"):   # P pulling D's blocks
             if self.args.fail_reads:
                 return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
@@ -266,7 +268,7 @@ class FakeVLLM:
                       "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1,
                       "remote_prefill_cached_tokens": pulled,
                       # what pdserve.engine.entry's connector patch adds on a real P
-                      PULLED_KEY: pulled, LOCAL_KEY: 0}
+                      PULLED_KEY: pulled, LOCAL_KEY: 0, **({CHECKED_KEY: checked} if checked is not None else {})}
             if self.args.echo:
                 params["fake_prompt_sum"] = hostile.prompt_sum(prompt)
         elif kv and self.args.bidirectional:

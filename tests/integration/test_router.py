@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-
 import json
+
+import pytest
 
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
@@ -59,14 +60,21 @@ async def test_conversation_reuse_offers_only_the_common_prefix():
         assert dep.prefill[0][FAKE].external_tokens == offered["remote_num_tokens"]
 
 
-async def test_edited_history_is_not_offered():
-    async with deployment() as dep:
+@pytest.mark.parametrize("decode_only", [True, False], ids=["router-checks", "p-checks"])
+async def test_edited_history_is_not_offered(decode_only):
+    # With the short-turn rule on, a one-word follow-up may be D's alone: the router tokenizes and checks it
+    # and offers nothing. Without the rule the router needs no count: P's engine compares D's sequence with
+    # its own prompt and reads nothing.
+    async with deployment(decode_only=decode_only) as dep:
         first = chat("alpha " * 40, conversation_id="c")
         _, data = await dep.post(CHAT, first)
         edited = [{"role": "system", "content": "changed"}] + first["messages"] + [data["choices"][0]["message"]]
         await dep.post(CHAT, chat("more", edited, conversation_id="c"))
-        assert leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"] == {"do_remote_decode": True,
-                                                                       "do_remote_prefill": False}
+        p = dep.prefill[0][FAKE]
+        if decode_only:
+            assert leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"] == {"do_remote_decode": True,
+                                                                           "do_remote_prefill": False}
+        assert p.external_tokens == 0 and p.tokenized == (1 if decode_only else 0)
         assert 'reason="not_a_continuation",result="miss"} 1.0' in await dep.metrics()
 
 

@@ -129,7 +129,7 @@ async def test_the_canary_waits_out_a_retry_after_instead_of_failing():
         headers = {"Content-Type": "application/json"}
         await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 30)
         started = asyncio.get_running_loop().time()
-        reply = await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 30)   # 429, Retry-After 1, then 200
+        reply, _ = await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 30)   # 429, Retry-After 1, then 200
         assert reply["choices"] and asyncio.get_running_loop().time() - started >= 0.9
         with pytest.raises(urllib.error.HTTPError) as refused:                      # no time left to wait: the 429
             await asyncio.to_thread(canary._chat, dep.url, headers, BODY, 0.5)

@@ -3,6 +3,8 @@ the setting that turns it off, the fallback when D fails, and the counts (real v
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.router.app import FLOW
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
@@ -125,6 +127,30 @@ async def test_a_short_follow_up_matched_by_history_goes_to_d_without_tokenizing
         assert p.tokenized == 2
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["conversation-id", "history"])
+async def test_a_follow_up_too_long_for_d_alone_is_checked_by_ps_engine_without_tokenize(named):
+    """Issue 33: P's /tokenize of the whole prompt was the largest part of a long "on" turn the router
+    controls. A follow-up with more new words than decode_only_max_tokens can never be D's alone, so the
+    router needs no count: it offers D's sequence and P's engine cuts the offer to the common prefix."""
+    async with deployment(decode_only=True) as dep:
+        p = dep.prefill[0][FAKE]
+        history: list = []
+        for content in ("alpha " * LONG, "beta " * LONG, "yes " * SHORT):
+            body = {"model": "fake", "messages": history + [{"role": "user", "content": content}], "max_tokens": 4,
+                    **({"conversation_id": "c9"} if named else {})}
+            async with dep.session.post(dep.url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                plan, pulled = resp.headers["X-PDServe-Plan"], int(resp.headers.get("X-PDServe-Pulled-Tokens", 0))
+                history[:] = body["messages"] + [(await resp.json())["choices"][0]["message"]]
+            if content.startswith("beta"):
+                # turn 1's prompt, the common prefix P's engine found (D's generated ids re-tokenize differently)
+                assert (plan, p.tokenized) == ("prefill_then_decode", 0) and pulled >= LONG, (plan, pulled)
+        # a short follow-up is still counted (on P's tokens under an id, by its bytes by history)
+        assert plan == "decode_only" and p.tokenized == (1 if named else 0)
+        m = await dep.metrics()
+        assert 'reason="trimmed",result="hit"} 1.0' in m or 'reason="continuation",result="hit"} 1.0' in m, m
+
+
 TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a command",
                                            "parameters": {"type": "object", "properties": {}}}}]
 
@@ -150,11 +176,12 @@ async def test_new_text_the_bound_cannot_see_sends_the_turn_to_the_checked_path(
         hidden = "hidden " * 2000
         plan = await send(history + [{"role": "user", "content": hidden}, {"role": "assistant", "content": "ok"},
                                      {"role": "user", "content": "yes"}])
-        assert (plan, p.tokenized) == ("prefill_then_decode", 1)     # the fake counts the hidden words
+        # 2,000 new words are more tokens than D alone takes: P's engine checks the offer, no /tokenize
+        assert (plan, p.tokenized) == ("prefill_then_decode", 0)
         for i, fields in enumerate(({"tools": TOOLS + [{"type": "function", "function": {"name": hidden}}]},
                                     {"documents": [{"text": hidden}]},
                                     {"chat_template_kwargs": {"system": hidden}})):
             plan = await send(history + [{"role": "user", "content": "yes"}], **fields)
-            assert (plan, p.tokenized) == ("prefill_then_decode", 2 + i)   # checked first (documents: unseen)
+            assert (plan, p.tokenized) == ("prefill_then_decode", 1 + i)   # checked first (documents: unseen)
         await send(history + [{"role": "user", "content": "yes"}])     # the tools changed back: checked once more
-        assert await send(history + [{"role": "user", "content": "yes"}]) == "decode_only" and p.tokenized == 5
+        assert await send(history + [{"role": "user", "content": "yes"}]) == "decode_only" and p.tokenized == 4
