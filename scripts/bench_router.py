@@ -90,17 +90,25 @@ def _sse(name: str | None, obj: dict) -> bytes:
     return (f"event: {name}\n".encode() if name else b"") + b"data: " + _json(obj) + b"\n\n"
 
 
-def chat_shapes(p_params: dict, d_params: dict) -> tuple[bytes, bytes, tuple[bytes, bytes, bytes]]:
-    """P's answer, D's whole answer and D's stream (head, one token's event, tail) as vLLM sends them."""
+def chat_shapes(p_params: dict, d_params: dict, ids: bool = False) -> tuple[bytes, bytes, tuple[bytes, bytes, bytes]]:
+    """P's answer, D's whole answer and D's stream (head, one token's event, tail) as vLLM sends them; `ids`:
+    as vLLM answers `return_token_ids` (the router asks for them on every turn it will remember): the prompt's
+    ids at the top, each choice's generated ids last in it (a stream: the role chunk, then one id a chunk)."""
     def answer(text: str, n: int, kv: dict) -> dict:
-        return {"id": "d", "object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 8, "completion_tokens": n}, "kv_transfer_params": kv}
-    token = _sse(None, {"id": "d", "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": {"content": "tok "}}]})
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length",
+                  **({"token_ids": [7] * n} if ids else {})}
+        return {"id": "d", "object": "chat.completion", "choices": [choice],
+                "usage": {"prompt_tokens": 8, "completion_tokens": n}, "kv_transfer_params": kv,
+                **({"prompt_token_ids": list(range(8))} if ids else {})}
+
+    def chunk(delta: dict, token: bool = True, **top) -> bytes:
+        return _sse(None, {"id": "d", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+             **({"token_ids": [7]} if ids and token else {})}], **top})
+    head = chunk({"role": "assistant", "content": ""}, False, prompt_token_ids=list(range(8))) if ids else b""
     tail = _sse(None, {"id": "d", "object": "chat.completion.chunk", "choices": [], "kv_transfer_params": d_params})
     return _json(answer("ok", 1, p_params)), _json(answer("tok " * TOKENS, TOKENS, d_params)), \
-        (b"", token, tail + b"data: [DONE]\n\n")
+        (head, chunk({"content": "tok "}), tail + b"data: [DONE]\n\n")
 
 
 def messages_shapes(p_params: dict, d_params: dict) -> tuple[bytes, bytes, tuple[bytes, bytes, bytes]]:
@@ -177,13 +185,13 @@ def run_backend(port: int) -> None:
                 "remote_port": 2, "remote_num_tokens": 8 + TOKENS}
     # Every answer of every API, made once: (P's answer, D's whole answer, D's stream as (head, token, tail)).
     answers = {path: shapes(p_params, d_params) for path, shapes in BACKEND_SHAPES.items()}
+    with_ids = chat_shapes(p_params, d_params, ids=True)     # chat's D leg with return_token_ids
 
     def completions(path: str):
-        p_answer, d_answer, (head, token, tail) = answers[path]
-
         async def answer(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             kv = body.get("kv_transfer_params") or {}
+            p_answer, d_answer, (head, token, tail) = with_ids if body.get("return_token_ids") else answers[path]
             if kv.get("do_remote_decode"):
                 return web.Response(body=p_answer, content_type="application/json")
             if not body.get("stream"):

@@ -3,7 +3,11 @@ block handles, token ids) taken out by the format's collector (api/base.py)."""
 
 from __future__ import annotations
 
+import re
+
 from pdserve.router.api.base import Collector
+
+FEW_MARKED = 8    # a block with more mentions of router-only fields than this is scrubbed line by line
 
 
 class LineTooLong(ValueError):
@@ -29,6 +33,7 @@ class StreamRelay:
         self.seen = 0                  # bytes D sent
         self.overflow = False          # more than max_bytes: too long to remember
         self._partial: list[bytes] = []   # the start of a line not ended yet
+        self._marked = re.compile(b"|".join(re.escape(m) for m in collector.markers)).search
         self._partial_size = 0
 
     def feed(self, data: bytes) -> bytes:
@@ -72,17 +77,28 @@ class StreamRelay:
 
     def _scrub(self, block: bytes) -> bytes:
         """The block with router-only fields taken out of the lines that mention one; every other line is
-        passed on as it came, unparsed (a block is often most of a stream: reads lag behind a fast D)."""
+        passed on as it came, unparsed (a block is often most of a stream: reads lag behind a fast D). A few
+        such lines are found by search; when there are many (chat's token ids, one a chunk), line by line."""
         markers = self.collector.markers
-        hit = _first(block, markers, 0)
-        if hit < 0:
+        hits = sum(block.count(m) for m in markers)
+        if not hits:
             return block
-        parts: list[bytes] = []
+        scrub = self.collector.scrub_sse_line
+        if hits > FEW_MARKED:
+            marked = self._marked
+            lines = block.split(b"\n")
+            tail = lines.pop()               # b"" after the block's last newline, else an unended last line
+            parts = [scrub(line + b"\n", False) if marked(line) else line + b"\n" for line in lines]
+            if tail:
+                parts.append(scrub(tail, False) if marked(tail) else tail)
+            return b"".join(parts)
+        parts = []
         pos = 0
+        hit = _first(block, markers, 0)
         while hit >= 0:
             start = block.rfind(b"\n", pos, hit) + 1 or pos
             end = block.find(b"\n", hit) + 1 or len(block)
-            parts += (block[pos:start], self.collector.scrub_sse_line(block[start:end], collect_reply=False))
+            parts += (block[pos:start], scrub(block[start:end], False))
             pos = end
             hit = _first(block, markers, pos)
         parts.append(block[pos:])

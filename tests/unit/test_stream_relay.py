@@ -51,7 +51,7 @@ def test_plain_lines_pass_untouched_and_reply_is_skipped_without_blocks():
 
 
 # -- what the relay costs, and that no chunking changes a byte (issue 31) ----------------------------------
-def chat_stream(n: int, token_ids: bool = False) -> bytes:
+def chat_stream(n: int, token_ids: bool = False, word: str = "t\u00e9") -> bytes:
     """A chat stream as vLLM writes it (compact JSON): a role chunk, n tokens (one a tool call's), D's handles
     in a last chunk, [DONE]."""
     def chunk(choice: dict, **top) -> bytes:
@@ -60,7 +60,7 @@ def chat_stream(n: int, token_ids: bool = False) -> bytes:
     ids = {"token_ids": [7]} if token_ids else {}
     out = chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, **ids}, prompt_token_ids=[1, 2])
     for i in range(n):
-        out += chunk({"index": 0, "delta": {"content": f"t\u00e9{i} \"q\"\n"}, **ids})
+        out += chunk({"index": 0, "delta": {"content": f"{word}{i} \"q\"\n"}, **ids})
     out += chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]},
                   **ids})
     return out + b'data: {"choices":[],"kv_transfer_params":{"remote_block_ids":[[1]]}}\n\ndata: [DONE]\n\n'
@@ -70,8 +70,9 @@ def by_lines(fmt, stream: bytes) -> tuple[bytes, list]:
     """The client's bytes and the stored reply as the relay made them before issue 31's change: every line
     scrubbed on its own, the reply rebuilt event by event."""
     from pdserve.router.api.base import sse_event
+    from pdserve.router.api.base import Collector
     collector = fmt.collector()
-    out = b"".join(collector.scrub_sse_line(line, collect_reply=False) for line in stream.splitlines(keepends=True))
+    out = b"".join(Collector.scrub_sse_line(collector, line, False) for line in stream.splitlines(keepends=True))
     collector.reset_reply()
     for line in stream.split(b"\n"):
         event = sse_event(line) if line.startswith(b"data: {") else None
@@ -98,13 +99,15 @@ def test_a_block_of_many_events_parses_only_the_lines_with_router_fields_and_the
     assert collector.reply["content"].endswith("t\u00e9127 \"q\"\n") and collector.reply["tool_calls"]
 
 
-STREAMS = {"/v1/chat/completions": chat_stream(40), "/v1/messages": wire.STREAM, "/v1/responses": wire.R_STREAM}
+STREAMS = {"/v1/chat/completions": chat_stream(40), "/v1/messages": wire.STREAM, "/v1/responses": wire.R_STREAM,
+           "/v1/chat/completions ids": chat_stream(40, token_ids=True, word="t"),    # vLLM's, token ids cut as bytes
+           "/v1/chat/completions ids, not ASCII": chat_stream(40, token_ids=True)}
 
 
 @pytest.mark.parametrize("route", list(STREAMS))
 @pytest.mark.parametrize("chunking", ["1", "2", "3", "7", "64", "whole", "events", "random"])
 def test_any_chunking_gives_the_client_the_same_bytes_and_stores_the_same_reply(route, chunking):
-    fmt, stream = api.for_path(route), STREAMS[route]
+    fmt, stream = api.for_path(route.split()[0]), STREAMS[route]
     if chunking == "whole":
         pieces = [stream]
     elif chunking == "events":
@@ -123,8 +126,10 @@ def test_any_chunking_gives_the_client_the_same_bytes_and_stores_the_same_reply(
     out = b"".join(relay.feed(p) for p in pieces) + relay.close()
     relay.finish()
     want_out, want_reply = by_lines(fmt, stream)
-    assert out == want_out and b"kv_transfer_params" not in out
+    assert out == want_out and b"kv_transfer_params" not in out and b"token_ids" not in out
     assert collector.reply_items() == want_reply and collector.kv_params is not None
+    if "ids" in route:
+        assert collector.sequence == [1, 2] + [7] * 42
 
 
 def test_a_bad_line_leaves_out_that_line_only_from_the_reply():
@@ -175,3 +180,40 @@ def test_the_formats_fast_reply_paths_collect_what_collect_event_does(route):
     for event in ODD_EVENTS[route]:
         slow.collect_event(event)
     assert fast.reply_items() == slow.reply_items()
+
+
+def vllm_chunk(choice: dict, **top) -> bytes:
+    return b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                   "choices": [choice], **top}, separators=(",", ":")).encode() + b"\n"
+
+
+TOKEN_LINES = [   # what vLLM sends with return_token_ids, and lines like it that must be parsed
+    vllm_chunk({"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None, "token_ids": [5]}),
+    vllm_chunk({"index": 0, "delta": {"content": "q\"\\/\n\t\u0001\u007f, \": x"}, "logprobs": None,
+                "finish_reason": None, "token_ids": [6, 7]}),
+    vllm_chunk({"index": 0, "delta": {}, "finish_reason": "length", "stop_reason": None, "token_ids": []}),
+    vllm_chunk({"index": 0, "delta": {"content": "\u00e9"}, "token_ids": [8]}),          # not ASCII: parsed
+    vllm_chunk({"index": 0, "delta": {"content": "x"}, "logprobs": {"content": [{"logprob": -1e-05}]},
+                "token_ids": [9]}),
+    vllm_chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+                "token_ids": [10]}),
+    vllm_chunk({"index": 1, "delta": {"content": "b"}, "token_ids": [11]}),               # not choice 0
+    vllm_chunk({"index": 0, "delta": {"content": "c"}, "token_ids": [12]}, prompt_token_ids=[1, 2]),
+    vllm_chunk({"index": 0, "delta": {"content": "d"}, "token_ids": [13]}, usage={"prompt_tokens": 2}),
+    vllm_chunk({"index": 0, "delta": {"content": "e"}, "token_ids": [14]})[:-1] + b"\r\n",
+    b'data: {"choices": [{"index": 0, "delta": {"content": "f"}, "token_ids": [15]}]}\n',   # not compact
+    b'data:{"choices":[{"index":0,"delta":{"content":"g"},"token_ids":[16]}]}\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"h"},"token_ids":[17]}],"token_ids":[1]}\n',
+]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_chunk_cut_as_bytes_gives_the_client_what_parsing_it_gave(keep):
+    """vLLM's token chunks (return_token_ids, asked for on every tracked chat turn) lose their token ids without
+    a parse; the bytes and the ids collected are those of the parse (the collector's base scrub_sse_line)."""
+    from pdserve.router.api.base import Collector
+    fast, slow = SequenceCollector(keep_for_client=keep), SequenceCollector(keep_for_client=keep)
+    for line in TOKEN_LINES:
+        assert fast.scrub_sse_line(line, collect_reply=False) == Collector.scrub_sse_line(slow, line, False), line
+    assert fast.generated == slow.generated == [5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]   # not choice 1's
+    assert fast.prompt == slow.prompt == [1, 2]

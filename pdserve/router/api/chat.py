@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat
@@ -10,6 +11,11 @@ from pdserve.router.inputs import BadInput, check_common, objects
 TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                         "chat_template_kwargs", "tools", "mm_processor_kwargs")
 TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+# vLLM's stream chunk with return_token_ids (pydantic's compact JSON, fields in the model's order, token_ids the
+# choice's last): choice 0 alone, its token ids the line's only router-only field. Cut as bytes, not parsed and
+# re-encoded (one chunk a token, and every tracked turn asks for them).
+ONE_CHOICE = b'"choices":[{"index":0,'
+CHOICE_TOKEN_IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]\}\]')
 
 
 class ChoicesCollector(Collector):
@@ -78,6 +84,24 @@ class ChoicesCollector(Collector):
                             text.append(content or "")
                             continue
             self.collect_event(event)
+
+    def scrub_sse_line(self, line: bytes, collect_reply: bool = True) -> bytes:
+        """vLLM's common chunk without a parse; the bytes are those that parsing and re-encoding make (the
+        line is compact ASCII JSON with no float: no logprobs), else it is parsed. `"index":` and `,"` occur
+        only as JSON's own (a quote in a string is escaped): one `"index":` is one choice and no tool call, and
+        the token ids that close the only choice are choice 0's."""
+        if not collect_reply and line.count(b"token_ids") == 1 and line.count(b'"index":') == 1 \
+                and ONE_CHOICE in line and b"kv_transfer_params" not in line and b'"logprobs":{' not in line \
+                and b'": ' not in line and b', "' not in line and line.isascii() and line.startswith(b"data: {") \
+                and line.endswith(b"}\n"):
+            found = CHOICE_TOKEN_IDS.search(line)
+            if found is not None:
+                if found.group(1):
+                    self.generated.extend(map(int, found.group(1).split(b",")))
+                if self.keep:
+                    return line
+                return line[:found.start()] + line[found.end() - 2:]
+        return super().scrub_sse_line(line, collect_reply)
 
     def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
         changed = self.take_params(obj)
