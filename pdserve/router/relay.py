@@ -84,14 +84,9 @@ class StreamRelay:
         if not hits:
             return block
         scrub = self.collector.scrub_sse_line
-        if hits > FEW_MARKED:
+        if hits > FEW_MARKED or b"\r" in block:     # (a CR ends a line too, as SSE says: split as ever)
             marked = self._marked
-            lines = block.split(b"\n")
-            tail = lines.pop()               # b"" after the block's last newline, else an unended last line
-            parts = [scrub(line + b"\n", False) if marked(line) else line + b"\n" for line in lines]
-            if tail:
-                parts.append(scrub(tail, False) if marked(tail) else tail)
-            return b"".join(parts)
+            return b"".join([scrub(line, False) if marked(line) else line for line in block.splitlines(keepends=True)])
         parts = []
         pos = 0
         hit = _first(block, markers, 0)

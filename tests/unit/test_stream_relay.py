@@ -217,3 +217,14 @@ def test_a_chunk_cut_as_bytes_gives_the_client_what_parsing_it_gave(keep):
         assert fast.scrub_sse_line(line, collect_reply=False) == Collector.scrub_sse_line(slow, line, False), line
     assert fast.generated == slow.generated == [5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]   # not choice 1's
     assert fast.prompt == slow.prompt == [1, 2]
+
+
+def test_lines_ended_by_a_lone_cr_still_lose_the_handles():
+    """SSE ends a line at CR, LF or CRLF: a D that ends its lines with CR alone still never hands its handles on."""
+    stream = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\r\rdata: {"choices":[],' \
+             b'"kv_transfer_params":{"remote_block_ids":[[1]]}}\r\rdata: [DONE]\r\r'
+    for size in (1, 9, len(stream)):
+        collector = SequenceCollector(keep_for_client=False)
+        relay = StreamRelay(collector, keep_lines=True)
+        out = b"".join(relay.feed(stream[i:i + size]) for i in range(0, len(stream), size)) + relay.close()
+        assert b"kv_transfer_params" not in out and collector.kv_params == {"remote_block_ids": [[1]]}
