@@ -85,8 +85,7 @@ class StreamRelay:
             return block
         scrub = self.collector.scrub_sse_line
         if hits > FEW_MARKED or b"\r" in block:     # (a CR ends a line too, as SSE says: split as ever)
-            marked = self._marked
-            return b"".join([scrub(line, False) if marked(line) else line for line in block.splitlines(keepends=True)])
+            return self.collector.scrub_block(block, self._marked)
         parts = []
         pos = 0
         hit = _first(block, markers, 0)

@@ -228,3 +228,17 @@ def test_lines_ended_by_a_lone_cr_still_lose_the_handles():
         relay = StreamRelay(collector, keep_lines=True)
         out = b"".join(relay.feed(stream[i:i + size]) for i in range(0, len(stream), size)) + relay.close()
         assert b"kv_transfer_params" not in out and collector.kv_params == {"remote_block_ids": [[1]]}
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_block_cut_as_bytes_gives_the_client_what_parsing_each_line_gave(keep):
+    import re
+    from pdserve.router.api.base import Collector
+    marked = re.compile(b"kv_transfer_params|token_ids").search
+    from pdserve.router.api.chat import _plain
+    for lines in (TOKEN_LINES, [line for line in TOKEN_LINES if _plain(line)]):     # parsed; cut as bytes
+        block = b"".join(lines) + b'data: {"choices":[],"kv_transfer_params":{"a":1}}\n\ndata: [DONE]\n\n'
+        fast, slow = SequenceCollector(keep_for_client=keep), SequenceCollector(keep_for_client=keep)
+        want = b"".join(Collector.scrub_sse_line(slow, line, False) for line in block.splitlines(keepends=True))
+        assert fast.scrub_block(block, marked) == want
+        assert fast.generated == slow.generated and fast.kv_params == slow.kv_params == {"a": 1}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.router.errors import error_body
@@ -107,6 +108,12 @@ class Collector:
         if event is None or not self.scrub(event, collect_reply):
             return line
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+    def scrub_block(self, block: bytes, marked: Callable[[bytes], Any]) -> bytes:
+        """A block of whole lines with router-only fields taken out of the lines `marked` finds (SSE's line
+        ends: CR, LF, CRLF)."""
+        scrub = self.scrub_sse_line
+        return b"".join([scrub(line, False) if marked(line) else line for line in block.splitlines(keepends=True)])
 
     def collect_reply_from(self, lines: list[bytes]) -> None:
         """Rebuild the reply from the stream's data lines (done only when it will be stored)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat
@@ -16,6 +17,13 @@ TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
 # re-encoded (one chunk a token, and every tracked turn asks for them).
 ONE_CHOICE = b'"choices":[{"index":0,'
 CHOICE_TOKEN_IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]\}\]')
+
+
+def _plain(text: bytes) -> bool:
+    """Compact ASCII JSON lines (pydantic's) with no float (no logprobs) and no CR: re-encoding them after a
+    parse gives back their bytes, less what was taken out."""
+    return text.isascii() and b'": ' not in text and b', "' not in text and b'"logprobs":{' not in text \
+        and b"\r" not in text
 
 
 class ChoicesCollector(Collector):
@@ -86,22 +94,36 @@ class ChoicesCollector(Collector):
             self.collect_event(event)
 
     def scrub_sse_line(self, line: bytes, collect_reply: bool = True) -> bytes:
-        """vLLM's common chunk without a parse; the bytes are those that parsing and re-encoding make (the
-        line is compact ASCII JSON with no float: no logprobs), else it is parsed. `"index":` and `,"` occur
-        only as JSON's own (a quote in a string is escaped): one `"index":` is one choice and no tool call, and
-        the token ids that close the only choice are choice 0's."""
-        if not collect_reply and line.count(b"token_ids") == 1 and line.count(b'"index":') == 1 \
-                and ONE_CHOICE in line and b"kv_transfer_params" not in line and b'"logprobs":{' not in line \
-                and b'": ' not in line and b', "' not in line and line.isascii() and line.startswith(b"data: {") \
-                and line.endswith(b"}\n"):
-            found = CHOICE_TOKEN_IDS.search(line)
-            if found is not None:
-                if found.group(1):
-                    self.generated.extend(map(int, found.group(1).split(b",")))
-                if self.keep:
-                    return line
-                return line[:found.start()] + line[found.end() - 2:]
+        if not collect_reply and _plain(line):
+            cut = self._cut(line)
+            if cut is not None:
+                return cut
         return super().scrub_sse_line(line, collect_reply)
+
+    def scrub_block(self, block: bytes, marked: Callable[[bytes], Any]) -> bytes:
+        if not _plain(block):
+            return super().scrub_block(block, marked)
+        parse, cut_ids, out = super().scrub_sse_line, self._cut, []
+        for line in block.splitlines(keepends=True):
+            cut = cut_ids(line) if b"token_ids" in line else None
+            out.append(cut if cut is not None else parse(line, False) if marked(line) else line)
+        return b"".join(out)
+
+    def _cut(self, line: bytes) -> bytes | None:
+        """vLLM's common chunk without its token ids, without a parse (None: not such a line; it is parsed).
+        The bytes are those that parsing and re-encoding make: the line is compact ASCII JSON with no float
+        (no logprobs: `_plain`). `"index":` and `,"` occur only as JSON's own (a quote in a string is escaped):
+        one `"index":` is one choice and no tool call, and the token ids that close the only choice are
+        choice 0's."""
+        if line.count(b"token_ids") != 1 or line.count(b'"index":') != 1 or ONE_CHOICE not in line \
+                or b"kv_transfer_params" in line or not line.startswith(b"data: {") or not line.endswith(b"}\n"):
+            return None
+        found = CHOICE_TOKEN_IDS.search(line)
+        if found is None:
+            return None
+        if found.group(1):
+            self.generated.extend(map(int, found.group(1).split(b",")))
+        return line if self.keep else line[:found.start()] + line[found.end() - 2:]
 
     def scrub(self, obj: dict[str, Any], collect_reply: bool = True) -> bool:
         changed = self.take_params(obj)
