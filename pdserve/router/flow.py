@@ -25,7 +25,7 @@ from pdserve.router.identity import Key
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
     LOCAL_PARAMS, TOO_LONG, TURN_STAMP, UNTOKENIZED, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode,
-    RoutePolicy, TurnInputs, TurnPlan, new_tokens_at_least, new_tokens_bound, template_digest,
+    RoutePolicy, TurnInputs, TurnPlan, new_text, new_tokens_at_least, new_tokens_bound, template_digest,
 )
 from pdserve.router.prefill import PrefillLeg
 from pdserve.router.reuse import HIT, Decision, ReuseEntry
@@ -175,7 +175,7 @@ class Flow:
         if quick is not None:
             turn.decide_ms = 1000 * (time.perf_counter() - decide_started)
             return quick
-        at_least = self._too_long_for_d_alone(turn, entry, stamp)
+        at_least = await self._too_long_for_d_alone(turn, entry, stamp)
         if at_least is not None:
             # P's engine checks the offer against its own tokens: no /tokenize (its cost grows with the prompt)
             decision = self.prefill.engine_check(entry, entry.num_tokens + at_least)
@@ -194,18 +194,28 @@ class Flow:
                           holder_load=holder.in_flight if holder else 0, unseen_change=unseen_change,
                           anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages))
 
-    def _too_long_for_d_alone(self, turn: Turn, entry: ReuseEntry | None, stamp: Any) -> int | None:
+    async def _too_long_for_d_alone(self, turn: Turn, entry: ReuseEntry | None, stamp: Any) -> int | None:
         """Tokens the new messages take at least, when that many rule D alone out (or no short-turn rule is
-        on) and every prefill server's engine checks an offer itself: the router then needs no token count
-        and leaves the check to P (reuse.engine_checked). None: tokenize and check here."""
+        on) and every prefill server's engine checks an offer itself: the router then needs no count of the
+        whole prompt and leaves the check to P (reuse.engine_checked). Their words bound it from below; where
+        their bytes cannot bound it under the rule's limit either, P counts the new text alone (a /tokenize
+        of a few hundred tokens, not of the whole history). None: tokenize and check the whole prompt here."""
         if entry is None or entry.sequence is None or not self.prefill.engines_check():
             return None
         covered = stamp[0] if isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[0], int) \
             and turn.explicit is None and not entry.by_prompt else None
-        at_least = new_tokens_at_least(turn.messages, covered)
+        text = new_text(turn.messages, covered)
+        at_least = new_tokens_at_least(text)
         if self.policy.short is None:
             return at_least or 0
-        return at_least if at_least is not None and at_least > self.policy.short.max_tokens else None
+        limit = self.policy.short.max_tokens
+        if text is None or (at_least or 0) > limit:
+            return at_least
+        bound = new_tokens_bound(turn.messages, covered)
+        if bound is not None and bound <= limit:
+            return None                         # may be D's alone: count and check the whole prompt
+        counted = await self.prefill.count_tokens(text)
+        return counted if counted is not None and counted > limit else None
 
     def _unverified_short_turn(self, turn: Turn, entry: ReuseEntry | None, stamp: Any) -> DecodeOnly | None:
         """D alone without P's /tokenize (on one H200 a third of a D-alone turn at 25k tokens) when the new

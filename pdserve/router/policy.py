@@ -143,11 +143,9 @@ def new_tokens_bound(messages: list[Any] | None, start: int | None = None) -> in
     return total
 
 
-def new_tokens_at_least(messages: list[Any] | None, start: int | None = None) -> int | None:
-    """A lower bound of the tokens that messages[start:] add (start as for new_tokens_bound): their text's
-    whitespace-separated words, as vocabularies split words before merging (GPT-2-style pre-tokenizers,
-    SentencePiece's whitespace split). Parts that are not text count nothing. A tokenizer whose tokens span
-    words would only make a turn look longer than it is: it then goes to P, never to a wrong KV (P checks)."""
+def new_text(messages: list[Any] | None, start: int | None = None) -> str | None:
+    """The text of messages[start:] (start as for new_tokens_bound), parts that are not text left out; None
+    when there is no such range."""
     if not messages:
         return None
     if start is None:
@@ -155,13 +153,21 @@ def new_tokens_at_least(messages: list[Any] | None, start: int | None = None) ->
                       if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), None)
     if start is None or not 0 < start <= len(messages):
         return None
-    words = 0
+    texts = []
     for message in messages[start:]:
         content = message.get("content") if isinstance(message, dict) else None
         parts = [content] if isinstance(content, str) else [p.get("text") for p in content
                                                              if isinstance(p, dict)] if isinstance(content, list) else []
-        words += sum(len(p.split()) for p in parts if isinstance(p, str))
-    return words
+        texts += [p for p in parts if isinstance(p, str)]
+    return "\n".join(texts)
+
+
+def new_tokens_at_least(text: str | None) -> int | None:
+    """A lower bound of the tokens `text` (new_text) takes: its whitespace-separated words, as vocabularies
+    split words before merging (GPT-2-style pre-tokenizers, SentencePiece's whitespace split). A tokenizer
+    whose tokens span words would only make a turn look longer than it is: it then goes to P, never to a
+    wrong KV (P checks)."""
+    return None if text is None else len(text.split())
 
 
 class ShortTurns:

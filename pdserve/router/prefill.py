@@ -68,6 +68,20 @@ class PrefillLeg:
         return dataclasses.replace(engine_checked(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold),
                                    holder=entry.decode, prompt_tokens=prompt_tokens)
 
+    async def count_tokens(self, text: str) -> int | None:
+        """P's token count of `text` alone (/tokenize of a plain prompt, no special tokens); None if P
+        cannot say."""
+        backend = self.pool.least_loaded()
+        if backend is None:
+            return None
+        body = {"model": self.cfg.model, "prompt": text, "add_special_tokens": False}
+        try:
+            status, data = await self.upstream.post_json(self.pool, backend, "/tokenize", body, {}, blame=False)
+        except UpstreamError:
+            return None
+        tokens = data.get("tokens") if status == 200 and isinstance(data, dict) else None
+        return len(tokens) if isinstance(tokens, list) else None
+
     def engines_check(self) -> bool:
         """Every prefill server has answered with pdserve's counts: its engine cuts an offer itself."""
         return all(b.name in self.engine_checks for b in self.pool.backends)
@@ -152,7 +166,7 @@ class PrefillLeg:
                     params, pulled, checked = await self._once(backend, turn, use)
                     served = True
                     if use is not None and use.reason == ENGINE_CHECKED:
-                        outcome = engine_outcome(use, pulled, checked)
+                        outcome = engine_outcome(use, pulled, checked, await self._block_size())
                     return params, pulled
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:

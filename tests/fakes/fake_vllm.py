@@ -46,8 +46,13 @@ KV_BYTES_PER_TOKEN = 147456    # an 8B-class model in bf16 (36 layers x 8 KV hea
 FAKE = web.AppKey("fake", object)
 
 
+LONG_WORD = 24     # longer words split into 8-character pieces, as a BPE vocabulary splits a rare long word
+
+
 def tokenize_text(text: str) -> list[int]:
-    return [zlib.crc32(w.encode()) % 40000 for w in text.split()]
+    pieces = [w[i:i + 8] if len(w) > LONG_WORD else w for w in text.split()
+              for i in (range(0, len(w), 8) if len(w) > LONG_WORD else (0,))]
+    return [zlib.crc32(p.encode()) % 40000 for p in pieces]
 
 
 def chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -67,6 +72,7 @@ class FakeVLLM:
         self.computed_tokens = 0            # like ...{source="local_compute"}
         self.in_flight = self.max_in_flight = 0
         self.tokenized = 0                  # /tokenize calls
+        self.tokenize_bodies: list[dict] = []
         self.xfer_bytes = self.xfer_seconds = 0.0   # like vllm:nixl_bytes_transferred / nixl_xfer_time_seconds
         self.xfer_count = 0
         # As D: turns held for P's read, by remote_request_id: {"deadline", "tokens", "blocks"} (perf_counter)
@@ -346,7 +352,9 @@ class FakeVLLM:
     async def tokenize(self, request: web.Request) -> web.Response:
         self.tokenized += 1
         body = await request.json()
-        return web.json_response({"tokens": self.prompt_ids("", body), "count": 0, "max_model_len": 8192})
+        self.tokenize_bodies.append(body)
+        tokens = self.prompt_ids("", body)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 8192})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)

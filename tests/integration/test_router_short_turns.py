@@ -151,6 +151,21 @@ async def test_a_follow_up_too_long_for_d_alone_is_checked_by_ps_engine_without_
         assert 'reason="trimmed",result="hit"} 1.0' in m or 'reason="continuation",result="hit"} 1.0' in m, m
 
 
+async def test_a_follow_up_of_few_long_words_is_counted_alone_then_checked_by_ps_engine():
+    """Few words but many tokens (a long identifier, a base64 blob, a log line): the words cannot rule D
+    alone out, nor its bytes rule it in; P counts the new text alone (a small /tokenize, not the history's)
+    and, past the limit, checks the offer in its engine."""
+    async with deployment(decode_only=True) as dep:
+        p = dep.prefill[0][FAKE]
+        history: list = []
+        await turn(dep, "alpha " * LONG, history)
+        blob = " ".join(f"{i:04d}" + "x" * 60 for i in range(60))   # 60 words, 8 fake tokens each
+        _, plan = await turn(dep, blob, history)
+        assert plan == "prefill_then_decode"
+        assert p.tokenized == 1 and len(p.tokenize_bodies[-1]["prompt"]) == len(blob)   # the new text alone
+        assert p.external_tokens >= LONG
+
+
 TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a command",
                                            "parameters": {"type": "object", "properties": {}}}}]
 

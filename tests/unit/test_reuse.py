@@ -209,4 +209,7 @@ def test_engine_checked_offer_hands_p_ds_sequence_and_reads_its_outcome():
     assert (engine_outcome(d, 60, 60).result, engine_outcome(d, 60, 60).reason) == (HIT, "continuation")
     assert (engine_outcome(d, 40, 40).reason, engine_outcome(d, 40, 40).tokens) == ("trimmed", 40)
     assert engine_outcome(d, 0, 10).reason == "below_threshold" and engine_outcome(d, 0, 0).reason == "not_a_continuation"
+    # a common prefix within one block: the template's header, an edited first message (real vLLM: 3 tokens)
+    assert engine_outcome(d, 0, 3, block_size=16).reason == "not_a_continuation"
+    assert engine_outcome(d, 0, 20, block_size=16).reason == "below_threshold"
     assert engine_outcome(d, None, None).result == MISS
