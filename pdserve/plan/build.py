@@ -25,12 +25,6 @@ from pdserve.plan.transport import transport_settings
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
-# GPU buffers: all layers of a block in one allocation, one NIXL region and one descriptor per block instead
-# of one per layer (vLLM applies it only where the attention backend and HND layout allow). With UCX's IPC
-# cache off (plan/transport.py) each transfer maps the peer's regions anew: one region, not one per layer.
-CROSS_LAYER_BLOCKS = {"enable_cross_layers_blocks": "true"}
-
-
 def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
     kv = spec.kv_transfer
     extra = {
@@ -39,7 +33,6 @@ def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
         "decoder_kv_blocks_ttl": kv.decoder_kv_blocks_ttl,
         "kv_lease_duration": kv.kv_lease_duration,
         "backends": list(kv.backends),
-        **(CROSS_LAYER_BLOCKS if kv.kv_buffer_device == "cuda" else {}),
         **kv.extra_config,
     }
     return {

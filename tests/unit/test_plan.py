@@ -231,17 +231,6 @@ def test_gpu_servers_get_cuda_ipc_get_zero_copy_and_plan_says_why():
     assert plan.router.defaults == {}
 
 
-def test_gpu_buffers_ask_for_one_kv_region_across_layers_unless_the_config_says_otherwise():
-    def extra(plan, name="prefill-0"):
-        argv = plan.by_name(name).argv
-        return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-    assert extra(plan_of(gpu_spec()))["enable_cross_layers_blocks"] == "true"
-    assert extra(plan_of(gpu_spec()), "decode-0")["enable_cross_layers_blocks"] == "true"
-    assert "enable_cross_layers_blocks" not in extra(plan_of(GOOD))              # CPU buffers
-    off = plan_of(gpu_spec(extra_config={"enable_cross_layers_blocks": "false"}))
-    assert extra(off)["enable_cross_layers_blocks"] == "false"
-
-
 def test_the_users_transport_setting_wins_and_is_not_called_a_default():
     data = gpu_spec()
     data["decode"]["env"] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
