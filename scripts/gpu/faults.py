@@ -117,7 +117,7 @@ def main() -> int:
 
     def save() -> None:
         res.update(timeline=timeline, gpu_mib=gpus, requests=requests)
-        kills = os.environ.get("FAULTS_KILL", "decode-0").replace(",", "+")
+        kills = os.environ.get("FAULTS_KILL", "decode-0").replace(",", "_")
         (out_dir / f"{name}-{kills}-faults.json").write_text(json.dumps(res, indent=1))
 
     def log(key: str, value) -> None:
