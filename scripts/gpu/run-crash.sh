@@ -3,7 +3,7 @@
 # random-weight 8B-class one): a crash costs no request, the canary proves both directions, the "on" turn
 # in parts. Wheel parts already in /tmp/parts. Results under $OUT; the cluster stays up between calls.
 #   scripts/gpu/run-crash.sh up        install, the plan's transport lines, up (its canary), doctor
-#   scripts/gpu/run-crash.sh split     the streamed 36k on/off turn in parts, 3 times (measure.py split),
+#   scripts/gpu/run-crash.sh split     the streamed 36k on/off turn in parts, 5 times (measure.py split),
 #                                      and the off/on curve at 2k-4k around the 2048 threshold
 #   scripts/gpu/run-crash.sh faults    while a client sends a short chat every 0.25 s: SIGKILL decode-0,
 #                                      wait for `running`, then prefill-0 (faults.py on the running cluster)
@@ -31,7 +31,7 @@ case $1 in
     pd doctor "$cfg" 2>&1 | tee "$out/doctor.txt"
     logs up ;;
   split)
-    split36 shipped 3
+    split36 shipped 5
     python3 "$code/scripts/gpu/measure.py" curve $router $p "$out/threshold.json" 2048,3072,4096 | tee "$out/threshold.txt"
     nvidia-smi --query-gpu=memory.used --format=csv
     logs split ;;
