@@ -242,3 +242,25 @@ def test_a_block_cut_as_bytes_gives_the_client_what_parsing_each_line_gave(keep)
         want = b"".join(Collector.scrub_sse_line(slow, line, False) for line in block.splitlines(keepends=True))
         assert fast.scrub_block(block, marked) == want
         assert fast.generated == slow.generated and fast.kv_params == slow.kv_params == {"a": 1}
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_run_of_vllm_token_chunks_is_cut_at_once_and_an_odd_line_sends_its_run_line_by_line(keep, monkeypatch):
+    import re
+    from pdserve.router.api.base import Collector
+    marked = re.compile(b"kv_transfer_params|token_ids").search
+    token = [vllm_chunk({"index": 0, "delta": {"content": f"w{i} \\\" "}, "logprobs": None, "finish_reason": None,
+                         "token_ids": [i, i + 1] if i % 3 else [i]}) + b"\n" for i in range(30)]
+    handles = b'data: {"choices":[{"index":0,"delta":{},"token_ids":[99]}],"kv_transfer_params":{"a":1}}\n\n'
+    odd = vllm_chunk({"index": 0, "delta": {"content": "x"}, "token_ids": [5]})[:-1] + b' \n\n'   # a space: parsed
+    head = vllm_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}, prompt_token_ids=[1, 2]) + b"\n"
+    for block, at_once in ((head + b"".join(token[:20]) + handles + b"".join(token[20:]) + b"data: [DONE]\n\n", True),
+                           (b"".join(token[:10]) + odd + b"".join(token[10:]), False)):
+        fast, slow = SequenceCollector(keep_for_client=keep), SequenceCollector(keep_for_client=keep)
+        want = b"".join(Collector.scrub_sse_line(slow, line, False) for line in block.splitlines(keepends=True))
+        if at_once:
+            monkeypatch.setattr(fast, "_cut", None)          # not one line by line
+        assert fast.scrub_block(block, marked) == want
+        assert fast.generated == slow.generated and fast.kv_params == slow.kv_params and fast.prompt == slow.prompt
+        monkeypatch.undo()

@@ -17,6 +17,12 @@ TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
 # re-encoded (one chunk a token, and every tracked turn asks for them).
 ONE_CHOICE = b'"choices":[{"index":0,'
 CHOICE_TOKEN_IDS = re.compile(rb',"token_ids":\[([0-9,]*)\]\}\]')
+# A block's lines at a time: a data line ending with choice 0's token ids (the chunk's last field), ...
+TOKEN_LINE = re.compile(rb'\ndata: \{[^\n]*,"token_ids":\[([0-9,]*)\]\}\]\}(?=\n)')
+# ... the one choice 0 before them in the same line, and the ids as cut.
+CHOICE_TO_IDS = re.compile(rb'"choices":\[\{"index":0,[^\n]*,"token_ids":\[[0-9,]*\]\}\]\}(?=\n)')
+TOKEN_TAIL = re.compile(rb',"token_ids":\[[0-9,]*\]\}\]\}(?=\n)')
+PARSED = re.compile(rb"kv_transfer_params|prompt_token_ids")
 
 
 def _plain(text: bytes) -> bool:
@@ -103,8 +109,33 @@ class ChoicesCollector(Collector):
     def scrub_block(self, block: bytes, marked: Callable[[bytes], Any]) -> bytes:
         if not _plain(block):
             return super().scrub_block(block, marked)
+        out, pos = [], 0
+        found = PARSED.search(block)
+        while found is not None:   # a line with D's handles or the prompt's ids is parsed; the lines between,
+            at = found.start()     # a run at a time
+            start = block.rfind(b"\n", pos, at) + 1 or pos
+            end = block.find(b"\n", at) + 1 or len(block)
+            out += (self._cut_run(block[pos:start], marked), super().scrub_sse_line(block[start:end], False))
+            pos = end
+            found = PARSED.search(block, pos)
+        out.append(self._cut_run(block[pos:], marked))
+        return b"".join(out)
+
+    def _cut_run(self, run: bytes, marked: Callable[[bytes], Any]) -> bytes:
+        """Whole plain lines without D's handles: when every mention of token ids and of an index is in a
+        line that `_cut` would cut (counted: each TOKEN_LINE holds one CHOICE_TO_IDS, and there are as many
+        of each as mentions), all are cut at once; else line by line."""
+        n = run.count(b"token_ids")
+        if not n:
+            return run
+        ids = TOKEN_LINE.findall(b"\n" + run)
+        if len(ids) == n == run.count(b'"index":') == run.count(ONE_CHOICE) == len(CHOICE_TO_IDS.findall(run)):
+            joined = b",".join(filter(None, ids))
+            if joined:
+                self.generated.extend(map(int, joined.split(b",")))
+            return run if self.keep else TOKEN_TAIL.sub(b"}]}", run)
         parse, cut_ids, out = super().scrub_sse_line, self._cut, []
-        for line in block.splitlines(keepends=True):
+        for line in run.splitlines(keepends=True):
             cut = cut_ids(line) if b"token_ids" in line else None
             out.append(cut if cut is not None else parse(line, False) if marked(line) else line)
         return b"".join(out)
