@@ -163,10 +163,10 @@ class PrefillLeg:
                 if use is not None and use.reason == ENGINE_CHECKED and backend.name not in self.engine_checks:
                     use, outcome = None, Decision(MISS, "unverifiable", holder=use.holder)   # its engine may not cut
                 try:
-                    params, pulled, checked = await self._once(backend, turn, use)
+                    params, pulled, checked, local = await self._once(backend, turn, use)
                     served = True
                     if use is not None and use.reason == ENGINE_CHECKED:
-                        outcome = engine_outcome(use, pulled, checked, await self._block_size())
+                        outcome = engine_outcome(use, pulled, checked, await self._block_size(), local)
                     return params, pulled
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
@@ -178,7 +178,7 @@ class PrefillLeg:
                         tracing.note(prefill_read_retry=True)
                         offer, outcome = None, Decision(MISS, "read_failed", holder=use.holder)
                         try:
-                            params, pulled, _ = await self._once(backend, turn, None)
+                            params, pulled, _, _ = await self._once(backend, turn, None)
                             served = True
                             return params, pulled
                         except UpstreamError as again:
@@ -203,7 +203,7 @@ class PrefillLeg:
                          ",".join(tried), outcome.result, outcome.reason, outcome.tokens)
 
     async def _once(self, backend: Backend, turn: Turn,
-                    use: Decision | None) -> tuple[dict[str, Any], int | None, int | None]:
+                    use: Decision | None) -> tuple[dict[str, Any], int | None, int | None, int | None]:
         """P's params for D, the tokens it pulled from D, and the common prefix its engine found (an
         engine-checked offer only); the last two None when P does not say."""
         p_body = turn.fmt.prefill_body(turn.body, use.params if use else None, turn.request_id)
@@ -224,7 +224,8 @@ class PrefillLeg:
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
         self._learn(backend, use, time.perf_counter() - started, turn.fmt.prompt_tokens(data), counts)
-        return params, counts[0] if counts is not None else None, checked if isinstance(checked, int) else None
+        return (params, counts[0] if counts is not None else None, checked if isinstance(checked, int) else None,
+                counts[1] if counts is not None else None)
 
     def _misconfigured(self, backend: Backend) -> None:
         """P answered a prefill without handles: it runs without NixlConnector, so every request it gets is

@@ -105,12 +105,17 @@ def engine_checked(entry: ReuseEntry, *, holder_healthy: bool, holder_generation
     return Decision(HIT, ENGINE_CHECKED, params, offered)
 
 
-def engine_outcome(offer: Decision, pulled: int | None, checked: int | None, block_size: int | None = None) -> Decision:
+def engine_outcome(offer: Decision, pulled: int | None, checked: int | None, block_size: int | None = None,
+                   local: int | None = None) -> Decision:
     """What an engine-checked offer came to, from P's own counts: a hit of what P pulled, or why not. As in
-    decide, a common prefix shorter than a block (a template header at most) is an edited history."""
+    decide, a common prefix shorter than a block (a template header at most) is an edited history; one that
+    P's own prefix cache held but for less than a block (`local`: P's prefix-cache hits) left nothing worth
+    reading (prefix_cached)."""
     if not pulled:
         edited = not checked or (block_size is not None and checked < block_size)
-        reason = "unverifiable" if checked is None else "not_a_continuation" if edited else "below_threshold"
+        cached = bool(checked) and local is not None and local + (block_size or 0) >= checked
+        reason = "unverifiable" if checked is None else "not_a_continuation" if edited else \
+            "prefix_cached" if cached else "below_threshold"
         return Decision(MISS, reason, holder=offer.holder)
     return Decision(HIT, "continuation" if checked == offer.tokens else "trimmed", holder=offer.holder, tokens=pulled)
 

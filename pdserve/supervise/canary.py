@@ -133,7 +133,9 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
     # no_entry miss), and the second is found by its history, as an unmodified client's is.
     first_items = canary_items(pull_threshold) if prefill_urls else CANARY_ITEMS
     messages = [{"role": "user", "content": canary_text(first_items)}]
-    body = {"model": model, "max_tokens": 2, "messages": messages}
+    # Each turn its own vLLM cache_salt: with P's prefix cache on, P kept turn 1's blocks from its own prefill
+    # and the second turn would find them there and pull nothing from D (the D->P path unproven).
+    body = {"model": model, "max_tokens": 2, "messages": messages, "cache_salt": uuid.uuid4().hex}
     readings = lambda urls: [reading(u) for u in urls]  # noqa: E731
     before = readings(decode_urls)
     offered = None
@@ -145,8 +147,8 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
             p_before = readings(prefill_urls)
             message = (reply.get("choices") or [{}])[0].get("message") or {"role": "assistant", "content": ""}
             follow_up = {"role": "user", "content": canary_text(canary_items(decode_only_max_tokens + 1))}
-            _, answer_headers = _chat(router_url, headers, {**body, "messages": [*messages, message, follow_up]},
-                                      timeout)
+            _, answer_headers = _chat(router_url, headers, {**body, "messages": [*messages, message, follow_up],
+                                                            "cache_salt": uuid.uuid4().hex}, timeout)
             offered = answer_headers.get(PULLED_HEADER)
             to_prefill = leg(p_before, readings(prefill_urls))
     except urllib.error.HTTPError as err:
@@ -162,8 +164,8 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
                                    "host/ports, UCX)", to_decode)
     said = [to_decode.describe("P->D")]
     if to_prefill is not None and to_prefill.tokens <= 0:
-        why = (f"the router offered P {offered} tokens but P's counters show no read" if offered and offered != "0"
-               else "the router offered P nothing of the first turn (see the router log for the miss reason)")
+        why = (f"the router counted {offered} tokens read but P's counters show none" if offered and offered != "0"
+               else "P read nothing of the first turn (the router's reuse reasons: `pdserve status`)")
         return CanaryResult(False, f"canary moved {said[0]}, but no KV came back D->P on its second turn: {why} "
                                    f"(check decoder_kv_blocks_ttl, NIXL on the prefill servers)", to_decode, to_prefill)
     if to_prefill is not None:

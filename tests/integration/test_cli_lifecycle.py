@@ -373,7 +373,7 @@ def test_up_fails_when_the_canary_pulls_nothing_back_from_decode(tmp_path, home)
     path, _ = write_config(tmp_path, "nopull", server_args=["--no-bidirectional"])
     up = pdserve("up", str(path))
     assert up.returncode == 1
-    assert "no KV came back D->P" in up.stderr and "offered P nothing" in up.stderr, up.stderr
+    assert "no KV came back D->P" in up.stderr and "P read nothing of the first turn" in up.stderr, up.stderr
     assert all_markers(home, "nopull") == []
 
 

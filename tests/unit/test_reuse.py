@@ -212,4 +212,7 @@ def test_engine_checked_offer_hands_p_ds_sequence_and_reads_its_outcome():
     # a common prefix within one block: the template's header, an edited first message (real vLLM: 3 tokens)
     assert engine_outcome(d, 0, 3, block_size=16).reason == "not_a_continuation"
     assert engine_outcome(d, 0, 20, block_size=16).reason == "below_threshold"
+    # P's own prefix cache held all but the last partial block: nothing worth reading from D
+    assert engine_outcome(d, 0, 60, block_size=16, local=48).reason == "prefix_cached"
+    assert engine_outcome(d, 0, 60, block_size=16, local=0).reason == "below_threshold"
     assert engine_outcome(d, None, None).result == MISS
