@@ -115,20 +115,24 @@ def template_digest(body: dict[str, Any]) -> str:
         return "?"
 
 
+def new_messages_start(messages: list[Any] | None, start: int | None = None) -> int | None:
+    """Where the new messages begin: `start` (the messages D holds) or, None, after the last assistant
+    message; None when there is no such place."""
+    if not messages:
+        return None
+    if start is None:
+        start = next((i + 1 for i in range(len(messages) - 1, -1, -1)
+                      if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), None)
+    return start if start is not None and 0 < start <= len(messages) else None
+
+
 def new_tokens_bound(messages: list[Any] | None, start: int | None = None) -> int | None:
     """An upper bound of the tokens that messages[start:] add to the prompt (start: the messages D holds; None:
     all after the last assistant message), without tokenizing: a token of a byte-level BPE (or SentencePiece)
     vocabulary covers at least one byte of text, plus the template's tokens per message and the generation
     prompt. None when there is nothing to bound by (no assistant message, a message that is not plain text)."""
-    if not messages:
-        return None
+    start = new_messages_start(messages, start)
     if start is None:
-        last = next((i for i in range(len(messages) - 1, -1, -1)
-                     if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), None)
-        if last is None:
-            return None
-        start = last + 1
-    if not 0 < start <= len(messages):
         return None
     total = TEMPLATE_TOKENS_PER_MESSAGE                  # the generation prompt
     for message in messages[start:]:
@@ -146,12 +150,8 @@ def new_tokens_bound(messages: list[Any] | None, start: int | None = None) -> in
 def new_text(messages: list[Any] | None, start: int | None = None) -> str | None:
     """The text of messages[start:] (start as for new_tokens_bound), parts that are not text left out; None
     when there is no such range."""
-    if not messages:
-        return None
+    start = new_messages_start(messages, start)
     if start is None:
-        start = next((i + 1 for i in range(len(messages) - 1, -1, -1)
-                      if isinstance(messages[i], dict) and messages[i].get("role") == "assistant"), None)
-    if start is None or not 0 < start <= len(messages):
         return None
     texts = []
     for message in messages[start:]:

@@ -101,8 +101,7 @@ class PrefillLeg:
         new_prompt = await self._prompt_ids(fmt, body) if entry.sequence is not None else None
         if new_prompt is None and fmt.render_path and entry.sequence is not None:
             # No render endpoint on P (vLLM 0.26 has none for messages and responses): P's engine checks.
-            return dataclasses.replace(engine_checked(entry, **self._holder(entry),
-                                                      threshold=self.cfg.kv_recompute_threshold), holder=entry.decode)
+            return self.engine_check(entry, None)
         decision = decide(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold,
                           new_prompt=new_prompt, block_size=await self._block_size())
         return dataclasses.replace(decision, holder=entry.decode,
@@ -204,8 +203,8 @@ class PrefillLeg:
 
     async def _once(self, backend: Backend, turn: Turn,
                     use: Decision | None) -> tuple[dict[str, Any], int | None, int | None, int | None]:
-        """P's params for D, the tokens it pulled from D, and the common prefix its engine found (an
-        engine-checked offer only); the last two None when P does not say."""
+        """P's params for D, the tokens it pulled from D, the common prefix its engine found (an
+        engine-checked offer only) and its own prefix-cache hits; the last three None when P does not say."""
         p_body = turn.fmt.prefill_body(turn.body, use.params if use else None, turn.request_id)
         started = time.perf_counter()
         # With D's blocks offered, a failure may be D's (blocks gone) as much as P's: not P's breaker.
