@@ -138,7 +138,7 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
     body = {"model": model, "max_tokens": 2, "messages": messages, "cache_salt": uuid.uuid4().hex}
     readings = lambda urls: [reading(u) for u in urls]  # noqa: E731
     before = readings(decode_urls)
-    offered = None
+    router_pulled = None   # X-PDServe-Pulled-Tokens of the second turn: what the router says P read
     try:
         reply, _ = _chat(router_url, headers, body, timeout)
         to_decode = leg(before, readings(decode_urls))
@@ -149,7 +149,7 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
             follow_up = {"role": "user", "content": canary_text(canary_items(decode_only_max_tokens + 1))}
             _, answer_headers = _chat(router_url, headers, {**body, "messages": [*messages, message, follow_up],
                                                             "cache_salt": uuid.uuid4().hex}, timeout)
-            offered = answer_headers.get(PULLED_HEADER)
+            router_pulled = answer_headers.get(PULLED_HEADER)
             to_prefill = leg(p_before, readings(prefill_urls))
     except urllib.error.HTTPError as err:
         return CanaryResult(False, f"canary request failed: HTTP {err.code} "
@@ -164,7 +164,8 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
                                    "host/ports, UCX)", to_decode)
     said = [to_decode.describe("P->D")]
     if to_prefill is not None and to_prefill.tokens <= 0:
-        why = (f"the router counted {offered} tokens read but P's counters show none" if offered and offered != "0"
+        why = (f"the router counted {router_pulled} tokens read but P's counters show none"
+               if router_pulled and router_pulled != "0"
                else "P read nothing of the first turn (the router's reuse reasons: `pdserve status`)")
         return CanaryResult(False, f"canary moved {said[0]}, but no KV came back D->P on its second turn: {why} "
                                    f"(check decoder_kv_blocks_ttl, NIXL on the prefill servers)", to_decode, to_prefill)
