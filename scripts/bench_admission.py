@@ -13,8 +13,8 @@ import asyncio
 import hashlib
 import time
 
-from pdserve.router.admission import Admission, Limits
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.front.admission import Admission, Limits
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 ALL_ON = Limits(max_in_flight=100_000, queue_size=100, tenant_max_in_flight=100_000, tenant_rate=1e9)
 

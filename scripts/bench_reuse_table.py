@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pdserve.router.store_memory import MemoryTable as ReuseStore  # noqa: E402
+from pdserve.router.kv.store_memory import MemoryTable as ReuseStore  # noqa: E402
 
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e",
           "remote_request_id": "r", "remote_host": "h", "remote_port": 1, "remote_num_tokens": 255,
@@ -57,7 +57,7 @@ async def bench_router(n: int, every: int, concurrency: int, max_entries: int) -
     print(f"{'requests':>9} {'req/s':>8} {'entries':>8} {'RSS MiB':>8}")
     async with deployment(prefill_args=(["--no-record"],), decode_args=(["--no-record"],),
                           reuse_max_entries=max_entries) as dep:
-        from pdserve.router.app import FLOW
+        from pdserve.router.front.app import FLOW
         store = dep.router[FLOW].store
         counter = iter(range(n))
         done = 0

@@ -124,7 +124,7 @@ def legs(server_timing: str | None) -> dict[str, float]:
 
 
 def capacity(d_url: str) -> tuple[int | None, int | None]:
-    from pdserve.router.held_ledger import capacity_of
+    from pdserve.router.kv.held_ledger import capacity_of
     with urllib.request.urlopen(d_url + "/metrics", timeout=10) as r:
         return capacity_of(r.read().decode())
 

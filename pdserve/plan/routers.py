@@ -23,7 +23,7 @@ STORE_NAME = "redis"
 STORE_ROLE = "store"
 MEMORY_STORE = "memory"
 # The cluster's store secret in its state folder (`up` makes it: state/secret.py), a Redis config line
-# (`requirepass ...`): the managed Redis includes it, the routers read it (router/store_redis.py).
+# (`requirepass ...`): the managed Redis includes it, the routers read it (router/kv/store_redis.py).
 SECRET_FILE = "store-secret.conf"
 
 

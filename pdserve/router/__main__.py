@@ -12,10 +12,10 @@ import sys
 
 from aiohttp import web
 
-from pdserve.router import logs
-from pdserve.router.app import DRAINING, METRICS, build_app, server_limits
 from pdserve.router.config import RouterConfig
-from pdserve.router.limits import GuardedRunner, fd_budget, raise_fd_limit
+from pdserve.router.front.app import DRAINING, METRICS, build_app, server_limits
+from pdserve.router.front.limits import GuardedRunner, fd_budget, raise_fd_limit
+from pdserve.router.telemetry import logs
 
 
 def fit_descriptors(cfg: RouterConfig) -> RouterConfig:

@@ -25,5 +25,10 @@ CHECKED_KEY = "pdserve_checked_tokens"
 # Response headers for benchmarks, scripts and the supervisor's canary. The tokens of this turn's prompt
 # that P read from D's KV instead of computing (a count, no handles):
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"
-# Where the turn was served (policy.PLANS: prefill_then_decode, decode_only, degraded):
+# Where the turn was served, one of PLANS (the route policy's names; also pdserve_router_turn_plans_total{plan}
+# and `status`):
 PLAN_HEADER = "X-PDServe-Plan"
+PREFILL_THEN_DECODE = "prefill_then_decode"
+DECODE_ONLY = "decode_only"
+DEGRADED = "degraded"
+PLANS = (PREFILL_THEN_DECODE, DECODE_ONLY, DEGRADED)

@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from pdserve.errors import ConfigError
-from pdserve.router.store import MEMORY, STORES, scheme
+from pdserve.router.kv.store import MEMORY, STORES, scheme
 from pdserve.spec.canary_size import canary_tokens_at_least
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MANAGED_STORE, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
 from pdserve.spec.topology import ROLES, ROUTER_MACHINE, apply_platform, port_key, topology_problems

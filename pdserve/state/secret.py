@@ -2,7 +2,7 @@
 by `pdserve up` and kept there (plan/routers.py's SECRET_FILE, mode 0600), so it outlives every process.
 
 It is a Redis config line, `requirepass TOKEN`: the managed Redis includes the file (its password, on no
-command line), and the routers read it (router/store_redis.py): the password, and its hash as the deployment
+command line), and the routers read it (router/kv/store_redis.py): the password, and its hash as the deployment
 id that namespaces the cluster's keys in a shared Redis. Every replica reads the one file; no other cluster
 has it, even under the same name (another PDSERVE_HOME, another machine).
 """

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pdserve.router.app import CONFIG, METRICS, build_app, server_limits
-from pdserve.router.limits import GuardedRunner
+from pdserve.router.front.app import CONFIG, METRICS, build_app, server_limits
+from pdserve.router.front.limits import GuardedRunner
 from tests.integration.routerkit import Deployment, _serve
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from pdserve.router.app import METRICS, build_app, server_limits
 from pdserve.router.config import RouterConfig
-from pdserve.router.limits import GuardedRunner
+from pdserve.router.front.app import METRICS, build_app, server_limits
+from pdserve.router.front.limits import GuardedRunner
 from tests.fakes.fake_vllm import build_app as build_fake
 from tests.fakes.fake_vllm import parse_args
 
@@ -82,7 +82,7 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
 
 async def wait_healthy(dep: Deployment) -> None:
     import asyncio
-    from pdserve.router.app import FLOW
+    from pdserve.router.front.app import FLOW
     for _ in range(100):
         flow = dep.router[FLOW]
         if all(b.healthy for b in flow.prefill.pool.backends + flow.decode.backends):

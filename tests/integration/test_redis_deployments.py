@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from pdserve.plan.build import build_plan
 from pdserve.plan.routers import SECRET_FILE
 from pdserve.router.config import RouterConfig
-from pdserve.router.store_redis import deployment_id, read_secret
+from pdserve.router.kv.store_redis import deployment_id, read_secret
 from pdserve.spec.load import parse_spec
 from pdserve.state.secret import ensure_secret
 from pdserve.supervise.health import probe

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from pdserve.router.redis_pipe import RedisPipe
+from pdserve.router.kv.redis_pipe import RedisPipe
 from tests.integration.rediskit import RedisServer
 
 

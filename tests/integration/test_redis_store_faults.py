@@ -11,7 +11,7 @@ import json
 
 import redis.asyncio as aioredis
 
-from pdserve.router.store_redis import MAX_CANDIDATES
+from pdserve.router.kv.store_redis import MAX_CANDIDATES
 from tests.integration.rediskit import RedisServer
 from tests.integration.routerkit import deployment
 from tests.integration.test_router_store_redis import PARAMS, _hits, store_at

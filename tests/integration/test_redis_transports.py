@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from pdserve.router.store import open_store
+from pdserve.router.kv.store import open_store
 from tests.integration.rediskit import RedisServer, free_port
 
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e1", "remote_request_id": "r",

@@ -19,8 +19,8 @@ import pytest
 from multidict import CIMultiDict
 
 from pdserve.observe.promtext import parse, total
-from pdserve.router.app import CONFIG
-from pdserve.router.turn import PLAN_HEADER, PULLED_HEADER
+from pdserve.router.front.app import CONFIG
+from pdserve.router.legs.turn import PLAN_HEADER, PULLED_HEADER
 from pdserve.router.wire import WANT_TOKENS_KEY
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment

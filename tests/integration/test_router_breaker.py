@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from pdserve.router.app import FLOW
-from pdserve.router.breaker import OPEN
+from pdserve.router.front.app import FLOW
+from pdserve.router.route.breaker import OPEN
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
 

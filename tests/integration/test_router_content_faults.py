@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import re
 
-from pdserve.router.app import FLOW
-from pdserve.router.breaker import CLOSED, OPEN
+from pdserve.router.front.app import FLOW
+from pdserve.router.route.breaker import CLOSED, OPEN
 from tests.integration.routerkit import deployment
 
 CHAT = "/v1/chat/completions"

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 
 from pdserve.observe.promtext import parse
-from pdserve.router.app import FLOW
+from pdserve.router.front.app import FLOW
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
 

@@ -8,7 +8,7 @@ import json
 
 import aiohttp
 
-from pdserve.router.app import FLOW
+from pdserve.router.front.app import FLOW
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
 from tests.integration.test_router_depth import sample
@@ -92,7 +92,7 @@ async def test_router_out_of_descriptors_is_not_blamed_on_the_backend():
         def emfile(*args, **kwargs):
             raise aiohttp.ClientOSError(errno.EMFILE, "Too many open files")
 
-        async def emfile_lean(*args, **kwargs):   # the lean JSON client (router/http1.py) lets it through raw
+        async def emfile_lean(*args, **kwargs):   # the lean JSON client (router/legs/http1.py) lets it through raw
             raise OSError(errno.EMFILE, "Too many open files")
 
         upstream.session.post = emfile

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.observe.routerstats import parse_metrics
-from pdserve.router.app import FLOW
+from pdserve.router.front.app import FLOW
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
 

@@ -7,7 +7,7 @@ import asyncio
 import gzip
 import logging
 
-from pdserve.router.logs import OneLineFormatter
+from pdserve.router.telemetry.logs import OneLineFormatter
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
 from tests.integration.test_router_depth import sample
@@ -128,7 +128,8 @@ async def test_a_lone_surrogate_is_a_400_that_never_reaches_a_backend_and_a_fail
 async def test_a_huge_body_is_parsed_checked_and_hashed_off_the_event_loop(monkeypatch):
     """Issue 25, point 4: the pure-Python passes over a 13 MB body stalled every other client for seconds."""
     import threading
-    from pdserve.router import identity, inputs
+    from pdserve.router import identity
+    from pdserve.router.api import inputs
     threads = {}
 
     def spy(name, real):

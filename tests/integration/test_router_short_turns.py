@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.app import FLOW
+from pdserve.router.front.app import FLOW
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.routerkit import deployment
 

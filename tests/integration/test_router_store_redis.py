@@ -9,8 +9,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from pdserve.router.app import FLOW, REPLICA_HEADER
-from pdserve.router.store import UNAVAILABLE, open_store
+from pdserve.router.front.app import FLOW, REPLICA_HEADER
+from pdserve.router.kv.store import UNAVAILABLE, open_store
 from tests.fakes.fake_vllm import FAKE
 from tests.integration.rediskit import add_router
 from tests.integration.routerkit import deployment

@@ -105,7 +105,7 @@ async def test_span_tree_of_a_degraded_request_and_a_client_traceparent_is_conti
 
 
 def test_tracing_off_imports_no_opentelemetry():
-    code = ("import sys; from pdserve.router.app import build_app; from pdserve.router.config import RouterConfig; "
+    code = ("import sys; from pdserve.router.front.app import build_app; from pdserve.router.config import RouterConfig; "
             "build_app(RouterConfig(prefill=[], decode=[], model='m', json_logs=True)); "
             "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('opentelemetry')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Admission policy (pdserve/router/admission.py) on a fake clock, and its queue on a real loop with
+"""Admission policy (pdserve/router/front/admission.py) on a fake clock, and its queue on a real loop with
 millisecond waits: per-tenant rate and in-flight caps (429), the global cap with its bounded queue (503),
 Retry-After, and exactly one counted outcome per request."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from pdserve.router import admission as adm
-from pdserve.router.admission import Admission, AdmissionPolicy, Limits, Refusal
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.front import admission as adm
+from pdserve.router.front.admission import Admission, AdmissionPolicy, Limits, Refusal
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 
 class Clock:

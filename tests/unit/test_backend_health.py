@@ -3,7 +3,7 @@ answers must repeat before the server leaves routing, and never lose its entries
 
 from __future__ import annotations
 
-from pdserve.router.backends import FAILED_PROBES_BEFORE_DOWN, Backend
+from pdserve.router.route.backends import FAILED_PROBES_BEFORE_DOWN, Backend
 
 
 def healthy_backend() -> Backend:
@@ -44,8 +44,8 @@ def test_never_healthy_backend_is_not_reported_down():
 
 
 def test_a_successful_request_brings_a_restarted_server_back_before_the_next_probe():
-    from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.backends import Pool
+    from pdserve.router.telemetry.metrics import RouterMetrics
+    from pdserve.router.route.backends import Pool
     from pdserve.router.config import BackendConfig
     pool = Pool("decode", [BackendConfig("decode-0", "http://x")], RouterMetrics())
     b = pool.backends[0]

@@ -18,7 +18,7 @@ from pdserve.bench.report import per_arm, percentile, pulled_from_d
 from pdserve.bench.run import NO_REPLY, Endpoints, run_arm
 from pdserve.bench.workload import Conversation
 from pdserve.plan.build import CPU_KV_ENV, build_plan
-from pdserve.router.turn import PULLED_HEADER
+from pdserve.router.legs.turn import PULLED_HEADER
 from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
 
 MANY = SHIPPED_CONFIGS / "bench-cpu-many.yaml"

@@ -1,4 +1,4 @@
-"""Large JSON answers parsed with the event loop running (router/bigjson.py): the same result as json.loads, and
+"""Large JSON answers parsed with the event loop running (router/legs/bigjson.py): the same result as json.loads, and
 no long stall for a 2M-id answer (issue 35 item 7)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.router import bigjson
+from pdserve.router.legs import bigjson
 
 
 def test_the_result_is_json_loads_whatever_the_shape():

@@ -1,4 +1,4 @@
-"""The router's lean HTTP/1.1 client (router/http1.py) against a real aiohttp server on loopback: keep-alive
+"""The router's lean HTTP/1.1 client (router/legs/http1.py) against a real aiohttp server on loopback: keep-alive
 reuse, chunked and sized bodies, the pool bound, and how each failure is told apart."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from pdserve.router.http1 import ConnectFailed, Disconnected, Http1Client, PoolTimeout
+from pdserve.router.legs.http1 import ConnectFailed, Disconnected, Http1Client, PoolTimeout
 
 
 async def serve(handler) -> tuple[web.AppRunner, str]:
@@ -260,7 +260,7 @@ async def test_a_kept_alive_connection_the_backend_closed_is_retried_once_on_a_n
 
 
 async def test_an_answer_over_the_bound_is_refused_at_once_and_the_connection_closed():
-    from pdserve.router.http1 import AnswerTooLarge
+    from pdserve.router.legs.http1 import AnswerTooLarge
 
     async def answer(writer, n, body, head):
         if body == b"endless":                     # chunked, never ends

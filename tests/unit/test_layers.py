@@ -1,7 +1,8 @@
 """The import graph runs one way: cli -> bench -> orchestrate -> checks -> supervise -> state -> launchers ->
 plan -> spec, with observe, engine and errors below; the CLI imports only the operations (orchestrate.ops,
 bench.session), errors and ui; the router imports nothing of the rest but errors. A new import that runs
-back up fails here, and so does any cycle between packages or between the modules of one package."""
+back up fails here, and so does any cycle between packages or between the modules of one package. Inside
+the router, its sub-packages import one way too (front -> legs -> route -> kv, api and telemetry below)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,35 @@ def test_no_cycle_between_modules_of_a_package():
     edges = module_imports()
     assert_no_cycle({m: {t for t in targets if package_of(t) == package_of(m) and t != f"pdserve.{package_of(m)}"}
                      for m, targets in edges.items()})
+
+
+# Inside the router, sub-package -> the sub-packages it may import. Its top-level modules (config, errors, wire,
+# identity) sit below them all and import none; __main__, the process, wires everything.
+ROUTER_ALLOWED = {
+    "front": {"legs", "route", "kv", "api", "telemetry"},   # HTTP front: routes, admission, the observe middleware
+    "legs": {"route", "kv", "api", "telemetry"},            # a turn's flow, its P and D legs, calls to servers
+    "route": {"kv", "telemetry"},                            # where a turn goes: policies, servers' pools and health
+    "kv": set(),                                             # what is remembered of D's KV: entries, stores, held
+    "api": set(),                                            # one module per wire format
+    "telemetry": set(),                                      # metrics, logs, trace notes
+}
+
+
+def router_part(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "router"] or len(parts) < 3 or parts[2] == "__main__":
+        return None
+    return parts[2] if parts[2] in ROUTER_ALLOWED else "top"
+
+
+def test_the_routers_sub_packages_import_one_way():
+    parts = {p.name for p in (PKG / "router").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert parts == set(ROUTER_ALLOWED), parts ^ set(ROUTER_ALLOWED)
+    bad = set()
+    for module, targets in module_imports().items():
+        own = router_part(module)
+        for target in targets:
+            other = router_part(target)
+            if own and other and other != own and other != "top" and other not in ROUTER_ALLOWED.get(own, set()):
+                bad.add(f"{module} -> {target}")
+    assert not bad, f"router imports against its layering: {sorted(bad)}"

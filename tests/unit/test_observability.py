@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from pdserve.observe import dashboard, transfer
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.telemetry.metrics import RouterMetrics
 from pdserve.state.folder import ClusterDir
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState
 

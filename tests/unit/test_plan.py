@@ -263,7 +263,7 @@ def test_router_replicas_share_the_port_and_each_has_its_own():
     assert [arg(p.argv, "--replica") for p in routers] == ["router-0", "router-1", "router-2"]
     assert [p.health_url for p in routers] == [f"http://127.0.0.1:{8001 + i}/health" for i in range(3)]
     assert plan.router_url == "http://127.0.0.1:8000"            # what clients and the canary use
-    # the cluster's store secret names its keys' namespace (issue 35, item 10): router/store_redis.py
+    # the cluster's store secret names its keys' namespace (issue 35, item 10): router/kv/store_redis.py
     assert plan.router_config["store"] == "redis://10.0.0.5:6380/2?deployment_file=/h/clusters/t/store-secret.conf"
     assert plan.router_config["replicas"] == 3
     assert not any(p.role == "store" for p in plan.processes)     # a given Redis is never started by pdserve

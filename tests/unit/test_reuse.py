@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.router.reuse import HIT, MISS, common_prefix_len, decide
-from pdserve.router.store_memory import MemoryTable as ReuseStore
+from pdserve.router.kv.reuse import HIT, MISS, common_prefix_len, decide
+from pdserve.router.kv.store_memory import MemoryTable as ReuseStore
 
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e",
           "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
@@ -195,7 +195,7 @@ def test_store_operations_do_not_scan_the_table():
 
 
 def test_engine_checked_offer_hands_p_ds_sequence_and_reads_its_outcome():
-    from pdserve.router.reuse import ENGINE_CHECKED, engine_checked, engine_outcome
+    from pdserve.router.kv.reuse import ENGINE_CHECKED, engine_checked, engine_outcome
     from pdserve.router.wire import EXPECT_KEY
     seq = list(range(61))
     d = engine_checked(entry(seq), holder_healthy=True, holder_generation=0, threshold=16)

@@ -1,16 +1,16 @@
-"""The route policy as a table: inputs in, plan out, no network (router/policy.py)."""
+"""The route policy as a table: inputs in, plan out, no network (router/route/policy.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.router.backends import Pool
 from pdserve.router.config import AFFINITY, BackendConfig, RouterConfig
-from pdserve.router.cost import CostModel
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import (DECODE_ONLY, DEGRADED, PREFILL_THEN_DECODE, DecodeOnly, Degraded,
-                                   PrefillThenDecode, RoutePolicy, TurnInputs, new_tokens)
-from pdserve.router.reuse import HIT, MISS, Decision
+from pdserve.router.kv.reuse import HIT, MISS, Decision
+from pdserve.router.route.backends import Pool
+from pdserve.router.route.cost import CostModel
+from pdserve.router.route.policy import (DECODE_ONLY, DEGRADED, PREFILL_THEN_DECODE, DecodeOnly, Degraded,
+                                         PrefillThenDecode, RoutePolicy, TurnInputs, new_tokens)
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 BLOCK = 128
 
@@ -111,7 +111,7 @@ def test_prefill_pick_comes_from_the_registry():
     c = RouterConfig(prefill=[BackendConfig(f"prefill-{i}", f"http://p{i}") for i in range(3)], decode=c.decode,
                      model="m", prefill_policy=AFFINITY)
     pool = Pool("prefill", c.prefill, RouterMetrics(), lambda: __import__(
-        "pdserve.router.breaker", fromlist=["CircuitBreaker"]).CircuitBreaker(3, 5))
+        "pdserve.router.route.breaker", fromlist=["CircuitBreaker"]).CircuitBreaker(3, 5))
     for b in pool.backends:
         b.healthy = True
     policy = RoutePolicy(c, CostModel())
@@ -159,7 +159,7 @@ def test_short_turns_stay_on_d_when_d_is_faster_by_its_fixed_cost_alone():
 
 def test_every_prefill_policy_the_schema_offers_has_a_pick():
     from pdserve.router.config import PREFILL_POLICIES
-    from pdserve.router.policy import PREFILL_PICKS
+    from pdserve.router.route.policy import PREFILL_PICKS
     assert set(PREFILL_PICKS) == set(PREFILL_POLICIES)
 
 
@@ -180,14 +180,14 @@ PER = 16    # TEMPLATE_TOKENS_PER_MESSAGE
     (None, None),
 ])
 def test_new_tokens_are_bounded_by_the_bytes_of_the_messages_after_the_last_reply(messages, bound):
-    from pdserve.router.policy import new_tokens_bound
+    from pdserve.router.route.policy import new_tokens_bound
     assert new_tokens_bound(messages) == bound
 
 
 def test_the_bound_counts_every_message_after_what_d_holds_and_the_template_inputs_have_a_digest():
     import json
 
-    from pdserve.router.policy import new_tokens_bound, template_digest
+    from pdserve.router.route.policy import new_tokens_bound, template_digest
     held = [{"role": "user", "content": "hi"}, A]
     fabricated = held + [{"role": "user", "content": "x" * 1000}, {"role": "assistant", "content": "ok"},
                          {"role": "user", "content": "yes"}]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.router import affinity
-from pdserve.router.backends import Pool
 from pdserve.router.config import BackendConfig
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.route import affinity
+from pdserve.router.route.backends import Pool
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 
 def _pool(n: int) -> Pool:

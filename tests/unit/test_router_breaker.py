@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.router.backends import Pool
-from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import BackendConfig
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.route.backends import Pool
+from pdserve.router.route.breaker import CircuitBreaker
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The held-KV ledger's policy (router/held.py, held_ledger.py, held_control.py) with fakes: the budget's
+"""The held-KV ledger's policy (router/kv/held.py, held_ledger.py, held_control.py) with fakes: the budget's
 victims, what is released when and with which grace, the lease, and what is never released (an entry handed to
 P, a restarted server's)."""
 
@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.held import LRU, RELEASED, HeldKV
-from pdserve.router.held_control import CONTROL, P_READ_MARGIN_S
-from pdserve.router.held_ledger import Ledger, capacity_of, held_tokens
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.store_memory import MemoryTable
+from pdserve.router.kv.held import LRU, RELEASED, HeldKV
+from pdserve.router.kv.held_control import CONTROL, P_READ_MARGIN_S
+from pdserve.router.kv.held_ledger import Ledger, capacity_of, held_tokens
+from pdserve.router.kv.store_memory import MemoryTable
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 BLOCK = 16
 
@@ -320,7 +320,7 @@ async def test_with_a_shared_store_only_what_this_router_took_and_did_not_use_is
     clock, control, metrics = Clock(), FakeControl(), RouterMetrics()
     held = HeldKV(cfg(), ["d0"], metrics, control, clock)
     assert not held.attach(object())             # a Redis store: no table to withdraw from or renew in
-    from pdserve.router.reuse import ReuseEntry
+    from pdserve.router.kv.reuse import ReuseEntry
     entry = ReuseEntry(params("r", 100), "d0", None, float("inf"))
     held.taken(FakeTurn("t"), [("t", "c")], entry, "ok")
     held.stored(FakeTurn("t", prefill_ms=3.0, pulled=0), "d0")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from pdserve.router.cost import CostModel
 from pdserve.router.identity import history_keys, prompt_digest, prompt_key, reply_key
+from pdserve.router.route.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from pdserve.router.route.cost import CostModel
 from pdserve.observe.routerstats import parse_metrics
 
 
@@ -230,7 +230,7 @@ pdserve_router_turn_plans_total{plan="decode_only"} 3.0
 
 def test_fd_budget_splits_a_low_limit_between_clients_and_the_upstream_pool():
     import pytest
-    from pdserve.router.limits import FD_RESERVE, TooFewDescriptors, fd_budget
+    from pdserve.router.front.limits import FD_RESERVE, TooFewDescriptors, fd_budget
     assert fd_budget(1_048_576, 4096, 1024) == (4096, 1024)          # fits: as configured
     clients, upstream = fd_budget(1024, 4096, 1024)
     assert clients + upstream == 1024 - FD_RESERVE and clients >= upstream >= 300, (clients, upstream)

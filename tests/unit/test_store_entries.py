@@ -7,8 +7,8 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.router.store_entry import decode_entry, encode, readable
-from pdserve.router.store_redis import deployment_id, own_params, read_secret
+from pdserve.router.kv.store_entry import decode_entry, encode, readable
+from pdserve.router.kv.store_redis import deployment_id, own_params, read_secret
 from pdserve.state.secret import ensure_secret
 
 # D's kv_transfer_params as vLLM's NIXL connector returns them (0.26 and later: one block list per KV-cache

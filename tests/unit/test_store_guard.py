@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.router.store import UNAVAILABLE, GuardedStore
+from pdserve.router.kv.store import UNAVAILABLE, GuardedStore
 
 
 class Clock:

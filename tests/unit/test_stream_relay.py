@@ -10,7 +10,7 @@ import pytest
 from tests.unit import test_wire_formats as wire
 from pdserve.router import api
 from pdserve.router.api.chat import ChoicesCollector as SequenceCollector
-from pdserve.router.relay import StreamRelay
+from pdserve.router.legs.relay import StreamRelay
 
 
 def sse(obj) -> bytes:

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from pdserve.router import api
+from pdserve.router.api.inputs import BadInput
 from pdserve.router.api.messages import MessagesFormat
 from pdserve.router.api.responses import ResponsesFormat
 from pdserve.router.identity import history_keys, reply_key
-from pdserve.router.inputs import BadInput
-from pdserve.router.relay import StreamRelay
+from pdserve.router.legs.relay import StreamRelay
 from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
 
 MESSAGES, RESPONSES = MessagesFormat(), ResponsesFormat()

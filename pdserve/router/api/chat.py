@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat
-from pdserve.router.inputs import BadInput, check_common, objects
+from pdserve.router.api.inputs import BadInput, check_common, objects
 
 TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                         "chat_template_kwargs", "tools", "mm_processor_kwargs")

@@ -6,7 +6,7 @@ from typing import Any
 
 from pdserve.router.api.base import WireFormat
 from pdserve.router.api.chat import ChoicesCollector
-from pdserve.router.inputs import BadInput, check_common
+from pdserve.router.api.inputs import BadInput, check_common
 
 
 def prompt_ids_if_given(body: dict[str, Any]) -> list[int] | None:

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text
-from pdserve.router.inputs import BadInput, check_common, objects
+from pdserve.router.api.inputs import BadInput, check_common, objects
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text
-from pdserve.router.inputs import BadInput, check_common
+from pdserve.router.api.inputs import BadInput, check_common
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 SKIPPED_ITEMS = ("reasoning",)    # clients resend or drop them; templates mostly drop them

@@ -9,8 +9,8 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.router.api import WireFormat
-from pdserve.router.backends import Suspects
 from pdserve.router.identity import Key
+from pdserve.router.route.backends import Suspects
 from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
 
 
@@ -29,7 +29,7 @@ class Turn:
     prefill_ms: float | None = None    # reported to the client in Server-Timing
     pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
     degraded: bool = False             # served whole by one role
-    plan: str = ""                     # the route plan's name (policy.PLANS), as PLAN_HEADER
+    plan: str = ""                     # the route plan's name (wire.PLANS), as PLAN_HEADER
     local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
     outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pdserve.router.reuse import ReuseEntry
+from pdserve.router.kv.reuse import ReuseEntry
 
 log = logging.getLogger("pdserve.router")
 
@@ -28,10 +28,10 @@ Key = tuple[str, str]
 MEMORY = "memory"
 # scheme of router.store -> "module:class"; the class is built as cls(url, **STORE_ARGS)
 STORES = {
-    MEMORY: "pdserve.router.store_memory:MemoryStore",
-    "redis": "pdserve.router.store_redis:RedisStore",
-    "rediss": "pdserve.router.store_redis:RedisStore",
-    "unix": "pdserve.router.store_redis:RedisStore",
+    MEMORY: "pdserve.router.kv.store_memory:MemoryStore",
+    "redis": "pdserve.router.kv.store_redis:RedisStore",
+    "rediss": "pdserve.router.kv.store_redis:RedisStore",
+    "unix": "pdserve.router.kv.store_redis:RedisStore",
 }
 UNAVAILABLE = "store_unavailable"   # the miss reason of a turn whose entry could not be read
 

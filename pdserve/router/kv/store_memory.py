@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pdserve.router.reuse import ReuseEntry
-from pdserve.router.store import kept
+from pdserve.router.kv.reuse import ReuseEntry
+from pdserve.router.kv.store import kept
 
 ENTRY_OVERHEAD_BYTES = 1024   # the entry, its keys and D's params dict, roughly
 

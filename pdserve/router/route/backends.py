@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import BackendConfig
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.route.breaker import CircuitBreaker
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 PIN_SLACK = 4

@@ -36,10 +36,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from pdserve.router.redis_pipe import RedisPipe
-from pdserve.router.reuse import ReuseEntry
-from pdserve.router.store import kept
-from pdserve.router.store_entry import INVALID, decode_entry, encode
+from pdserve.router.kv.redis_pipe import RedisPipe
+from pdserve.router.kv.reuse import ReuseEntry
+from pdserve.router.kv.store import kept
+from pdserve.router.kv.store_entry import INVALID, decode_entry, encode
 
 log = logging.getLogger("pdserve.router")
 

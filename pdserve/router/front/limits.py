@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 FD_RESERVE = 64   # descriptors kept back for listening sockets, logs, probes

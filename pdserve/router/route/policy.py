@@ -22,18 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.router import affinity
-from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import AFFINITY, LEAST_LOADED, RouterConfig
-from pdserve.router.cost import CostModel
 from pdserve.router.identity import Key
-from pdserve.router.reuse import HIT, MISS, Decision
+from pdserve.router.kv.reuse import HIT, MISS, Decision
+from pdserve.router.route import affinity
+from pdserve.router.route.backends import Backend, Pool
+from pdserve.router.route.cost import CostModel
+from pdserve.router.wire import DECODE_ONLY, DEGRADED, PREFILL_THEN_DECODE
 
-# Plan names, as pdserve_router_turn_plans_total{plan} and `status` show them.
-PREFILL_THEN_DECODE = "prefill_then_decode"
-DECODE_ONLY = "decode_only"
-DEGRADED = "degraded"
-PLANS = (PREFILL_THEN_DECODE, DECODE_ONLY, DEGRADED)
 # D's blocks published by a turn served on D alone: any non-empty kv_transfer_params without do_remote_decode
 # makes a bidirectional consumer keep the finished request's blocks and return their handles.
 LOCAL_PARAMS = {"do_remote_prefill": False}

@@ -44,7 +44,7 @@ def configure(level: int = logging.INFO) -> None:
 
 
 def json_request_lines(name: str = "pdserve.router.requests") -> None:
-    """The per-request JSON lines (router/tracing.py) go out bare, one JSON object a line, for log shippers."""
+    """The per-request JSON lines (router/telemetry/tracing.py) go out bare, one JSON object a line, for log shippers."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger(name)

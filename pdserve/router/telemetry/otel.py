@@ -2,7 +2,7 @@
 opentelemetry-exporter-otlp-proto-http: the `otel` extra).
 
 One trace per completion request: a SERVER span `pdserve.request` (continuing a client's W3C
-`traceparent` if it sent one) with the request's facts as `pdserve.*` attributes (router/tracing.py), and
+`traceparent` if it sent one) with the request's facts as `pdserve.*` attributes (router/telemetry/tracing.py), and
 one CLIENT span per backend call, made by an aiohttp TraceConfig on the upstream session: every call
 through Upstream and the streamed D leg alike, named by the backend's role, carrying `traceparent` to the
 vLLM server so that its own spans (`--otlp-traces-endpoint`) join the same trace. A client span ends when
@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.tracing import ATTRIBUTE_PREFIX
+from pdserve.router.telemetry.tracing import ATTRIBUTE_PREFIX
 
 SERVICE = "pdserve-router"
 
@@ -42,7 +42,7 @@ class Tracer:
         self.backends = {b.url: (b.name, role) for role, group in (("prefill", cfg.prefill), ("decode", cfg.decode))
                          for b in group}
 
-    # -- the request's span (router/tracing.py's middleware) ---------------------------------------
+    # -- the request's span (router/front/observe.py's middleware) ---------------------------------------
     def start(self, request: web.Request) -> tuple[Any, Any]:
         parent = propagate.extract(request.headers)
         span = self.tracer.start_span("pdserve.request", context=parent, kind=SpanKind.SERVER,

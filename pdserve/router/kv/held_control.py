@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from pdserve.router.held_ledger import Held, Ledger, capacity_of
+from pdserve.router.kv.held_ledger import Held, Ledger, capacity_of
 
 log = logging.getLogger("pdserve.router")
 

@@ -14,16 +14,16 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from pdserve.router import tracing
-from pdserve.router.backends import Backend, Pool
-from pdserve.router.cost import CostModel
 from pdserve.router.api.base import Collector
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import PREFILL_THEN_DECODE
-from pdserve.router.relay import StreamRelay
-from pdserve.router.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
-from pdserve.router.upstream import Upstream, read_bounded
+from pdserve.router.legs.relay import StreamRelay
+from pdserve.router.legs.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
+from pdserve.router.legs.upstream import Upstream, read_bounded
+from pdserve.router.route.backends import Backend, Pool
+from pdserve.router.route.cost import CostModel
+from pdserve.router.telemetry import tracing
+from pdserve.router.telemetry.metrics import RouterMetrics
+from pdserve.router.wire import PREFILL_THEN_DECODE
 
 log = logging.getLogger("pdserve.router")
 

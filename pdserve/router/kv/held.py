@@ -47,11 +47,11 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from pdserve.router.held_control import P_READ_MARGIN_S, Control, DecodeCalls, Lease
-from pdserve.router.held_ledger import Held, Ledger, held_tokens
 from pdserve.router.identity import Key
-from pdserve.router.policy import DECODE_ONLY
-from pdserve.router.reuse import ReuseEntry
+from pdserve.router.kv.held_control import P_READ_MARGIN_S, Control, DecodeCalls, Lease
+from pdserve.router.kv.held_ledger import Held, Ledger, held_tokens
+from pdserve.router.kv.reuse import ReuseEntry
+from pdserve.router.wire import DECODE_ONLY
 
 log = logging.getLogger("pdserve.router")
 
@@ -70,7 +70,7 @@ TOMBSTONES = 100_000       # keys whose entry the budget released, remembered fo
 
 
 class TurnFacts(Protocol):
-    """What the hooks read of a turn (router/turn.py's Turn)."""
+    """What the hooks read of a turn (router/legs/turn.py's Turn)."""
     request_id: str
     plan: str
     prefill_ms: float | None

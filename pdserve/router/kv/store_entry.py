@@ -20,7 +20,7 @@ import sys
 from array import array
 from typing import Any
 
-from pdserve.router.reuse import ReuseEntry
+from pdserve.router.kv.reuse import ReuseEntry
 
 log = logging.getLogger("pdserve.router")
 

@@ -1,51 +1,22 @@
-"""What a request did, for its trace span and its JSON log line: a side door, not a layer.
-
-The flow and the legs call `note(...)` where they decide something (identity, the reuse decision, the
-servers, retries, degraded mode); `note` writes into the current request's notes, a context variable that
-only the `observe` middleware sets, and only when tracing (`otlp_endpoint`) or JSON logs are on. Off, a note
-is one context-variable read, and OpenTelemetry is never imported (router/otel.py holds all of it).
-"""
+"""The `observe` middleware: one trace span and one JSON log line per completion request, from its turn
+record and the notes the flow and the legs wrote (router/telemetry/tracing.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
-from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
 from pdserve.router import api
-from pdserve.router.identity import Key
-from pdserve.router.turn import CLIENT_GONE, FAILED, TURN
+from pdserve.router.legs.turn import CLIENT_GONE, FAILED, TURN
+from pdserve.router.telemetry.tracing import NOTES, Spans, key_hash
 
-NOTES: ContextVar[dict[str, Any] | None] = ContextVar("pdserve_router_notes", default=None)
 ROUTES = api.ROUTES
-ATTRIBUTE_PREFIX = "pdserve."
 request_log = logging.getLogger("pdserve.router.requests")
-
-
-def note(**facts: Any) -> None:
-    """Facts about the current request (no-op unless the request is observed)."""
-    notes = NOTES.get()
-    if notes is not None:
-        notes.update(facts)
-
-
-def key_hash(key: Key | None) -> str | None:
-    """A conversation's key, hashed: logs and traces can follow a conversation without naming it."""
-    return hashlib.sha256("\0".join(key).encode("utf-8", "surrogateescape")).hexdigest()[:16] if key else None
-
-
-class Spans(Protocol):
-    """The tracer's side (router/otel.py), as the middleware uses it."""
-
-    def start(self, request: web.Request) -> Any: ...
-
-    def finish(self, handle: Any, attributes: dict[str, Any], status: int) -> str | None: ...
 
 
 def summary(request: web.Request, notes: dict[str, Any], status: int) -> dict[str, Any]:

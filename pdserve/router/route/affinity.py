@@ -14,9 +14,9 @@ import hashlib
 import json
 from typing import Any
 
-from pdserve.router.backends import Backend, Pool
 from pdserve.router.config import AFFINITY
 from pdserve.router.identity import Key
+from pdserve.router.route.backends import Backend, Pool
 
 __all__ = ["AFFINITY", "anchor", "ranked", "pick"]    # AFFINITY: the policy's name (router/config.py), for flow.py
 

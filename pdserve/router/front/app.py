@@ -15,24 +15,25 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.router import api, identity, tracing
-from pdserve.router import admission
-from pdserve.router.backends import Backend, HealthProber, Pool
-from pdserve.router.breaker import CircuitBreaker
+from pdserve.router import api, identity
+from pdserve.router.api.inputs import BadInput, read_json
 from pdserve.router.config import RouterConfig
-from pdserve.router.cost import CostModel
 from pdserve.router.errors import error_body
-from pdserve.router.flow import Flow
-from pdserve.router.held import HeldKV
-from pdserve.router.held_control import HttpControl
-from pdserve.router import http1 as lean_http
-from pdserve.router.turn import FAILED, TURN
-from pdserve.router.inputs import BadInput, read_json
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import RoutePolicy
-from pdserve.router.prefill import PrefillLeg
-from pdserve.router.store import open_store, scheme
-from pdserve.router.upstream import Upstream
+from pdserve.router.front import observe
+from pdserve.router.front import admission
+from pdserve.router.kv.held import HeldKV
+from pdserve.router.kv.held_control import HttpControl
+from pdserve.router.kv.store import open_store, scheme
+from pdserve.router.legs import http1 as lean_http
+from pdserve.router.legs.flow import Flow
+from pdserve.router.legs.prefill import PrefillLeg
+from pdserve.router.legs.turn import FAILED, TURN
+from pdserve.router.legs.upstream import Upstream
+from pdserve.router.route.backends import Backend, HealthProber, Pool
+from pdserve.router.route.breaker import CircuitBreaker
+from pdserve.router.route.cost import CostModel
+from pdserve.router.route.policy import RoutePolicy
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 
@@ -178,16 +179,16 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     key = api_key_from_env(cfg) if api_key is None else api_key
     spans = None
     if cfg.otlp_endpoint:             # only then is OpenTelemetry imported
-        from pdserve.router.otel import Tracer
+        from pdserve.router.telemetry.otel import Tracer
         spans = Tracer(cfg)
-    observe = [tracing.middleware(spans, cfg.json_logs)] if spans is not None or cfg.json_logs else []
+    observers = [observe.middleware(spans, cfg.json_logs)] if spans is not None or cfg.json_logs else []
     metrics = RouterMetrics()
     # Without a key, no key middleware, and without limits no admission: each is a coroutine more per request.
     limits = admission.Limits.from_config(cfg)
     admit = [admission.middleware(admission.Admission(limits, metrics), api.BY_ROUTE,
                                   lambda fmt: metrics.turns.labels(FAILED, fmt.api).inc())] if limits.enabled else []
     app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[*observe, count_requests, openai_errors, *([require_api_key] if key else []),
+                          middlewares=[*observers, count_requests, openai_errors, *([require_api_key] if key else []),
                                        *admit])
     app[CONFIG] = cfg
     app[METRICS] = metrics

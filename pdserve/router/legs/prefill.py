@@ -9,20 +9,20 @@ import re
 import time
 from typing import Any
 
-from pdserve.router import tracing
-from pdserve.router.backends import Backend, Pool
-from pdserve.router.config import RouterConfig
-from pdserve.router.cost import CostModel
-from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
-from pdserve.router.identity import Key
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import RoutePolicy
-from pdserve.router.reuse import ENGINE_CHECKED, HIT, MISS, Decision, ReuseEntry, decide, engine_checked, engine_outcome, held
-from pdserve.router.store import ReuseStore
 from pdserve.router.api import WireFormat
 from pdserve.router.api.completions import prompt_ids_if_given
-from pdserve.router.turn import Turn
-from pdserve.router.upstream import Upstream
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
+from pdserve.router.identity import Key
+from pdserve.router.kv.reuse import ENGINE_CHECKED, HIT, MISS, Decision, ReuseEntry, decide, engine_checked, engine_outcome, held
+from pdserve.router.kv.store import ReuseStore
+from pdserve.router.legs.turn import Turn
+from pdserve.router.legs.upstream import Upstream
+from pdserve.router.route.backends import Backend, Pool
+from pdserve.router.route.cost import CostModel
+from pdserve.router.route.policy import RoutePolicy
+from pdserve.router.telemetry import tracing
+from pdserve.router.telemetry.metrics import RouterMetrics
 from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
 
 log = logging.getLogger("pdserve.router")

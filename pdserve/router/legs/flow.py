@@ -14,26 +14,27 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.router import identity, tracing
+from pdserve.router import identity
 from pdserve.router.api import WireFormat
-from pdserve.router.backends import Backend, Pool
+from pdserve.router.api.base import ROUTER_ONLY, Collector
 from pdserve.router.config import RouterConfig
-from pdserve.router.decode import DecodeLeg
 from pdserve.router.errors import UpstreamError, error_body
-from pdserve.router.held import HeldKV, NoHeld
 from pdserve.router.identity import Key
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import (
+from pdserve.router.kv.held import HeldKV, NoHeld
+from pdserve.router.kv.reuse import HIT, Decision, ReuseEntry
+from pdserve.router.kv.store import ReuseStore
+from pdserve.router.legs.decode import DecodeLeg
+from pdserve.router.legs.prefill import PrefillLeg
+from pdserve.router.legs.turn import (ANSWERED, CLIENT_GONE, DEGRADED, FAILED, NOT_STORED, STORED, TURN, UNAVAILABLE,
+                                      UNTRACKED, Turn, json_answer)
+from pdserve.router.legs.upstream import Upstream
+from pdserve.router.route.backends import Backend, Pool
+from pdserve.router.route.policy import (
     LOCAL_PARAMS, TOO_LONG, TURN_STAMP, UNTOKENIZED, UNVERIFIED, DecodeOnly, Degraded, PrefillThenDecode,
     RoutePolicy, TurnInputs, TurnPlan, new_text, new_tokens_at_least, new_tokens_bound, template_digest,
 )
-from pdserve.router.prefill import PrefillLeg
-from pdserve.router.reuse import HIT, Decision, ReuseEntry
-from pdserve.router.store import ReuseStore
-from pdserve.router.api.base import ROUTER_ONLY, Collector
-from pdserve.router.turn import (ANSWERED, CLIENT_GONE, DEGRADED, FAILED, NOT_STORED, STORED, TURN, UNAVAILABLE,
-                                 UNTRACKED, Turn, json_answer)
-from pdserve.router.upstream import Upstream
+from pdserve.router.telemetry import tracing
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.router import bigjson
-from pdserve.router.backends import Backend, Pool, Suspects
-from pdserve.router.http1 import ROUTER_ERRNOS, AnswerTooLarge, ConnectFailed, Http1Client, PoolTimeout
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.legs import bigjson
+from pdserve.router.legs.http1 import ROUTER_ERRNOS, AnswerTooLarge, ConnectFailed, Http1Client, PoolTimeout
+from pdserve.router.route.backends import Backend, Pool, Suspects
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """An aiohttp answer's whole body, refused (AnswerTooLarge) past `limit` bytes: at once by its
