@@ -44,13 +44,13 @@ from vllm_pair import Pair, PairCheck, run_checks  # noqa: E402
 
 from pdserve.router.kv.reuse import common_prefix_len  # noqa: E402
 from pdserve.router.wire import (  # noqa: E402
-                                 CHECKED_KEY,
-                                 EXPECT_KEY,
-                                 LOCAL_KEY,
-                                 PULLED_KEY,
-                                 TOKENS_KEY,
-                                 WANT_TOKENS_KEY,
-                                 )
+    CHECKED_KEY,
+    EXPECT_KEY,
+    LOCAL_KEY,
+    PULLED_KEY,
+    TOKENS_KEY,
+    WANT_TOKENS_KEY,
+)
 
 THRESHOLD = 64           # configs/local-cpu.yaml kv_recompute_threshold (P's prefix cache is off: computed 0)
 TURN1_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}

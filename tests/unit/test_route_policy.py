@@ -8,9 +8,10 @@ from pdserve.router.config import AFFINITY, BackendConfig, RouterConfig
 from pdserve.router.kv.reuse import HIT, MISS, Decision
 from pdserve.router.route.backends import Pool
 from pdserve.router.route.cost import CostModel
-from pdserve.router.route.policy import (DECODE_ONLY, DEGRADED, PREFILL_THEN_DECODE, DecodeOnly, Degraded,
-                                         PrefillThenDecode, RoutePolicy, TurnInputs, new_tokens)
+from pdserve.router.route.policy import (DecodeOnly, Degraded, PrefillThenDecode, RoutePolicy, TurnInputs,
+                                         new_tokens)
 from pdserve.router.telemetry.metrics import RouterMetrics
+from pdserve.router.wire import DECODE_ONLY, DEGRADED, PREFILL_THEN_DECODE
 
 BLOCK = 128
 
