@@ -49,6 +49,14 @@ def stream(cluster: dict, route: str, body: dict) -> tuple[list[dict], str]:
     return events, raw
 
 
+def offers_read_or_cached(before: dict, after: dict) -> int:
+    """Follow-ups offered D's blocks that P read (hits), plus those where P's own prefix cache
+    (on here) held all but the last partial block, so P's engine read nothing and the router counts why
+    (prefix_cached), not a hit."""
+    cached = after["misses_by_reason"].get("prefix_cached", 0) - before["misses_by_reason"].get("prefix_cached", 0)
+    return after["reuse_hits"] - before["reuse_hits"] + cached
+
+
 def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
     before = router_stats()
     history: list = []
@@ -62,10 +70,7 @@ def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
     after = router_stats()
     # Before the entry's patch every streamed turn was "unavailable" and no later turn could hit.
     assert after["entries_unavailable"] == before["entries_unavailable"]
-    # Each follow-up was offered D's blocks; where P's own prefix cache (on here) held all but the last partial
-    # block, P's engine read nothing and the router counts why (prefix_cached), not a hit.
-    cached = after["misses_by_reason"].get("prefix_cached", 0) - before["misses_by_reason"].get("prefix_cached", 0)
-    assert after["reuse_hits"] - before["reuse_hits"] + cached == 2, after
+    assert offers_read_or_cached(before, after) == 2, after
 
 
 def test_streamed_completions_pull_from_decode_apart_from_ps_prefix_cache(cluster):
@@ -92,7 +97,4 @@ def test_streamed_completions_pull_from_decode_apart_from_ps_prefix_cache(cluste
     # the router counts each where P's own counters do.
     assert pulled > 0 and local > 0, (pulled, local)
     assert (pulled, local) == (ext, loc)
-    # Each follow-up was offered D's blocks; where P's own prefix cache (on here) held all but the last partial
-    # block, P's engine read nothing and the router counts why (prefix_cached), not a hit.
-    cached = after["misses_by_reason"].get("prefix_cached", 0) - before["misses_by_reason"].get("prefix_cached", 0)
-    assert after["reuse_hits"] - before["reuse_hits"] + cached == 2, after
+    assert offers_read_or_cached(before, after) == 2, after
