@@ -18,7 +18,10 @@ def pdserve_home() -> Path:
 
 
 def models_dir() -> Path:
-    return pdserve_home() / "models"
+    """Built-in models: $PDSERVE_MODELS when set (one folder shared by several PDSERVE_HOMEs, so each
+    builds nothing), else $PDSERVE_HOME/models."""
+    shared = os.environ.get("PDSERVE_MODELS")
+    return Path(shared).expanduser() if shared else pdserve_home() / "models"
 
 
 def targets_dir(home: Path | None = None) -> Path:
