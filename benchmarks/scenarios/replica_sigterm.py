@@ -5,7 +5,7 @@ requests one after another on one kept-alive connection for --seconds; --kill-at
 SIGTERM (as `pdserve down` or a supervisor restart sends it) and drains. Counted: requests answered, and
 requests that failed (the connection closed under them, or no connection).
 
-Usage: flock /tmp/vllm.lock .venv/bin/python scripts/replica_sigterm.py [--clients 32] [--seconds 6] [--runs 3]
+Usage: flock /tmp/vllm.lock .venv/bin/python benchmarks/scenarios/replica_sigterm.py [--clients 32] [--seconds 6] [--runs 3]
 """
 
 from __future__ import annotations

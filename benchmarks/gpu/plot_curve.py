@@ -1,6 +1,6 @@
-"""Plot off/on TTFT per context length from measure.py curve results (docs/gpu-results/curve-*.json).
+"""Plot off/on TTFT per context length from measure.py curve results (benchmarks/results/2026-11-30-gpu-2h200/curve-*.json).
 
-  python3 scripts/gpu/plot_curve.py OUT.png CURVE.json[:LABEL] ...
+  python3 benchmarks/gpu/plot_curve.py OUT.png CURVE.json[:LABEL] ...
 
 Rows that repeat a (length, stream) pair are left out: in the block-64 run the third row per length
 re-sent the first pair's "off" request, which then found an entry and pulled (docs/gpu.md).

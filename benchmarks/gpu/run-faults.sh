@@ -1,8 +1,8 @@
 #!/bin/bash
 # Decode-crash runs on GPUs through pdserve itself (issue 12.3, 12.4): install the offline wheelhouse (parts
 # already moved to /tmp/parts), build the random-weight 8B-class model, then per STEP a cluster variant and
-# scripts/gpu/faults.py (up, load, reuse, SIGKILL of D's API server, recovery, reuse, down). Results in $OUT.
-#   scripts/gpu/run-faults.sh STEP...   STEP = two-gpu (P GPU 0, D GPU 1) | shared (P and D on GPU 0)
+# benchmarks/gpu/faults.py (up, load, reuse, SIGKILL of D's API server, recovery, reuse, down). Results in $OUT.
+#   benchmarks/gpu/run-faults.sh STEP...   STEP = two-gpu (P GPU 0, D GPU 1) | shared (P and D on GPU 0)
 # FAULTS_VLLM_ARG (default --enforce-eager: no torch.compile/CUDA graphs, so a start takes ~1 min, not ~4, on
 # a fresh machine) is added to both servers; set it to e.g. --seed=0 for the shipped behaviour.
 # FAULTS_BUDGET_S (default 570): a step is skipped when fewer than 250 s of it are left.
@@ -17,12 +17,12 @@ for step in "$@"; do
   left=$(( budget - SECONDS ))
   if [ "$left" -lt 250 ]; then echo "skipped $step: ${left} s left"; continue; fi
   case $step in
-    two-gpu) name=f2; python3 scripts/gpu/cluster.py "/tmp/$name.yaml" "$name" "--arg=$arg" > "$out/$name.yaml" ;;
-    shared)  name=f1; python3 scripts/gpu/cluster.py "/tmp/$name.yaml" "$name" --shared "--arg=$arg" > "$out/$name.yaml" ;;
+    two-gpu) name=f2; python3 benchmarks/gpu/cluster.py "/tmp/$name.yaml" "$name" "--arg=$arg" > "$out/$name.yaml" ;;
+    shared)  name=f1; python3 benchmarks/gpu/cluster.py "/tmp/$name.yaml" "$name" --shared "--arg=$arg" > "$out/$name.yaml" ;;
     *) echo "unknown step $step"; continue ;;
   esac
   echo "== $step ($name), ${left} s left"
-  timeout $(( left - 10 )) python3 scripts/gpu/faults.py "/tmp/$name.yaml" "$out" $(( left - 150 )) || rc=1
+  timeout $(( left - 10 )) python3 benchmarks/gpu/faults.py "/tmp/$name.yaml" "$out" $(( left - 150 )) || rc=1
   python3 -m pdserve down "$name" >/dev/null 2>&1    # after a timeout: leave nothing for the next step
 done
 # the servers' and supervisor's logs, their last 4000 lines each

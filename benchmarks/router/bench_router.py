@@ -17,7 +17,7 @@ Added latency = proxy p50/p99 minus direct p50/p99 at 1 client. Throughput = req
 clients. The proxy under test runs alone on core 0; the backend and the load generator share core 1, and
 the proxy's CPU use is printed so a run where the proxy was not the bottleneck is visible.
 
-Usage: .venv/bin/python scripts/bench_router.py [--duration 5] [--out bench-router.json]
+Usage: .venv/bin/python benchmarks/router/bench_router.py [--duration 5] [--out out/bench-router.json]
        [--arms pdserve vllm-router] [--runs N] [--clients 1 64] [--no-stream] [--api chat messages responses]
 
 `--runs N` repeats the measurement N times, the arms interleaved in each run (a noisy neighbour hits both
@@ -287,7 +287,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def export_revision(rev: str, into: Path) -> Path:
     """The pdserve package of `rev` (`.`: the working tree) under `into`, for PYTHONPATH."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     if rev == ".":
         subprocess.run(["cp", "-r", str(repo / "pdserve"), str(into)], check=True)
     else:
@@ -401,6 +401,9 @@ async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tupl
     return rows
 
 
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "out" / "bench-router.json"
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-backend":
         return run_backend(int(sys.argv[2]))
@@ -408,7 +411,7 @@ def main() -> None:
         return run_baseline(int(sys.argv[2]), sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds measured per scenario")
-    ap.add_argument("--out", default="bench-router.json", help="where to write the full results")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the full results (default: out/ of this checkout, ignored by git; results worth keeping go to benchmarks/results/DATE-NAME/)")
     ap.add_argument("--cpu", nargs="+", metavar="REV", help="compare the router's CPU per request of revisions")
     ap.add_argument("-n", type=int, default=1000, help="requests per kind with --cpu")
     ap.add_argument("--reps", type=int, default=1, help="with --cpu: measure each API this many times, alternated "
@@ -432,6 +435,7 @@ def main() -> None:
                   f"{r['health_stall_s']:16.2f} {r['huge_body_s']:13.2f}")
         return
     result = run(main_async(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if "summary" not in result:
         print(f"{'run':>3s} {'arm':12s} {'api':9s} {'stream':6s} {'clients':>7s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} "

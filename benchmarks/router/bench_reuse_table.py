@@ -6,7 +6,7 @@ Part 2: a shorter run through the router itself (in-process, fake vLLM backends)
 conversation ids, concurrent clients.
 
 Flat throughput and a flat RSS once the table is full mean that the bounds hold and that no operation
-scans the table. Run: .venv/bin/python scripts/bench_reuse_table.py [--store-n 1000000] [--router-n 20000]
+scans the table. Run: .venv/bin/python benchmarks/router/bench_reuse_table.py [--store-n 1000000] [--router-n 20000]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from pdserve.router.kv.store_memory import MemoryTable as ReuseStore  # noqa: E402
 

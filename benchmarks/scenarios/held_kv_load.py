@@ -1,7 +1,7 @@
 """Issue 32's scenario on the embedded default, as a user would run it: D's KV cache made small, more
 conversations than it holds, two turns each, through the router with the official openai client.
 
-    .venv/bin/python scripts/held_kv_load.py --held-kv on|off [--conversations 12] [--rows 320] [--follow-rows 30]
+    .venv/bin/python benchmarks/scenarios/held_kv_load.py --held-kv on|off [--conversations 12] [--rows 320] [--follow-rows 30]
         [--d-kv-bytes 24000000] [--timeout 60] [--order same|reverse] [--out FILE.json]
 
 It writes a cluster file from the embedded default (configs/local-cpu.yaml: the tiny built-in model, 1P1D, one
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "scenarios"))
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
 from vllm_pair import free_ports  # noqa: E402

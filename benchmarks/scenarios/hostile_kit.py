@@ -3,7 +3,7 @@ process (`python -m pdserve.router`, as `pdserve up` starts it) on a free port, 
 (tests/fakes/fake_vllm.py, each its own process) or a hostile backend the script serves itself; its /metrics
 and its resident memory.
 
-Not a scenario itself: scripts/churn_admission.py, shifted_answers.py, endless_answer.py, rotating_flood.py
+Not a scenario itself: benchmarks/scenarios/churn_admission.py, shifted_answers.py, endless_answer.py, rotating_flood.py
 and hidden_short_turn.py use it.
 """
 
@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 # The tree whose router and fakes run (a `git worktree` of an earlier commit, to measure before a fix).
 TREE = Path(os.environ.get("PDSERVE_TREE", ROOT))

@@ -7,7 +7,7 @@ some leave just as a slot frees). Afterwards nothing is in flight, so every slot
 counts how many were admitted without queueing. Also counted: answers other than 200 among the clients
 that stayed (a 500 is the InvalidStateError of the issue).
 
-Usage: flock /tmp/vllm.lock .venv/bin/python scripts/churn_admission.py [--requests 18000] [--wave 150]
+Usage: flock /tmp/vllm.lock .venv/bin/python benchmarks/scenarios/churn_admission.py [--requests 18000] [--wave 150]
 """
 
 from __future__ import annotations

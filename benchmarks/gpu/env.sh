@@ -6,7 +6,7 @@ out=${OUT:-/tmp/out}
 export PDSERVE_HOME=/tmp/pdhome NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 [ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$code
-[ -f /tmp/pdserve-model/config.json ] || python3 "$code/scripts/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
+[ -f /tmp/pdserve-model/config.json ] || python3 "$code/benchmarks/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
 pd() { python3 -m pdserve "$@"; }
 # pd_up NAME CONFIG: `pdserve up`, its output in $out/up-NAME.txt and the time it took; on failure the
 # servers' last log lines, and the calling script exits 1.

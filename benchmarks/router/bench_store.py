@@ -3,14 +3,14 @@
 backend, with `router.store: memory` and with a Redis store (Debian's redis-server, started here on a free
 loopback port), same load, side by side.
 
-Unlike scripts/bench_router.py's requests, every request here is a conversation turn that uses the store:
+Unlike benchmarks/router/bench_router.py's requests, every request here is a conversation turn that uses the store:
 it carries a conversation id (one per client), so the router takes the conversation's entry (one Redis round
 trip), and D answers with block handles, so the router stores the new one (another). Measured per store:
 p50/p99 at 1 client and requests per second at 64 clients, JSON and streamed (128 tokens), and the router's
 CPU seconds per 1000 requests. The router runs alone on core 0; the backend, Redis and the load generator
 share core 1 (bench_router.py's split).
 
-Usage: .venv/bin/python scripts/bench_store.py [--duration 5] [--rounds 2]
+Usage: .venv/bin/python benchmarks/router/bench_store.py [--duration 5] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_router import LOAD_CORE, PROXY_CORE, TOKENS, free_port, pct, spawn, wait_up  # noqa: E402
+from bench_router import LOAD_CORE, PROXY_CORE, free_port, pct, spawn, wait_up  # noqa: E402
+from bench_router_backends import TOKENS  # noqa: E402
 
 D_PARAMS = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "e-d",
             "remote_request_id": "r", "remote_block_ids": [list(range(64))], "remote_host": "127.0.0.1",

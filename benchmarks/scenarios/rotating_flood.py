@@ -6,7 +6,7 @@ answer in --delay seconds; a flooder at 127.0.0.2 keeps --flooders requests in f
 Authorization with every request, each a new tenant) and `one-key` (router.api_key_env set: everyone sends
 the one key, so everyone is one tenant); each without and with the per-address cap (client_max_in_flight).
 
-Usage: flock /tmp/vllm.lock .venv/bin/python scripts/rotating_flood.py [--good 50] [--flooders 64]
+Usage: flock /tmp/vllm.lock .venv/bin/python benchmarks/scenarios/rotating_flood.py [--good 50] [--flooders 64]
 """
 
 from __future__ import annotations

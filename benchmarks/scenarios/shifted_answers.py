@@ -11,7 +11,7 @@ one), `glued` (both), `late` (1xx, and the stray answer 1 ms after the real one:
 already carry the next request); the backends echo X-Request-Id as vLLM does with --enable-request-id-headers
 (which pdserve's entry gives them). `glued-no-ids` and `late-no-ids`: the same from backends that do not.
 
-Usage: flock /tmp/vllm.lock .venv/bin/python scripts/shifted_answers.py [--requests 3000] [--concurrency 16]
+Usage: flock /tmp/vllm.lock .venv/bin/python benchmarks/scenarios/shifted_answers.py [--requests 3000] [--concurrency 16]
 """
 
 from __future__ import annotations

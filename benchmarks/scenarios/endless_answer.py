@@ -11,7 +11,7 @@ own: its resident memory is read from /proc) against fake servers that answer wi
 For each: the answers' statuses and times, the router's peak resident memory (VmHWM) and the slowest /health
 answer meanwhile (sampled every 20 ms: how long the router's event loop was stalled).
 
-Usage: flock /tmp/vllm.lock .venv/bin/python scripts/endless_answer.py [--arms ...] [--max-answer-mb 32]
+Usage: flock /tmp/vllm.lock .venv/bin/python benchmarks/scenarios/endless_answer.py [--arms ...] [--max-answer-mb 32]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ short follow-up matched by its history, sent with hidden new text in one of thes
 
 Printed per place: the plan the router chose (X-PDServe-Plan) and whether P tokenized the turn first.
 
-Usage: flock /tmp/vllm.lock .venv/bin/python scripts/hidden_short_turn.py [--hidden 20000]
+Usage: flock /tmp/vllm.lock .venv/bin/python benchmarks/scenarios/hidden_short_turn.py [--hidden 20000]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fast fake vLLM backend of scripts/bench_router.py and the baseline proxy it is compared with.
+"""The fast fake vLLM backend of benchmarks/router/bench_router.py and the baseline proxy it is compared with.
 
 The backend answers the P leg (output cap 1 with do_remote_decode) and the D leg at once, the D leg with the
 handles of the blocks it keeps, as a bidirectional D does (so every turn is stored), in the shapes of each API

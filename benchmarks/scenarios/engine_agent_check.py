@@ -15,7 +15,7 @@ tool definitions and a tool call + its result, each streamed and not:
 4. turn 2 on P with D's params (as D returned them, the extra key included): P pulls from D
    (vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} rises by D's remote_num_tokens).
 
-    .venv/bin/python scripts/engine_agent_check.py [--json]
+    .venv/bin/python benchmarks/scenarios/engine_agent_check.py [--json]
 
 Exit 0 when every check held; the servers (process groups) are always stopped.
 """
@@ -29,9 +29,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "scenarios"))
 
 from vllm_pair import Pair, PairCheck, run_checks  # noqa: E402
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a stalled Redis costs each request (issue 35, items 2 and 3): the router process (`python -m
-pdserve.router`) against scripts/bench_store.py's fast fake backend with a Redis store, 64 clients each running
+pdserve.router`) against benchmarks/router/bench_store.py's fast fake backend with a Redis store, 64 clients each running
 a conversation (one take and one put per turn), and the longest wait of any request while Redis misbehaves:
 
 - sigstop: Debian's redis-server, SIGSTOPped for --stall seconds mid-run, then SIGCONT;
@@ -12,7 +12,7 @@ Printed per scenario: the requests in flight at any time during the fault, faile
 wait, how many waited over store_timeout + 0.5 s, and the longest wait of a request done before the fault (the
 box's own latency at 64 clients). The router runs on core 0; backend, Redis and the clients share core 1.
 
-Usage: .venv/bin/python scripts/store_faults.py [--clients 64] [--stall 6] [--timeout 0.25]
+Usage: .venv/bin/python benchmarks/scenarios/store_faults.py [--clients 64] [--stall 6] [--timeout 0.25]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))   # bench_router, bench_store
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench_router import LOAD_CORE, PROXY_CORE, free_port, pct, spawn, wait_up  # noqa: E402
 
 HERE = Path(__file__).resolve()
@@ -96,7 +96,7 @@ async def through_router(store: str, backend_url: str, args, fault) -> list[tupl
                "store_timeout": args.timeout}, cfg)
     cfg.close()
     router = spawn([sys.executable, "-m", "pdserve.router", "--config", cfg.name], PROXY_CORE,
-                   env={"PYTHONPATH": str(HERE.parent.parent)})
+                   env={"PYTHONPATH": str(HERE.parents[2])})
     waits: list[tuple[float, float, int]] = []
     try:
         url = f"http://127.0.0.1:{port}"
@@ -147,7 +147,7 @@ async def main_async(args) -> None:
     backend_port, redis_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     data = tempfile.mkdtemp(prefix="store-faults-")
-    backend = spawn([sys.executable, str(HERE.parent / "bench_store.py"), "--serve-backend", str(backend_port)],
+    backend = spawn([sys.executable, str(HERE.parents[1] / "router" / "bench_store.py"), "--serve-backend", str(backend_port)],
                     LOAD_CORE)
     redis = redis_server(redis_port, data)
     bound = args.timeout + 0.5
