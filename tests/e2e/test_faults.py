@@ -19,12 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.vllmkit import down_leaves_nothing, pdserve, up
+from tests.e2e.vllmkit import SHARED, down_leaves_nothing, pdserve
 from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import wait_for
 
 pytestmark = pytest.mark.e2e
-NAME = "faults"
+NAME = SHARED
 REPORT = Path(os.environ.get("PDSERVE_FAULT_REPORT", "/tmp/pdserve-fault-report.json"))
 
 
@@ -72,13 +72,13 @@ class Traffic:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_cluster):
     def mutate(cfg, ports):
         # Short windows keep the suite inside CI's time; the router gives up on a hung leg after 20 s.
         cfg["supervisor"] = {"health_interval": 1.0, "unhealthy_grace": 5, "stop_timeout": 5,
                              "backoff_initial": 0.5}
         cfg["router"]["request_timeout"] = 20
-    info = up(tmp_path_factory.mktemp("faults"), NAME, mutate)
+    info = shared_cluster.use(mutate)
     traffic = Traffic(info["router"])
     thread = threading.Thread(target=traffic.run, daemon=True)
     thread.start()
@@ -86,7 +86,7 @@ def cluster(tmp_path_factory):
     yield info
     traffic.stop()
     thread.join(30)
-    pdserve("down", NAME)
+    shared_cluster.stop()
     REPORT.write_text(json.dumps({"recovery_seconds": info["recovery"],
                                   "requests": {lab: len(traffic.outcomes(lab)) for lab in
                                                sorted({r[3] for r in traffic.results})}}, indent=1))

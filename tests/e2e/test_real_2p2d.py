@@ -10,31 +10,30 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.vllmkit import converse, metric, pdserve, status, up
+from tests.e2e.vllmkit import SHARED, converse, metric, pdserve, status
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-2p2d"
+NAME = SHARED
 REPORT = Path(os.environ.get("PDSERVE_E2E_2P2D_REPORT", "/tmp/pdserve-e2e-2p2d-report.json"))
 
 
 def two_by_two(cfg: dict, ports: list[int]) -> None:
-    # Four servers on two cores: eager (no compile at start) and a small KV cache keep start-up short.
+    # Four servers on two cores: eager (the shared cluster's default) and a small KV cache keep start-up short.
     for role, core in (("prefill", "0"), ("decode", "1")):
         cfg[role].update(replicas=2)
         cfg[role].pop("cpus", None)
         cfg[role]["env"] = {"VLLM_CPU_OMP_THREADS_BIND": core}
-        cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager",
-                                  "--kv-cache-memory-bytes", str(256 * 1024 * 1024)]
+        cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--kv-cache-memory-bytes", str(256 * 1024 * 1024)]
     cfg["prefill"]["nixl_side_channel_port"] = ports[2]
     cfg["decode"].update(port=ports[1] + 2, nixl_side_channel_port=ports[2] + 2)
     cfg["supervisor"] = {"unhealthy_grace": 300}   # a busy 2-core box may miss probes; don't restart for it
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e2"), NAME, two_by_two)
+def cluster(shared_cluster):
+    info = shared_cluster.use(two_by_two)
     yield info
-    pdserve("down", NAME)
+    shared_cluster.stop()
     REPORT.write_text(json.dumps({k: v for k, v in info.items() if k in ("up_seconds", "turns")}, indent=1))
 
 

@@ -10,21 +10,19 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import metric, pdserve, status, up
+from tests.e2e.vllmkit import SHARED, metric, status
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-admission"
+NAME = SHARED
 HI = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
 DONE = "vllm:request_success_total"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_cluster):
     def limits(cfg: dict, _ports: list[int]) -> None:
         cfg["router"].update(tenant_rate=0.01, tenant_burst=2)      # two at once, then one per 100 s
-    info = up(tmp_path_factory.mktemp("e2e-admission"), NAME, limits)
-    yield info
-    pdserve("down", NAME)
+    return shared_cluster.use(limits)
 
 
 def post(url: str, key: str) -> tuple[int, str | None, dict]:

@@ -13,36 +13,19 @@ import urllib.request
 import httpx
 import pytest
 
-from tests.e2e.vllmkit import external_tokens, metric, pdserve, up
+from tests.e2e.vllmkit import BLOCK, FILE_TEXT, SHARED, SYSTEM, computed, external_tokens, router_metric
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-agents"
-BLOCK = 32                                            # the embedded default's --block-size
-LOCAL = {"source": "local_compute"}
+NAME = SHARED
 HANDLE_BYTES = ("kv_transfer_params", "remote_block_ids", "remote_engine_id", "pdserve_token_ids")
-SYSTEM = "You are a coding agent working in a repository. " + " ".join(
-    f"Rule {i}: keep change {i} small and tested." for i in range(40))
-FILE_TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * 7 % 13}" for i in range(60))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_cluster):
     def no_short_turns(cfg: dict, ports: list[int]) -> None:
         # Short follow-ups would be served on D alone (P computes nothing); this module checks P's pulls.
         cfg["router"]["decode_only"] = False
-    info = up(tmp_path_factory.mktemp(NAME), NAME, no_short_turns)
-    yield info
-    pdserve("down", NAME)
-
-
-def computed(cluster: dict) -> float:
-    """Prompt tokens P and D computed themselves (their own counters)."""
-    return sum(metric(u, "vllm:prompt_tokens_by_source_total", **LOCAL)
-               for u in cluster["prefill"] + cluster["decode"])
-
-
-def router_metric(cluster: dict, name: str, **labels) -> float:
-    return metric(cluster["router"], name, **labels)
+    return shared_cluster.use(no_short_turns)
 
 
 def check_reuse(cluster: dict, turn: int, prompt: int, previous: int | None, before: tuple[float, float]) -> None:

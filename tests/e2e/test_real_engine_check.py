@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_real_agents import BLOCK, FILE_TEXT, SYSTEM, computed, router_metric
-from tests.e2e.vllmkit import external_tokens, pdserve, up
+from tests.e2e.vllmkit import BLOCK, FILE_TEXT, SHARED, SYSTEM, computed, external_tokens, router_metric
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-engine-check"
+NAME = SHARED
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(shared_cluster):
     def no_render(cfg: dict, ports: list[int]) -> None:
         cfg["prefill"]["vllm_args"] = [*cfg["prefill"]["vllm_args"], "--no-enable-scale-out"]
         cfg["router"]["decode_only"] = False      # P's pulls are what this module checks
-    info = up(tmp_path_factory.mktemp(NAME), NAME, no_render)
+    info = shared_cluster.use(no_render)
     yield info
-    pdserve("down", NAME)
 
 
 def turn(client, messages: list[dict]):

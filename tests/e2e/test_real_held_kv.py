@@ -14,10 +14,10 @@ import urllib.request
 import pytest
 
 from pdserve.observe.routerstats import read_router
-from tests.e2e.vllmkit import external_tokens, pdserve, up
+from tests.e2e.vllmkit import SHARED, external_tokens
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-held-kv"
+NAME = SHARED
 D_KV_BYTES = 6_000_000       # ~5.8k tokens of the tiny model (1 KiB a token): above --max-model-len 4096
 MAX_LEN = 4096
 TTL = 40.0                   # decoder_kv_blocks_ttl: short, so that idling past it fits in a test
@@ -38,10 +38,8 @@ def small_decode(cfg: dict, ports: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e-held"), NAME, small_decode)
-    yield info
-    pdserve("down", NAME)
+def cluster(shared_cluster):
+    return shared_cluster.use(small_decode)
 
 
 def held_on_d(cluster: dict) -> tuple[int, int]:

@@ -14,10 +14,10 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import metric, pdserve, up
+from tests.e2e.vllmkit import SHARED, metric
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-hostile-inputs"
+NAME = SHARED
 HI = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 HOSTILE = [
     (json.dumps({**HI, "messages": [{"role": "user", "content": "a\ud800b"}]}).encode(), 400),
@@ -28,10 +28,8 @@ HOSTILE = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e-hostile"), NAME)
-    yield info
-    pdserve("down", NAME)
+def cluster(shared_cluster):
+    return shared_cluster.use()
 
 
 def post(url: str, raw: bytes) -> tuple[int, bytes]:

@@ -12,19 +12,17 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import external_tokens, long_user_turn, metric, pdserve, reuse_diagnosis, up
+from tests.e2e.vllmkit import SHARED, external_tokens, long_user_turn, metric, reuse_diagnosis
 from tests.e2e.vllmkit import status as status_of
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-openai-stream"
+NAME = SHARED
 CONVERSATIONS, TURNS = 3, 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e-openai-stream"), NAME)
-    yield info
-    pdserve("down", NAME)
+def cluster(shared_cluster):
+    return shared_cluster.use()
 
 
 def streamed_turn(client, messages: list) -> tuple[str, int, int | None]:

@@ -17,12 +17,12 @@ import urllib.request
 import pytest
 
 from pdserve.observe import dashboard
-from tests.e2e.vllmkit import converse, long_user_turn, pdserve, up
+from tests.e2e.vllmkit import SHARED, converse, long_user_turn, pdserve
 from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import free_ports, wait_for
 
 pytestmark = pytest.mark.e2e
-NAME = "prom20"
+NAME = SHARED
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
@@ -35,9 +35,9 @@ def query(base: str, expr: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
+def rig(shared_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prom")
-    cluster = up(tmp, NAME)
+    cluster = shared_cluster.use()
     prom = None
     try:
         targets = cluster["home"] / "prometheus" / f"{NAME}.json"
@@ -59,7 +59,6 @@ def rig(tmp_path_factory):
         if prom is not None:
             prom.terminate()
             prom.wait(30)
-        pdserve("down", NAME)
 
 
 def _all_up(base: str) -> bool:

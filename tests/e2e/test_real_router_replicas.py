@@ -14,13 +14,13 @@ import urllib.request
 import pytest
 
 from pdserve.launchers.local import marked_processes
-from tests.e2e.vllmkit import external_tokens, pdserve, reuse_diagnosis, up
+from tests.e2e.vllmkit import SHARED, external_tokens, pdserve, reuse_diagnosis
 from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import port_free
 from tests.integration.test_cli_replicas import consecutive_free
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-replicas"
+NAME = SHARED
 
 
 def two_replicas_on_managed_redis(cfg: dict, ports: list[int]) -> None:
@@ -28,13 +28,13 @@ def two_replicas_on_managed_redis(cfg: dict, ports: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp(NAME), NAME, two_replicas_on_managed_redis)
+def cluster(shared_cluster):
+    info = shared_cluster.use(two_replicas_on_managed_redis)
     port = info["cfg"]["router"]["port"]
     info["router"] = f"http://127.0.0.1:{port}"
     info["own"] = {f"router-{i}": f"http://127.0.0.1:{port + 1 + i}" for i in range(2)}
     yield info
-    pdserve("down", NAME)
+    shared_cluster.stop()
 
 
 def turn(cluster: dict, url: str, history: list) -> tuple[str, float]:

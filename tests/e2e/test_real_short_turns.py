@@ -11,20 +11,18 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import EXTERNAL, long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import SHARED, EXTERNAL, long_user_turn, metric
 from tests.e2e.vllmkit import status as status_of
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-short-turns"
+NAME = SHARED
 PLAN = "X-PDServe-Plan"
 PULLED = "X-PDServe-Pulled-Tokens"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e-short"), NAME)
-    yield info
-    pdserve("down", NAME)
+def cluster(shared_cluster):
+    return shared_cluster.use()
 
 
 def counters(cluster: dict) -> dict:

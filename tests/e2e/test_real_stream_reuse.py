@@ -10,11 +10,11 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import long_user_turn, metric, pdserve, up
+from tests.e2e.vllmkit import SHARED, long_user_turn, metric
 from tests.e2e.vllmkit import status as status_of
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e-stream"
+NAME = SHARED
 LOCAL = {"source": "local_cache_hit"}
 EXTERNAL = {"source": "external_kv_transfer"}
 
@@ -28,10 +28,8 @@ def prefix_cache_on(cfg: dict, ports: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e-stream"), NAME, prefix_cache_on)
-    yield info
-    pdserve("down", NAME)
+def cluster(shared_cluster):
+    return shared_cluster.use(prefix_cache_on)
 
 
 def router_stats() -> dict:

@@ -11,15 +11,15 @@ import time
 
 import pytest
 
-from tests.e2e.vllmkit import converse, pdserve, up
+from tests.e2e.vllmkit import SHARED, converse
 from tests.otlpkit import Receiver
 
 pytestmark = pytest.mark.e2e
-NAME = "trace20"
+NAME = SHARED
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
+def rig(shared_cluster):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -29,10 +29,9 @@ def rig(tmp_path_factory):
         cfg["observability"] = {"otlp_endpoint": receiver.url, "json_logs": True}
 
     try:
-        cluster = up(tmp_path_factory.mktemp("trace"), NAME, observed)
+        cluster = shared_cluster.use(observed)
         yield cluster, receiver
     finally:
-        pdserve("down", NAME)
         asyncio.run_coroutine_threadsafe(receiver.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
 

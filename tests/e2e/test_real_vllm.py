@@ -16,13 +16,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.vllmkit import (converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
-                               reuse_diagnosis, up)
+from tests.e2e.vllmkit import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
+                               reuse_diagnosis)
 from tests.e2e.vllmkit import status as status_of
 from tests.integration.test_cli_lifecycle import wait_for
 
 pytestmark = pytest.mark.e2e
-NAME = "e2e"
+NAME = SHARED
 REPORT = Path(os.environ.get("PDSERVE_E2E_REPORT", "/tmp/pdserve-e2e-report.json"))
 
 
@@ -40,10 +40,11 @@ def above_the_canarys_default_size(cfg: dict, ports: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    info = up(tmp_path_factory.mktemp("e2e"), NAME, above_the_canarys_default_size)
+def cluster(shared_cluster):
+    # the shipped config as it is (compiled), from a fresh start: `up`'s canary is part of what is tested
+    info = shared_cluster.use(above_the_canarys_default_size, compiled=True, fresh=True)
     yield info
-    pdserve("down", NAME)
+    shared_cluster.stop()
     REPORT.write_text(json.dumps({k: v for k, v in info.items() if k in ("up_seconds", "turns")}, indent=1))
 
 

@@ -18,6 +18,12 @@ from pdserve.spec.load import DEFAULT_CONFIG
 from tests.integration.test_cli_lifecycle import free_ports
 
 EXTERNAL = {"source": "external_kv_transfer"}
+LOCAL = {"source": "local_compute"}
+BLOCK = 32                                            # the embedded default's --block-size
+# an agent's system prompt and a file it reads (the agents and engine-check modules)
+SYSTEM = "You are a coding agent working in a repository. " + " ".join(
+    f"Rule {i}: keep change {i} small and tested." for i in range(40))
+FILE_TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * 7 % 13}" for i in range(60))
 
 
 def pdserve(*args, timeout=900) -> subprocess.CompletedProcess:
@@ -43,21 +49,47 @@ def reuse_diagnosis(cluster: dict) -> str:
     return "\n".join([*router, f"P failed transfers: {failed}", *nixl[-25:]])
 
 
+SHARED = "e2e"          # the cluster the e2e modules share (SharedCluster)
+
+
 def status(name: str) -> dict:
-    return json.loads(pdserve("status", name, "--json").stdout)
+    """`status NAME --json`'s content, read in-process (the library call the CLI renders): polled in loops,
+    a fresh CLI process each time cost ~1 s of a 2-core box."""
+    from pdserve.orchestrate import ops
+    return json.loads(json.dumps(ops.status(name)))
 
 
-def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = None,
-       nports: int = 5) -> dict:
-    """`pdserve up` of the embedded CPU default on free ports (adjusted by `mutate`); returns its facts."""
-    os.environ["PDSERVE_HOME"] = str(tmp / "home")
+def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
+    """The embedded CPU default on free ports. `eager`: no torch.compile at start (compile is what one
+    module, on the shipped config, tests; the others test what runs after start)."""
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    ports = free_ports(nports)
     # These tests assert that every later turn pulls from D. The cost model would (rightly) stop pulling
     # if a noisy 2-core box made one pull look slow; it has its own test with a controllable fake.
     cfg.update(name=name, router={"port": ports[0], "cost_aware": False})
     cfg["prefill"].update(port=ports[1], nixl_side_channel_port=ports[2])
     cfg["decode"].update(port=ports[3], nixl_side_channel_port=ports[4])
+    if eager:
+        for role in ("prefill", "decode"):
+            cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager"]
+    return cfg
+
+
+def _facts(cfg: dict, home: Path, path: Path, seconds: float) -> dict:
+    base = "http://127.0.0.1:"
+    return {"name": cfg["name"], "cfg": cfg, "home": home, "path": path, "up_seconds": seconds,
+            "router": f"{base}{cfg['router']['port']}",
+            "prefill": [f"{base}{cfg['prefill']['port'] + i}" for i in range(cfg["prefill"].get("replicas", 1))],
+            "decode": [f"{base}{cfg['decode']['port'] + i}" for i in range(cfg["decode"].get("replicas", 1))],
+            "turns": []}
+
+
+def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = None,
+       nports: int = 5, eager: bool = True) -> dict:
+    """`pdserve up` of the embedded CPU default (eager unless told) on free ports in its own PDSERVE_HOME
+    (adjusted by `mutate`); returns its facts."""
+    os.environ["PDSERVE_HOME"] = str(tmp / "home")
+    ports = free_ports(nports)
+    cfg = base_config(name, ports, eager=eager)
     if mutate:
         mutate(cfg, ports)
     path = tmp / f"{name}.yaml"
@@ -65,12 +97,77 @@ def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = 
     started = time.monotonic()
     res = pdserve("up", str(path))
     assert res.returncode == 0, res.stderr[-3000:]
-    base = "http://127.0.0.1:"
-    return {"name": name, "cfg": cfg, "home": tmp / "home", "path": path, "up_seconds": round(time.monotonic() - started, 1),
-            "router": f"{base}{ports[0]}",
-            "prefill": [f"{base}{cfg['prefill']['port'] + i}" for i in range(cfg["prefill"].get("replicas", 1))],
-            "decode": [f"{base}{cfg['decode']['port'] + i}" for i in range(cfg["decode"].get("replicas", 1))],
-            "turns": []}
+    return _facts(cfg, tmp / "home", path, round(time.monotonic() - started, 1))
+
+
+class SharedCluster:
+    """One real cluster the e2e modules share. Each module asks for its settings (`use`): `pdserve up` applies
+    them to the running cluster and restarts only the processes whose plan changed (what users of `up` get
+    too); the router is restarted whatever changed, so no module sees another's conversations. A change of
+    processes (replicas), a stopped cluster or `fresh` starts it anew in a fresh PDSERVE_HOME."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.ports = free_ports(5)
+        self.homes = 0
+        self.running: dict | None = None         # the facts of the last `use`
+
+    def use(self, mutate: Callable[[dict, list[int]], None] | None = None, *, compiled: bool = False,
+            fresh: bool = False) -> dict:
+        cfg = base_config(SHARED, self.ports, eager=not compiled)
+        if mutate:
+            mutate(cfg, self.ports)
+        alive = self.running is not None and not fresh and self._alive()
+        if alive and self._processes(cfg) != self._processes(self.running["cfg"]):
+            alive = False
+        if not alive:
+            self.stop()
+            self.homes += 1
+        home = self.tmp / f"home{self.homes}"
+        os.environ["PDSERVE_HOME"] = str(home)
+        path = self.tmp / f"{SHARED}-{self.homes}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        routers = self._routers() if alive else {}
+        started = time.monotonic()
+        res = pdserve("up", str(path))
+        assert res.returncode == 0, res.stderr[-3000:]
+        for name, pid in routers.items():
+            if self._routers().get(name) == pid:        # the change left this router running: a fresh one
+                res = pdserve("restart", SHARED, name)
+                assert res.returncode == 0, res.stderr[-3000:]
+        self.running = _facts(cfg, home, path, round(time.monotonic() - started, 1))
+        return self.running
+
+    def stop(self) -> None:
+        if self.running is not None:
+            pdserve("down", SHARED)
+            self.running = None
+
+    @staticmethod
+    def _alive() -> bool:
+        from pdserve.errors import PdserveError
+        try:
+            return status(SHARED)["phase"] == "running"
+        except PdserveError:                 # stopped by a module's own `down`
+            return False
+
+    def _routers(self) -> dict[str, int]:
+        return {p["name"]: p["pid"] for p in status(SHARED)["processes"] if p["role"] == "router"}
+
+    @staticmethod
+    def _processes(cfg: dict) -> tuple:
+        return tuple((role, (cfg[role] or {}).get("replicas", 1)) for role in ("prefill", "decode", "router")) + (
+            cfg["router"].get("store") == "managed",)
+
+
+def computed(cluster: dict) -> float:
+    """Prompt tokens P and D computed themselves (their own counters)."""
+    return sum(metric(u, "vllm:prompt_tokens_by_source_total", **LOCAL)
+               for u in cluster["prefill"] + cluster["decode"])
+
+
+def router_metric(cluster: dict, name: str, **labels) -> float:
+    return metric(cluster["router"], name, **labels)
 
 
 def external_tokens(cluster: dict) -> float:
