@@ -9,8 +9,7 @@ import json
 import pytest
 import yaml
 
-from pdserve.spec.load import DEFAULT_CONFIG
-from tests.e2e.vllmkit import pdserve
+from tests.e2e.vllmkit import base_config, pdserve
 from tests.integration.test_cli_lifecycle import free_ports
 
 pytestmark = pytest.mark.e2e
@@ -19,11 +18,7 @@ pytestmark = pytest.mark.e2e
 def test_short_bench_on_real_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COLUMNS", "200")
-    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    ports = free_ports(5)
-    cfg.update(name="ebench", router={"port": ports[0]})
-    cfg["prefill"].update(port=ports[1], nixl_side_channel_port=ports[2])
-    cfg["decode"].update(port=ports[3], nixl_side_channel_port=ports[4])
+    cfg = base_config("ebench", free_ports(5), eager=True)     # what bench does, not what compile costs
     path = tmp_path / "ebench.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
