@@ -49,7 +49,7 @@ async def read_json(request: web.Request, body_timeout: float,
     """The request's JSON object, checked (see `checked`); raises BadInput. Compressed bodies are refused,
     not inflated: the server's auto_decompress is off, so a small gzip bomb cannot cost a gigabyte of
     memory. A big body is parsed and checked in a worker thread: the pure-Python passes over it would keep
-    every other client's request waiting on the event loop (docs/router.md)."""
+    every other client's request waiting on the event loop (docs/results.md)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise BadInput(415, f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")

@@ -1,11 +1,11 @@
 """A lean HTTP/1.1 client for the router's whole-JSON calls to backends (the P leg, a JSON D leg, /tokenize).
 
-aiohttp's client was ~55% of the router's Python time at 64 clients (docs/router.md, "Side by side with
+aiohttp's client was ~55% of the router's Python time at 64 clients (docs/results.md, "Side by side with
 vllm-router"): a request object, a response object, timers, traces and payload classes per call. A JSON POST
 to a vLLM server needs far less: keep-alive connections per backend, one write, httptools' C parser (the
 one uvicorn uses) for the answer. The D leg's streams go here too (`stream`: the body handed on as it
 arrives, all that came since the last read as one piece; aiohttp's client cost a streamed request more than
-the rest of the router's work, docs/router.md, issue 31); the health and metrics probes stay on aiohttp.
+the rest of the router's work, docs/results.md, issue 31); the health and metrics probes stay on aiohttp.
 
 Idle connections are closed after `keepalive` seconds, below vLLM's own keep-alive timeout (uvicorn's 5 s),
 so a request is rarely written to a connection the server is closing. When it is (a backend or proxy that
