@@ -56,6 +56,16 @@ class RoleSpec(Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for these servers.")
 
 
+MIB = 1024 * 1024
+# The router's own dataclass is the one source of its defaults; these fields pass to it by name.
+ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+
+
+def router_field(name: str, description: str, **constraints: Any) -> Any:
+    """A RouterSpec field whose default is the router's own (RouterConfig is the one source)."""
+    return Field(ROUTER_DEFAULTS[name], description=description, **constraints)
+
+
 # GB/s below which GPU KV transfers mean an emulated transport: far below any real GPU path, far above
 # UCX's TCP emulation (docs/gpu.md, "Where the code's GPU settings come from").
 GPU_TRANSFER_FLOOR_GBPS = 5.0
@@ -68,9 +78,9 @@ class KVTransferSpec(Strict):
     kv_connector: Literal["NixlConnector"] = "NixlConnector"
     kv_buffer_device: Literal["cuda", "cpu"] = "cuda"
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
-    bidirectional_kv_xfer: bool = True
-    kv_recompute_threshold: int = Field(64, ge=0)
-    decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
+    bidirectional_kv_xfer: bool = ROUTER_DEFAULTS["bidirectional_kv_xfer"]
+    kv_recompute_threshold: int = Field(ROUTER_DEFAULTS["kv_recompute_threshold"], ge=0)
+    decoder_kv_blocks_ttl: float = Field(ROUTER_DEFAULTS["decoder_kv_blocks_ttl"], gt=0)
     kv_lease_duration: float = Field(30.0, gt=0)
     backends: list[str] = Field(default_factory=lambda: ["UCX"], min_length=1)
     nixl_progress_delay_us: int | None = Field(
@@ -92,16 +102,6 @@ class KVTransferSpec(Strict):
         if self.min_transfer_gbps is not None:
             return self.min_transfer_gbps
         return GPU_TRANSFER_FLOOR_GBPS if self.kv_buffer_device == "cuda" else 0.0
-
-
-MIB = 1024 * 1024
-# The router's own dataclass is the one source of its defaults; these fields pass to it by name.
-ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-
-
-def router_field(name: str, description: str, **constraints: Any) -> Any:
-    """A RouterSpec field whose default is the router's own (RouterConfig is the one source)."""
-    return Field(ROUTER_DEFAULTS[name], description=description, **constraints)
 
 
 class RouterSpec(Strict):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pdserve.observe import transfer
 from pdserve.observe.promtext import Samples, api_key_of, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
+from pdserve.router.config import RouterConfig
 from pdserve.router.wire import PULLED_HEADER
 from pdserve.spec.canary_size import CANARY_ITEMS, canary_items
 from pdserve.supervise.process import ManagedProcess
@@ -183,15 +184,14 @@ def run_canary(router_url: str, decode_urls: list[str], model: str, api_key: str
 def canary_of_plan(plan: ClusterPlan, floor_gbps: float | None = None) -> CanaryResult:
     """The canary through a planned cluster's router, checked on its servers (`up` and `doctor`);
     `floor_gbps` None: the plan's own floor."""
-    cfg = plan.router_config
+    cfg = RouterConfig.from_dict(plan.router_config)     # as the router reads it: its defaults, in one place
     urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    return run_canary(plan.router_url, urls["decode"], cfg.get("model", ""), api_key_of(cfg),
-                      timeout=min(float(cfg.get("request_timeout", 120.0)), 120.0),
-                      prefill_urls=urls["prefill"] if cfg.get("bidirectional_kv_xfer") else None,
+    return run_canary(plan.router_url, urls["decode"], cfg.model, api_key_of(plan.router_config),
+                      timeout=min(cfg.request_timeout, 120.0),
+                      prefill_urls=urls["prefill"] if cfg.bidirectional_kv_xfer else None,
                       floor_gbps=plan.transfer_floor_gbps if floor_gbps is None else floor_gbps,
-                      pull_threshold=int(cfg.get("kv_recompute_threshold", 0)),
-                      decode_only_max_tokens=int(cfg.get("decode_only_max_tokens", 0))
-                      if cfg.get("decode_only", True) else 0)
+                      pull_threshold=cfg.kv_recompute_threshold,
+                      decode_only_max_tokens=cfg.decode_only_max_tokens if cfg.decode_only else 0)
 
 
 def plan_canary(plan: ClusterPlan) -> tuple[bool, str]:
