@@ -26,7 +26,7 @@ def summary(request: web.Request, notes: dict[str, Any], status: int) -> dict[st
     if turn is not None:
         out.update(request_id=turn.request_id, outcome=turn.outcome, stream=bool(turn.body.get("stream")),
                    tokens_pulled=turn.pulled, degraded=turn.degraded)
-        out.setdefault("conversation", key_hash(turn.explicit))
+        out.setdefault("conversation", key_hash(turn.conversation.explicit))
     out.update({k: v for k, v in notes.items() if v is not None})
     return {k: v for k, v in out.items() if v is not None}
 

@@ -92,7 +92,7 @@ class DecodeLeg:
         trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
-        relay = StreamRelay(collector, keep_lines=track and turn.explicit is None,
+        relay = StreamRelay(collector, keep_lines=track and turn.conversation.by_history,
                             max_bytes=self.upstream.max_answer_bytes)
         d_started = time.perf_counter()
         try:

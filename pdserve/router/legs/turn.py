@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.router.api import WireFormat
-from pdserve.router.identity import Key
+from pdserve.router.conversation import Conversation
 from pdserve.router.route.backends import Suspects
 from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
 
@@ -21,9 +21,7 @@ class Turn:
     body: dict[str, Any]
     request_id: str
     reply_id: str                      # X-Request-Id returned to the client
-    tenant: str
-    explicit: Key | None               # conversation_id / X-Session-ID
-    messages: list[Any] | None         # the history as chat-like items (fmt.history), for automatic detection
+    conversation: Conversation         # who it continues: lookup and store keys (conversation.py)
     started: float = field(default_factory=time.perf_counter)
     decide_ms: float | None = None     # the reuse decision (Server-Timing, like the legs)
     prefill_ms: float | None = None    # reported to the client in Server-Timing
@@ -33,7 +31,6 @@ class Turn:
     local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
     outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
-    history_digest: bytes | None = None   # of `messages`, once hashed for the lookup
     template: str | None = None        # policy.template_digest of the body, once computed
 
     @property
