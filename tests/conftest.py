@@ -1,9 +1,11 @@
-"""Settings every test package shares."""
+"""Settings and fixtures every test package shares (the helpers themselves are in tests/kits/)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+
+import pytest
 
 
 def pytest_configure(config):
@@ -21,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("e2e") or item.path.parent.name == "multihost":
             item.add_marker(pytest.mark.xdist_group("serial"))
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A PDSERVE_HOME of the test's own (in its temp dir), set for `pdserve` subprocesses too; no colours."""
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    return tmp_path / "home"

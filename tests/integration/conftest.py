@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.rediskit import RedisServer
+from tests.kits.redis_rig import RedisServer
 
 
 @pytest.fixture

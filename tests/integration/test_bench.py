@@ -5,10 +5,10 @@ from __future__ import annotations
 import csv
 import json
 
-from tests.integration.test_cli_lifecycle import all_markers, home, pdserve, write_config  # noqa: F401
+from tests.kits.cli_runner import all_markers, pdserve, write_config
 
 
-def test_bench_two_arms_writes_every_output(tmp_path, home, monkeypatch):  # noqa: F811
+def test_bench_two_arms_writes_every_output(tmp_path, home, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     path, _ = write_config(tmp_path, "fb")
     out = tmp_path / "out"
@@ -36,7 +36,7 @@ def test_bench_two_arms_writes_every_output(tmp_path, home, monkeypatch):  # noq
     assert bad.returncode == 2 and "unknown arm sideways" in bad.stderr
 
 
-def test_bench_restarts_prefill_mid_run_and_counts_across_the_reset(tmp_path, home, monkeypatch):  # noqa: F811
+def test_bench_restarts_prefill_mid_run_and_counts_across_the_reset(tmp_path, home, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     path, _ = write_config(tmp_path, "fr")
     out = tmp_path / "out"

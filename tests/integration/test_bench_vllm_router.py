@@ -8,20 +8,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 
 from pdserve.bench import vrouter
-from tests.integration.test_cli_lifecycle import all_markers, home, pdserve, write_config  # noqa: F401
-
-FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_vllm.py"
+from tests.kits.cli_runner import FAKE_SERVER, all_markers, pdserve, write_config
 
 pytestmark = pytest.mark.skipif(vrouter.executable() is None, reason="vllm-router not installed (bench extra)")
 
 
-def test_bench_runs_vllm_router_and_affinity_arms_and_stops_vllm_router(tmp_path, home, monkeypatch):  # noqa: F811
+def test_bench_runs_vllm_router_and_affinity_arms_and_stops_vllm_router(tmp_path, home, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")
     path, _ = write_config(tmp_path, "vr")
     out = tmp_path / "out"
@@ -54,7 +51,7 @@ def fake_backends(tmp_path):
     procs, urls = [], []
     for _ in range(2):
         port = vrouter._free_port()
-        procs.append(subprocess.Popen([sys.executable, str(FAKE), "--model", "fake-model", "--host", "127.0.0.1",
+        procs.append(subprocess.Popen([sys.executable, FAKE_SERVER, "--model", "fake-model", "--host", "127.0.0.1",
                                        "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         urls.append(f"http://127.0.0.1:{port}")
     try:

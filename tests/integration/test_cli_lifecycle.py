@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import re
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,81 +16,9 @@ import psutil
 import pytest
 import yaml
 
-from pdserve.launchers.local import marked_processes
-
-FAKE = str(Path(__file__).resolve().parents[1] / "fakes" / "fake_vllm.py")
-
-
-def free_ports(n: int) -> list[int]:
-    """Free ports below Linux's ephemeral range (32768+), so an outgoing connection of some other process
-    (health probes, HTTP clients) cannot take one between this check and the server's bind."""
-    rng = random.Random()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = rng.randrange(20000, 32000)
-        if port not in ports and port_free(port):
-            ports.append(port)
-    return ports
-
-
-def port_free(port: int) -> bool:
-    """Nothing listens, and a server could bind it again (SO_REUSEADDR, as servers do: TIME_WAIT is fine)."""
-    with socket.socket() as c:
-        if c.connect_ex(("127.0.0.1", port)) == 0:
-            return False
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("NO_COLOR", "1")
-    return tmp_path / "home"
-
-
-def write_config(tmp_path: Path, name: str, server_args=(), server_command=None, **extra) -> tuple[Path, dict]:
-    ports = free_ports(5)
-    cfg: dict = {
-        "name": name, "model": "fake-model",
-        "server_command": server_command or [sys.executable, FAKE, *server_args],
-        "prefill": {"port": ports[0], "nixl_side_channel_port": ports[1]},
-        "decode": {"port": ports[2], "nixl_side_channel_port": ports[3]},
-        "router": {"port": ports[4]},
-        "supervisor": {"backoff_initial": 0.2, "stop_timeout": 5, "health_interval": 0.5},
-        **extra,
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path, cfg
-
-
-def pdserve(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def status_json(name: str) -> dict:
-    return json.loads(pdserve("status", name, "--json").stdout)
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def all_markers(home: Path, name: str) -> list[psutil.Process]:
-    root = home / "clusters" / name
-    return [p for proc in ("prefill-0", "decode-0", "router") for p in marked_processes(f"{root}#{proc}")]
+from tests.kits.cli_runner import all_markers, pdserve, status_json, write_config
+from tests.kits.ports import free_ports, port_free
+from tests.kits.waits import wait_for
 
 
 def test_up_restart_down_leaves_nothing(tmp_path, home):

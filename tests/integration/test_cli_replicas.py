@@ -11,24 +11,15 @@ import signal
 import time
 import urllib.request
 
-import pytest
 import yaml
 
 from pdserve.launchers.local import marked_processes
 from pdserve.observe.routerstats import read_router
-from tests.integration.test_cli_lifecycle import home as cluster_home
-from tests.integration.test_cli_lifecycle import free_ports, pdserve, port_free, status_json, wait_for, write_config
-
-home = pytest.fixture(name="home")(cluster_home.__wrapped__)
+from tests.kits.cli_runner import pdserve, status_json, write_config
+from tests.kits.ports import consecutive_free, port_free
+from tests.kits.waits import wait_for
 
 NAMES = ("prefill-0", "decode-0", "router-0", "router-1", "redis")
-
-
-def consecutive_free(n: int) -> int:
-    while True:
-        base = free_ports(1)[0]
-        if all(port_free(base + i) for i in range(n)):
-            return base
 
 
 def turn(url: str, messages: list, conversation: str) -> tuple[dict, dict]:

@@ -24,11 +24,12 @@ from pdserve.router.kv.store_redis import deployment_id, read_secret
 from pdserve.spec.load import parse_spec
 from pdserve.state.secret import ensure_secret
 from pdserve.supervise.health import probe
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.rediskit import free_port
-from tests.integration.routerkit import deployment
-from tests.integration.test_router_store_redis import PARAMS, _hits, store_at
-from tests.unit.test_spec import GOOD, with_
+from tests.kits.fake_vllm import FAKE
+from tests.kits.metric_text import reuse_hits
+from tests.kits.ports import free_port
+from tests.kits.redis_rig import PARAMS, store_at
+from tests.kits.router_rig import deployment
+from tests.kits.spec_data import GOOD, with_
 
 CHAT = "/v1/chat/completions"
 
@@ -67,7 +68,7 @@ async def test_two_clusters_of_one_name_on_one_redis_never_read_each_others_entr
         d_a, d_b = dep_a.decode[0][FAKE].engine_id, dep_b.decode[0][FAKE].engine_id
         offered = [o.get("remote_engine_id") for o in offers if "remote_block_ids" in o]
         assert d_a != d_b and offered and set(offered) == {d_b}, offered     # B's P: B's D's handles only
-        assert _hits(await dep_a.metrics()) == 2 and _hits(await dep_b.metrics()) == 2   # each its own follow-ups
+        assert reuse_hits(await dep_a.metrics()) == 2 and reuse_hits(await dep_b.metrics()) == 2   # each its own follow-ups
     raw = aioredis.from_url(redis_server.url)
     try:
         namespaces = {k.decode().split(":e:")[0] for k in await raw.keys("pdserve:*:e:*")}

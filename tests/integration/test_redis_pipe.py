@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from pdserve.router.kv.redis_pipe import RedisPipe
-from tests.integration.rediskit import RedisServer
+from tests.kits.redis_rig import RedisServer
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 
 
-from tests.integration.test_router_store_redis import PARAMS, store_at
+from tests.kits.redis_rig import PARAMS, store_at
 
 SLACK = 0.5     # the event loop's share on a busy 2-core box (before the fix: 1.4 s to 5 s and more)
 

@@ -12,9 +12,10 @@ import json
 import redis.asyncio as aioredis
 
 from pdserve.router.kv.store_redis import MAX_CANDIDATES
-from tests.integration.rediskit import RedisServer
-from tests.integration.routerkit import deployment
-from tests.integration.test_router_store_redis import PARAMS, _hits, store_at
+from tests.kits.metric_text import reuse_hits
+from tests.kits.redis_rig import PARAMS, store_at
+from tests.kits.redis_rig import RedisServer
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 # A generous store_timeout where a test is about what Redis holds, not about time: a loaded CI box once took
@@ -58,7 +59,7 @@ async def test_a_non_utf8_session_header_is_a_conversation_like_any_other_and_th
             messages = body["messages"] + [json.loads(data)["choices"][0]["message"]]
         m = await dep.metrics()
         assert 'pdserve_router_store_up{store="redis"} 1.0' in m and "pdserve_router_store_errors_total{" not in m, m
-        assert _hits(m) == 2                          # both follow-ups found their entry
+        assert reuse_hits(m) == 2                          # both follow-ups found their entry
 
 
 def value(params, decode: bytes = b"decode-0", tokens: bytes = b"", s: bool = False) -> bytes:

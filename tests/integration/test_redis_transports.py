@@ -10,7 +10,8 @@ import subprocess
 import pytest
 
 from pdserve.router.kv.store import open_store
-from tests.integration.rediskit import RedisServer, free_port
+from tests.kits.ports import free_port
+from tests.kits.redis_rig import RedisServer
 
 PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e1", "remote_request_id": "r",
           "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}

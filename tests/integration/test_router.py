@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from pdserve.observe.routerstats import parse_metrics
-from tests.integration.routerkit import deployment
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -22,8 +22,8 @@ from pdserve.observe.promtext import parse, total
 from pdserve.router.front.app import CONFIG
 from pdserve.router.legs.turn import PLAN_HEADER, PULLED_HEADER
 from pdserve.router.wire import WANT_TOKENS_KEY
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 API = {MESSAGES: "messages", RESPONSES: "responses"}

@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.router.front.app import FLOW
 from pdserve.router.route.breaker import OPEN
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 HI = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -9,7 +9,7 @@ import re
 
 from pdserve.router.front.app import FLOW
 from pdserve.router.route.breaker import CLOSED, OPEN
-from tests.integration.routerkit import deployment
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 HI = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -52,7 +52,7 @@ async def test_the_issues_schedule_of_hostile_requests_leaves_every_normal_reque
 
 
 def app_received(app) -> list[dict]:
-    from tests.fakes.fake_vllm import FAKE
+    from tests.kits.fake_vllm import FAKE
     return app[FAKE].received
 
 

@@ -4,15 +4,14 @@ reuse, client disconnects, request ids, API key and size limits."""
 from __future__ import annotations
 
 import asyncio
-import re
 
 import aiohttp
 import openai
 
-from pdserve.observe.promtext import parse
 from pdserve.router.front.app import FLOW
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.metric_text import sample
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 
@@ -24,13 +23,6 @@ def offered(app) -> list[dict | None]:
         kv = r["body"].get("kv_transfer_params") or {}
         out.append(kv if kv.get("remote_block_ids") else None)
     return out
-
-
-def sample(metrics: str, name: str) -> float:
-    """The value of one sample, `name` written as in the exposition (`n{a="x",b="y"}`); 0 when absent."""
-    metric, _, label_text = name.partition("{")
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
-    return sum(v for (n, ls), v in parse(metrics).items() if n == metric and dict(ls) == labels)
 
 
 async def test_unmodified_openai_client_gets_reuse_by_history():

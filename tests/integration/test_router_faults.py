@@ -9,9 +9,9 @@ import json
 import aiohttp
 
 from pdserve.router.front.app import FLOW
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
-from tests.integration.test_router_depth import sample
+from tests.kits.fake_vllm import FAKE
+from tests.kits.metric_text import sample
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 HI = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.fakes.fake_vllm import build_app as build_fake
-from tests.fakes.fake_vllm import parse_args
-from tests.integration.test_cli_lifecycle import free_ports
+from tests.kits.fake_vllm import build_app as build_fake
+from tests.kits.fake_vllm import parse_args
+from tests.kits.ports import free_ports
 
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 STREAMS = 300

@@ -1,5 +1,5 @@
 """Held KV on the decode servers through the router, against fake vLLM servers that hold turns as D does, answer
-pdserve's control routes, and let P read only what D still holds (tests/fakes/fake_vllm.py): the budget, the
+pdserve's control routes, and let P read only what D still holds (tests/kits/fake_vllm.py): the budget, the
 releases by reason, the lease past D's timer, and that P never reads freed blocks (real vLLM: tests/e2e)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.observe.routerstats import parse_metrics
 from pdserve.router.front.app import FLOW
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 CAPACITY = 1024          # D's KV in tokens (its /metrics): budget 512 at the default share, 3 turns of ~150 words

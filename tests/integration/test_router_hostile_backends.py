@@ -1,5 +1,5 @@
 """The router against backends (or proxies in front of them) that send what vLLM does not (issue 35 items 4
-and 7; tests/fakes/hostile.py): interim 1xx answers and unsolicited second answers never hand one request
+and 7; tests/kits/hostile.py): interim 1xx answers and unsolicited second answers never hand one request
 another's answer or P handles; an endless or oversized answer is a 502 at the bound, and the router stays
 responsive meanwhile."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tests.integration.routerkit import deployment
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 

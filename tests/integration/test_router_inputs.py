@@ -8,9 +8,9 @@ import gzip
 import logging
 
 from pdserve.router.telemetry.logs import OneLineFormatter
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
-from tests.integration.test_router_depth import sample
+from tests.kits.fake_vllm import FAKE
+from tests.kits.metric_text import sample
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.integration.routerkit import deployment
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.fakes.fake_vllm import build_app as build_fake
-from tests.fakes.fake_vllm import parse_args
-from tests.integration.routerkit import _serve
+from tests.kits.fake_vllm import build_app as build_fake
+from tests.kits.fake_vllm import parse_args
+from tests.kits.router_rig import serve_app
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
@@ -47,7 +47,7 @@ async def wait_health(url: str) -> None:
 async def test_a_draining_replica_closes_each_connection_with_an_answer(tmp_path):
     runners, urls = [], []
     for _ in range(2):
-        runner, url = await _serve(build_fake(parse_args(["--no-record", "--delay", "0.005"])))
+        runner, url = await serve_app(build_fake(parse_args(["--no-record", "--delay", "0.005"])))
         runners.append(runner)
         urls.append(url)
     port = free_port()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.observe.promtext import parse, total
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 

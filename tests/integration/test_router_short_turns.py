@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router.front.app import FLOW
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 LONG = 400    # words (one fake token each): beyond decode_only_max_tokens

@@ -10,21 +10,13 @@ import time
 import redis.asyncio as aioredis
 
 from pdserve.router.front.app import FLOW, REPLICA_HEADER
-from pdserve.router.kv.store import UNAVAILABLE, open_store
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.rediskit import add_router
-from tests.integration.routerkit import deployment
+from pdserve.router.kv.store import UNAVAILABLE
+from tests.kits.fake_vllm import FAKE
+from tests.kits.metric_text import reuse_hits
+from tests.kits.redis_rig import PARAMS, add_router, store_at
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
-PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e1", "remote_request_id": "r",
-          "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
-
-
-def store_at(url: str, ttl: float = 30.0, timeout: float = 0.25, errors: list | None = None):
-    return open_store(url, ttl=ttl, max_entries=100, max_bytes=2**20, cluster="t", decodes=["decode-0", "decode-1"],
-                      timeout=timeout, on_evict=lambda r, n: None,
-                      on_error=lambda op, reason: (errors if errors is not None else []).append((op, reason)),
-                      on_health=lambda up: None)
 
 
 def chat(content: str, history=None, **kw) -> dict:
@@ -140,7 +132,7 @@ async def test_two_replicas_share_one_conversation_and_a_restarted_router_keeps_
         offers = [b["body"]["kv_transfer_params"] for b in dep.prefill[0][FAKE].received if b["path"] == CHAT]
         assert ["remote_block_ids" in o for o in offers] == [False] + [True] * 5
         other_metrics = await (await dep.session.get(other_url + "/metrics")).text()
-        assert (_hits(await dep.metrics()), _hits(other_metrics)) == (2, 3)    # turns 2, 4 and 1, 3, 5
+        assert (reuse_hits(await dep.metrics()), reuse_hits(other_metrics)) == (2, 3)    # turns 2, 4 and 1, 3, 5
 
         # Both routers gone, a new one started: the conversation's entry is still there.
         for runner in list(dep.runners[-2:]):
@@ -179,9 +171,9 @@ async def test_redis_killed_mid_run_fails_no_request_and_reuse_resumes(redis_ser
         assert 'outcome="failed"' not in m
         redis_server.start()                                              # back, same port, empty
         await _store_back(dep)
-        pre = _hits(await dep.metrics())
+        pre = reuse_hits(await dep.metrics())
         await _turns(dep.url, dep.session, 3, "after", served)
-        assert _hits(await dep.metrics()) == pre + 2                      # both follow-ups reused again
+        assert reuse_hits(await dep.metrics()) == pre + 2                      # both follow-ups reused again
 
 
 async def _store_back(dep) -> None:
@@ -190,11 +182,6 @@ async def _store_back(dep) -> None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError("the router never saw the store back")
-
-
-def _hits(metrics: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("pdserve_router_reuse_decisions_total{") and 'result="hit"' in line)
 
 
 async def test_a_paused_redis_holds_up_no_request(redis_server):
@@ -216,9 +203,9 @@ async def test_a_paused_redis_holds_up_no_request(redis_server):
             'pdserve_router_store_errors_total{op="put",reason="timeout"}' in m, m
         assert 'outcome="failed"' not in m
         await _store_back(dep)
-        pre = _hits(await dep.metrics())
+        pre = reuse_hits(await dep.metrics())
         await _turns(dep.url, dep.session, 2, "resumed", served)
-        assert _hits(await dep.metrics()) == pre + 1
+        assert reuse_hits(await dep.metrics()) == pre + 1
 
 
 async def test_an_answer_never_waits_for_redis_to_confirm_its_put(redis_server):

@@ -10,9 +10,9 @@ import logging
 import subprocess
 import sys
 
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
-from tests.otlpkit import Receiver
+from tests.kits.fake_vllm import FAKE
+from tests.kits.otlp_receiver import Receiver
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 

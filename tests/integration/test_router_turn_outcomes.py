@@ -10,8 +10,8 @@ import asyncio
 import json
 
 from pdserve.observe.promtext import parse, total
-from tests.fakes.fake_vllm import FAKE
-from tests.integration.routerkit import deployment
+from tests.kits.fake_vllm import FAKE
+from tests.kits.router_rig import deployment
 
 CHAT = "/v1/chat/completions"
 STREAM_D = ["--stream-kv-params"]

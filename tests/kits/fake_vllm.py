@@ -13,7 +13,7 @@ blocks is declined within --read-margin seconds of the deadline it is handed (vL
 otherwise frees them on D (P's read notification); a read of blocks D no longer holds is counted on D
 (`stale_reads`: the hazard a router must never cause).
 
-Run: python -m tests.fakes.fake_vllm --port 8100 [--fail-reads] [--stream-kv-params] [--die-mid-stream]
+Run: python -m tests.kits.fake_vllm --port 8100 [--fail-reads] [--stream-kv-params] [--die-mid-stream]
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from aiohttp import web
 from pdserve.engine.patches import cut_offer
 from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
 try:
-    from tests.fakes import hostile
-    from tests.fakes.fake_agent_wire import AgentWire
-except ModuleNotFoundError:      # run as a script (python tests/fakes/fake_vllm.py): its folder is on the path
+    from tests.kits import hostile
+    from tests.kits.fake_agent_wire import AgentWire
+except ModuleNotFoundError:      # run as a script (python tests/kits/fake_vllm.py): its folder is on the path
     import hostile  # type: ignore[no-redef]
     from fake_agent_wire import AgentWire  # type: ignore[no-redef]
 

@@ -16,9 +16,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve.plan.records import ClusterPlan, HostPlan
 
 SUBNET = "10.79.0"            # apart from 10.77.0.x, which people here use by hand
 BRIDGE, BRIDGE_ADDR = "pdmhbr0", f"{SUBNET}.1"
@@ -188,3 +191,11 @@ def make_rig(workdir: Path, names: tuple[str, ...] = ("pdmha", "pdmhb")) -> Rig:
     except BaseException:
         teardown(rig)
         raise
+
+
+def cluster(rig, **host_changes) -> ClusterPlan:
+    """A plan with no processes on the rig's hosts (ssh launcher), `host_changes` per host name."""
+    hosts = [HostPlan(**{**rig.host_spec(h), "python": sys.executable, **host_changes.get(h.name, {})})
+             for h in rig.hosts]
+    return ClusterPlan(name="t", processes=[], router_config={}, router_config_path="", builtin_model=None,
+                       model_path="", supervisor={}, launcher="ssh", hosts=hosts)

@@ -1,5 +1,6 @@
 """A real redis-server (Debian's) on a free loopback port with its data in a temp dir, for the store tests;
-and more router replicas on a routerkit deployment's fake backends."""
+a reuse store opened on it as a router opens one, with the D params an entry carries; and more router
+replicas on a router_rig deployment's fake backends."""
 
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ from aiohttp import web
 
 from pdserve.router.front.app import CONFIG, METRICS, build_app, server_limits
 from pdserve.router.front.limits import GuardedRunner
-from tests.integration.routerkit import Deployment, _serve
+from pdserve.router.kv.store import open_store
+from tests.kits.ports import free_port
+from tests.kits.router_rig import Deployment, serve_app
+
+PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "e1", "remote_request_id": "r",
+          "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": 40}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_at(url: str, ttl: float = 30.0, timeout: float = 0.25, errors: list | None = None):
+    return open_store(url, ttl=ttl, max_entries=100, max_bytes=2**20, cluster="t", decodes=["decode-0", "decode-1"],
+                      timeout=timeout, on_evict=lambda r, n: None,
+                      on_error=lambda op, reason: (errors if errors is not None else []).append((op, reason)),
+                      on_health=lambda up: None)
 
 
 def ping(port: int, timeout: float = 0.5) -> bool:
@@ -87,7 +94,7 @@ async def add_router(dep: Deployment, **overrides) -> tuple[web.Application, str
     """Another router on `dep`'s backends, with `dep`'s router settings but `overrides`; cleaned up with dep."""
     cfg = dataclasses.replace(dep.router[CONFIG], **overrides)
     app = build_app(cfg, api_key="")
-    runner, url = await _serve(app, GuardedRunner, max_connections=cfg.max_connections, metrics=app[METRICS],
+    runner, url = await serve_app(app, GuardedRunner, max_connections=cfg.max_connections, metrics=app[METRICS],
                                header_timeout=cfg.header_timeout, **server_limits(cfg))
     dep.runners.append(runner)
     return app, url, runner

@@ -12,8 +12,8 @@ from aiohttp import web
 from pdserve.router.config import RouterConfig
 from pdserve.router.front.app import METRICS, build_app, server_limits
 from pdserve.router.front.limits import GuardedRunner
-from tests.fakes.fake_vllm import build_app as build_fake
-from tests.fakes.fake_vllm import parse_args
+from tests.kits.fake_vllm import build_app as build_fake
+from tests.kits.fake_vllm import parse_args
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Deployment:
             return await resp.text()
 
 
-async def _serve(app: web.Application, runner_class=web.AppRunner, **handler_args) -> tuple[web.AppRunner, str]:
+async def serve_app(app: web.Application, runner_class=web.AppRunner, **handler_args) -> tuple[web.AppRunner, str]:
     runner = runner_class(app, handler_cancellation=True, **handler_args)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -57,7 +57,7 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
     for role, arg_sets, apps, cfgs in (("prefill", prefill_args, p_apps, p_cfg), ("decode", decode_args, d_apps, d_cfg)):
         for i, extra in enumerate(arg_sets):
             app = build_fake(parse_args(list(extra)))
-            runner, url = await _serve(app)
+            runner, url = await serve_app(app)
             runners.append(runner)
             apps.append(app)
             cfgs.append({"name": f"{role}-{i}", "url": url})
@@ -66,7 +66,7 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
     cfg = RouterConfig.from_dict({"prefill": p_cfg, "decode": d_cfg, "model": "fake", "health_interval": 0.1,
                                   "kv_recompute_threshold": 4, "decode_only": False, **router_overrides})
     router = build_app(cfg, api_key=api_key)
-    runner, url = await _serve(router, GuardedRunner, max_connections=cfg.max_connections, metrics=router[METRICS],
+    runner, url = await serve_app(router, GuardedRunner, max_connections=cfg.max_connections, metrics=router[METRICS],
                                header_timeout=cfg.header_timeout, **server_limits(cfg))
     runners.append(runner)
     session = aiohttp.ClientSession()

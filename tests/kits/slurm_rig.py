@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.integration.test_cli_lifecycle import wait_for
+from tests.kits.waits import wait_for
 
 NODE = "pdnode"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multihost.netns import make_rig, missing_capability, teardown
+from tests.kits.netns_rig import make_rig, missing_capability, teardown
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def rig(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory, monkeypatch_module):
-    from tests.multihost.slurmrig import missing_capability as slurm_missing, start_slurm, stop_slurm
+    from tests.kits.slurm_rig import missing_capability as slurm_missing, start_slurm, stop_slurm
     why = slurm_missing()
     if why:
         pytest.skip(f"one-node Slurm rig: {why}")

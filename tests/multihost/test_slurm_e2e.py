@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.vllmkit import converse, metric, pdserve, up
-from tests.multihost.slurmrig import NODE
+from tests.kits.slurm_rig import NODE
 
 pytestmark = pytest.mark.e2e
 NAME = "mh-slurm"

@@ -10,8 +10,9 @@ import time
 from pdserve.launchers.base import Handle, LauncherKind
 from pdserve.launchers.slurm import SlurmLauncher
 from pdserve.plan.records import MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan
-from tests.multihost.slurmrig import NODE
-from tests.multihost.test_ssh_launcher import LEADER, wait_for
+from tests.kits.leader import LEADER
+from tests.kits.slurm_rig import NODE
+from tests.kits.waits import wait_value
 
 
 def cluster(job_id: str) -> ClusterPlan:
@@ -29,9 +30,9 @@ def test_a_server_is_a_named_step_that_down_cancels_from_its_handle(slurm, tmp_p
     handle = launcher.start(proc, tmp_path / "decode-0.log")
     try:
         assert (handle.launcher, handle.job_id, handle.step_name) == (LauncherKind.SLURM, slurm.job_id, "pdserve.t.decode-0")
-        assert wait_for(lambda: launcher.is_alive(handle))
+        assert wait_value(lambda: launcher.is_alive(handle))
         assert slurm.steps() == ["pdserve.t.decode-0"]
-        assert wait_for(lambda: "hello from pdnode" in launcher.read_log(handle, 20))
+        assert wait_value(lambda: "hello from pdnode" in launcher.read_log(handle, 20))
         # A new launcher with only the handle from state.json: the supervisor and its srun client are gone.
         later = SlurmLauncher(cluster(slurm.job_id))
         again = Handle.from_dict(handle.to_dict())
@@ -39,7 +40,7 @@ def test_a_server_is_a_named_step_that_down_cancels_from_its_handle(slurm, tmp_p
         launcher._clients.signal(launcher._client(handle), signal.SIGKILL)     # the srun client dies
         assert later.is_alive(again), "the step outlives its srun client"
         assert later.signal(again, signal.SIGKILL) >= 1
-        assert wait_for(lambda: not later.is_alive(again), timeout=30)
+        assert wait_value(lambda: not later.is_alive(again), timeout=30)
         assert slurm.steps() == [] and later.adopt(again) is None
     finally:
         launcher.signal(handle, signal.SIGKILL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multihost.slurmrig import _rig_processes, missing_capability, start_slurm, stop_slurm
+from tests.kits.slurm_rig import _rig_processes, missing_capability, start_slurm, stop_slurm
 
 
 def test_the_rig_leaves_no_slurm_process_behind(tmp_path):

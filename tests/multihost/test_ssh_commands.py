@@ -15,9 +15,8 @@ import yaml
 from pdserve.launchers.ssh import HostUnreachable, SshLauncher
 from pdserve.spec.load import DEFAULT_CONFIG
 from tests.e2e.vllmkit import pdserve
-from tests.integration.test_cli_lifecycle import free_ports
-from tests.multihost.netns import SSH_PORT, sh
-from tests.multihost.test_ssh_launcher import cluster
+from tests.kits.netns_rig import SSH_PORT, cluster, sh
+from tests.kits.ports import free_ports
 
 PROBE = {"op": "log", "log_path": "/nonexistent", "lines": 1}
 

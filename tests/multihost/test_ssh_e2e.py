@@ -18,7 +18,7 @@ from pdserve.engine.models import BUILTIN_MODELS
 from pdserve.launchers.ssh import SshLauncher
 from pdserve.orchestrate.cluster import find_cluster, stored_plan
 from tests.e2e.vllmkit import converse, external_tokens, metric, pdserve, up
-from tests.integration.test_cli_lifecycle import wait_for
+from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = "mh-ssh"

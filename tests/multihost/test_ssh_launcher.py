@@ -13,39 +13,15 @@ import pytest
 
 from pdserve.launchers.base import Handle, LauncherKind
 from pdserve.launchers.ssh import HostUnreachable, SshLauncher
-from pdserve.plan.records import MARKER_ENV, ClusterPlan, HostPlan, ProcessPlan
-from tests.multihost.netns import SSH_PORT
-
-# A leader that prints, then starts a child which leaves its session (as vLLM's engine does not, but a
-# stray could): only the marker then ties the child to the leader.
-LEADER = ("import os, subprocess, sys, time\n"
-          "print('hello from', os.environ['HOSTNAME_TAG'], flush=True)\n"
-          "subprocess.Popen([sys.executable, '-c', 'import os,time; os.setsid(); time.sleep(600)'])\n"
-          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-          "time.sleep(600)\n")
-
-
-def cluster(rig, **host_changes) -> ClusterPlan:
-    hosts = [HostPlan(**{**rig.host_spec(h), "python": sys.executable, **host_changes.get(h.name, {})})
-             for h in rig.hosts]
-    return ClusterPlan(name="t", processes=[], router_config={}, router_config_path="", builtin_model=None,
-                       model_path="", supervisor={}, launcher="ssh", hosts=hosts)
-
+from pdserve.plan.records import MARKER_ENV, ProcessPlan
+from tests.kits.leader import LEADER
+from tests.kits.netns_rig import SSH_PORT, cluster
+from tests.kits.waits import wait_value
 
 def proc(host: str, name: str = "decode-0", marker: str = "") -> ProcessPlan:
     return ProcessPlan(name=name, role="decode", argv=[sys.executable, "-c", LEADER],
                        env={"HOSTNAME_TAG": host, MARKER_ENV: marker or f"/tmp/t#{name}#{time.time()}"},
                        host="", port=0, health_url="", host_name=host)
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_start_watch_log_adopt_and_stop_a_tree_in_a_namespace(rig, tmp_path):
@@ -57,8 +33,8 @@ def test_start_watch_log_adopt_and_stop_a_tree_in_a_namespace(rig, tmp_path):
         assert handle.pid in host.pids(), "the leader runs in the host's network namespace"
         assert os.getsid(handle.pid) == handle.pid, "detached: the leader of its own session"
         assert launcher.is_alive(handle)
-        assert wait_for(lambda: launcher.tree_alive(handle) == 3)
-        assert wait_for(lambda: "hello from pdmhb" in launcher.read_log(handle, 5))
+        assert wait_value(lambda: launcher.tree_alive(handle) == 3)
+        assert wait_value(lambda: "hello from pdmhb" in launcher.read_log(handle, 5))
         assert any(line.startswith("=== pdserve: starting decode-0") for line in launcher.read_log(handle, 5))
         # A handle read back from state.json (another launcher instance: a new supervisor or `down`).
         again = Handle.from_dict(handle.to_dict())
@@ -68,10 +44,10 @@ def test_start_watch_log_adopt_and_stop_a_tree_in_a_namespace(rig, tmp_path):
         assert launcher.exit_code(handle) is None
         # The leader dies (kill -9 on its host); its children live on and are still found and stopped.
         os.kill(handle.pid, signal.SIGKILL)
-        assert wait_for(lambda: not launcher.is_alive(handle))
+        assert wait_value(lambda: not launcher.is_alive(handle))
         assert launcher.tree_alive(handle) == 2
         assert launcher.signal(handle, signal.SIGTERM) == 2
-        assert wait_for(lambda: launcher.tree_alive(handle) == 0)
+        assert wait_value(lambda: launcher.tree_alive(handle) == 0)
         assert rig.stray_pids()[host.name] == []
     finally:
         launcher.signal(handle, signal.SIGKILL)
@@ -141,7 +117,7 @@ def test_preflight_probe_runs_on_the_host_and_binds_its_address_there(rig):
 
 
 def test_a_host_that_drops_off_mid_run_is_reported_promptly_and_comes_back(rig, tmp_path):
-    from tests.multihost.netns import sh
+    from tests.kits.netns_rig import sh
     host = rig.hosts[0]
     launcher = SshLauncher(cluster(rig), connect_timeout=2, backoff_max=2)
     handle = launcher.start(proc(host.name, "prefill-0"), tmp_path / "prefill-0.log")
@@ -156,7 +132,7 @@ def test_a_host_that_drops_off_mid_run_is_reported_promptly_and_comes_back(rig, 
         assert took < 8, "bounded by the connect timeout, not TCP's minutes"
         sh("ip", "link", "set", f"{host.name}v", "up")
         time.sleep(2.5)                               # past the backoff: the next call tries again
-        assert wait_for(lambda: _alive_or_none(launcher, handle), timeout=30)
+        assert wait_value(lambda: _alive_or_none(launcher, handle), timeout=30)
         assert launcher.host_health(host.name).reachable
     finally:
         sh("ip", "link", "set", f"{host.name}v", "up", check=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 from pdserve.state.records import Phase
 from pdserve.supervise.canary import CANARY_TRIES
 from pdserve.supervise.supervisor import Supervisor
-from tests.unit.test_supervisor_policy import Rig
+from tests.kits.supervisor_rig import Rig
 
 
 def supervisor(tmp_path: Path, outcomes: list[bool]) -> Supervisor:

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pdserve.router.legs.http1 import STREAM_HIGH_WATER, Disconnected, Http1Client, PoolTimeout
-from tests.unit.test_http1 import raw_server
+from tests.kits.raw_server import raw_server
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
 

@@ -10,9 +10,7 @@ from pdserve.launchers.base import Handle, LauncherKind
 from pdserve.launchers.local import LocalLauncher
 from pdserve.launchers.slurm import SlurmLauncher
 from pdserve.launchers.ssh import SshLauncher
-from tests.unit.test_plan import plan_of
-from tests.unit.test_spec import GOOD, with_
-from tests.unit.test_topology import TWO_HOSTS
+from tests.kits.spec_data import GOOD, TWO_HOSTS, plan_of, with_
 
 
 def test_local_clusters_and_the_router_get_the_one_local_launcher():

@@ -1,5 +1,5 @@
 """The import graph runs one way: cli -> bench -> orchestrate -> checks -> supervise -> state -> launchers ->
-plan -> spec, with observe, engine and errors below; the CLI imports only the operations (orchestrate.ops,
+plan -> spec, with observe, engine, roles and errors below; the CLI imports only the operations (orchestrate.ops,
 bench.session), errors and ui; the router imports nothing of the rest but errors. A new import that runs
 back up fails here, and so does any cycle between packages or between the modules of one package. Inside
 the router, its sub-packages import one way too (front -> legs -> route -> kv, api and telemetry below)."""
@@ -14,17 +14,18 @@ PKG = Path(__file__).resolve().parents[2] / "pdserve"
 # package -> the pdserve packages it may import (besides itself)
 ALLOWED = {
     "errors": set(),
+    "roles": set(),                          # the process roles' names, for every package that plans or reads processes
     "engine": {"router"},                    # router.wire: the keys the entry's patches add for the router
-    "observe": {"errors", "router"},         # router.metric_names: the names status reads back
-    "spec": {"errors", "engine", "router"},  # engine: built-in model names; router: the one source of its defaults
-    "plan": {"spec", "engine", "errors"},
+    "observe": {"errors", "roles", "router"},         # router.metric_names: the names status reads back
+    "spec": {"errors", "roles", "engine", "router"},  # engine: built-in model names; router: the one source of its defaults
+    "plan": {"spec", "roles", "engine", "errors"},
     "launchers": {"plan", "spec", "observe", "errors"},   # spec: the launcher names (LauncherKind)
     "state": {"launchers", "errors"},
-    "supervise": {"plan", "spec", "state", "launchers", "observe", "errors", "router"},  # router.wire: the canary's header
-    "checks": {"plan", "spec", "observe", "supervise", "launchers", "engine", "errors"},
-    "export": {"plan", "spec", "engine", "errors"},      # renders the plan for another place (kubernetes)
-    "orchestrate": {"spec", "plan", "state", "launchers", "observe", "checks", "engine", "export", "errors"},
-    "bench": {"orchestrate", "spec", "observe", "router", "errors"},   # router: the prefill policies' names
+    "supervise": {"plan", "spec", "roles", "state", "launchers", "observe", "errors", "router"},  # router.wire: the canary's header
+    "checks": {"plan", "spec", "roles", "observe", "supervise", "launchers", "engine", "errors"},
+    "export": {"plan", "spec", "roles", "engine", "errors"},      # renders the plan for another place (kubernetes)
+    "orchestrate": {"spec", "plan", "roles", "state", "launchers", "observe", "checks", "engine", "export", "errors"},
+    "bench": {"orchestrate", "spec", "roles", "observe", "router", "errors"},   # router: the prefill policies' names
     "router": {"errors"},
     "ui": set(),
     "cli": {"orchestrate", "bench", "ui", "errors"},     # orchestrate.ops and bench.session: the operations

@@ -131,8 +131,7 @@ def test_scrape_config_reads_the_targets_folder(tmp_path):
 
 def test_tracing_reaches_the_router_config_and_every_vllm_server():
     from pdserve.router.config import RouterConfig
-    from tests.unit.test_plan import arg, plan_of
-    from tests.unit.test_spec import GOOD, with_
+    from tests.kits.spec_data import GOOD, arg, plan_of, with_
     off = plan_of(GOOD)
     assert all("--otlp-traces-endpoint" not in p.argv for p in off.processes)
     assert off.router_config["otlp_endpoint"] is None and off.router_config["json_logs"] is False
@@ -156,7 +155,7 @@ def test_bad_observability_settings_name_the_field():
 
     from pdserve.errors import ConfigError
     from pdserve.spec.load import parse_spec
-    from tests.unit.test_spec import with_
+    from tests.kits.spec_data import with_
     for value, field in (({"otlp_endpoint": "localhost:4318"}, "observability.otlp_endpoint"),
                          ({"trace_sample_ratio": 2}, "observability.trace_sample_ratio"),
                          ({"tracing": True}, "observability.tracing")):

@@ -11,15 +11,7 @@ from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLL
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import MARKER_ENV, ClusterPlan
 from pdserve.spec.load import parse_spec
-from tests.unit.test_spec import DELETE, GOOD, with_
-
-
-def plan_of(data, **kw):
-    return build_plan(parse_spec(data), python="/py", cluster_dir=Path("/h/clusters/t"), models_dir=Path("/h/models"))
-
-
-def arg(argv, flag):
-    return argv[argv.index(flag) + 1]
+from tests.kits.spec_data import DELETE, GOOD, arg, plan_of, with_
 
 
 def test_processes_and_order():

@@ -6,8 +6,7 @@ import subprocess
 
 from pdserve.checks.preflight import check_devices, check_fabric, check_ports, check_software
 from pdserve.spec.load import parse_spec
-from tests.unit.test_plan import plan_of
-from tests.unit.test_spec import DELETE, GOOD, with_
+from tests.kits.spec_data import DELETE, GOOD, plan_of, with_
 
 
 def levels(findings):

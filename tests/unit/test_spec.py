@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import yaml
 
 from pdserve.errors import EXIT_BAD_INPUT, ConfigError
 from pdserve.spec.load import load_spec, parse_spec
+from tests.kits.spec_data import DELETE, GOOD, with_
 
-GOOD = {
-    "name": "t",
-    "model": "org/some-model",
-    "prefill": {"port": 8100, "nixl_side_channel_port": 5600, "cpus": [0]},
-    "decode": {"port": 8200, "nixl_side_channel_port": 5700, "cpus": [1]},
-    "kv_transfer": {"kv_buffer_device": "cpu"},
-}
-
-
-def with_(path: str, value, base=GOOD):
-    data = copy.deepcopy(base)
-    *parents, leaf = path.split(".")
-    node = data
-    for p in parents:
-        node = node.setdefault(p, {})
-    if value is DELETE:
-        del node[leaf]
-    else:
-        node[leaf] = value
-    return data
-
-
-DELETE = object()
 
 BROKEN = [
     (with_("prefill.bogus", 1), "prefill.bogus: unknown field"),

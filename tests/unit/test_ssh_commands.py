@@ -13,8 +13,7 @@ import pytest
 from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.ssh import SshLauncher, control_path
 from pdserve.plan.records import HostPlan
-from tests.unit.test_plan import plan_of
-from tests.unit.test_topology import TWO_HOSTS
+from tests.kits.spec_data import TWO_HOSTS, plan_of
 
 HOST = HostPlan(name="gpu-left", address="10.66.0.11", user="ubuntu", port=2222, identity_file="/keys/my key",
                 ssh_options=["UserKnownHostsFile=/etc/pdserve hosts/[lab]", "IdentitiesOnly=yes"])
@@ -88,7 +87,7 @@ def remote_cluster(tmp_path, monkeypatch, launcher: str):
     from pdserve.launchers.base import Handle, LauncherKind
     from pdserve.state.folder import ClusterDir, write_json_atomic
     from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState
-    from tests.unit.test_spec import with_
+    from tests.kits.spec_data import with_
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
     plan = plan_of(with_("launcher", launcher, with_("name", f"follow-{launcher}", TWO_HOSTS)))
     cdir = ClusterDir(plan.name)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from tests.unit import test_wire_formats as wire
 from pdserve.router import api
 from pdserve.router.api.chat import ChoicesCollector as SequenceCollector
 from pdserve.router.legs.relay import StreamRelay
+from tests.kits import wire_samples as wire
 
 
 def sse(obj) -> bytes:

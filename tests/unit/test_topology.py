@@ -10,18 +10,9 @@ from pdserve.errors import ConfigError
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import LOCAL_HOST, ClusterPlan
 from pdserve.spec.load import load_spec, parse_spec
-from tests.unit.test_plan import plan_of
-from tests.unit.test_spec import GOOD, with_
+from tests.kits.spec_data import GOOD, TWO_HOSTS, plan_of, with_
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TWO_HOSTS = {
-    **GOOD, "launcher": "ssh",
-    "hosts": [{"name": "a", "address": "10.77.0.2", "user": "root", "port": 2222,
-               "ssh_options": ["UserKnownHostsFile=/k"], "env": {"PYTHONPATH": "/src"}},
-              {"name": "b", "address": "10.77.0.3", "python": "/venv/bin/python"}],
-    "prefill": {"host": "a", "port": 8100, "nixl_side_channel_port": 5600, "cpus": [0]},
-    "decode": {"host": "b", "port": 8100, "nixl_side_channel_port": 5600, "cpus": [0]},
-}
 
 
 def problem(data) -> str:

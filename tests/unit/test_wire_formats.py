@@ -14,13 +14,9 @@ from pdserve.router.api.responses import ResponsesFormat
 from pdserve.router.identity import history_keys, reply_key
 from pdserve.router.legs.relay import StreamRelay
 from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
+from tests.kits.wire_samples import D_PARAMS, OUTPUT, R_STREAM, STREAM, event
 
 MESSAGES, RESPONSES = MessagesFormat(), ResponsesFormat()
-D_PARAMS = {"remote_block_ids": [[3, 4]], "remote_num_tokens": 9, TOKENS_KEY: list(range(10))}
-
-
-def event(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
 def relay(fmt, stream: bytes, size: int, keep_lines: bool = True):
@@ -47,21 +43,6 @@ TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"comm
 ANSWER = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
           "content": [{"type": "text", "text": "Let me look."}, TOOL_USE],
           "usage": {"input_tokens": 7, "output_tokens": 3}, "kv_transfer_params": D_PARAMS}
-STREAM = (event("message_start", {"type": "message_start", "message": {"id": "msg_1", "content": []}})
-          + event("content_block_start", {"type": "content_block_start", "index": 0,
-                                          "content_block": {"type": "text", "text": ""}})
-          + event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                          "delta": {"type": "text_delta", "text": "Let me "}})
-          + event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                          "delta": {"type": "text_delta", "text": "look."}})
-          + event("content_block_start", {"type": "content_block_start", "index": 1, "content_block":
-                                          {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}})
-          + event("content_block_delta", {"type": "content_block_delta", "index": 1, "delta":
-                                          {"type": "input_json_delta", "partial_json": '{"command": "ls", '}})
-          + event("content_block_delta", {"type": "content_block_delta", "index": 1, "delta":
-                                          {"type": "input_json_delta", "partial_json": '"timeout": 5}'}})
-          + event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"}})
-          + event("message_stop", {"type": "message_stop", "kv_transfer_params": D_PARAMS}))
 REQUEST = {"model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "You are terse."}],
            "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
            "messages": [{"role": "user", "content": "list files"}]}
@@ -138,11 +119,6 @@ def test_messages_bad_bodies(body, param):
 
 
 # -- OpenAI Responses -----------------------------------------------------------------------------
-OUTPUT = [{"type": "reasoning", "id": "rs_1", "summary": []},
-          {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-           "content": [{"type": "output_text", "text": "Running it.", "annotations": []}]},
-          {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "shell",
-           "arguments": '{"cmd": ["ls"]}', "status": "completed"}]
 R_REQUEST = {"model": "m", "instructions": "You are Codex.", "store": False, "stream": True,
              "tools": [{"type": "function", "name": "shell", "parameters": {}}],
              "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "ls"}]}]}
@@ -150,11 +126,6 @@ R_NEXT = {**R_REQUEST, "input": R_REQUEST["input"] + [
     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Running it."}]},
     {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"cmd":["ls"]}'},
     {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}]}
-R_STREAM = (event("response.created", {"type": "response.created",
-                                       "response": {"id": "resp_1", "output": [], "kv_transfer_params": None}})
-            + event("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Running it."})
-            + event("response.completed", {"type": "response.completed", "response": {
-                "id": "resp_1", "output": OUTPUT, "kv_transfer_params": D_PARAMS}}))
 
 
 @pytest.mark.parametrize("size", [1, 17, len(R_STREAM)])
