@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.vllmkit import SHARED, down_leaves_nothing, pdserve
 from tests.e2e.vllmkit import status as status_of
-from tests.integration.test_cli_lifecycle import wait_for
+from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

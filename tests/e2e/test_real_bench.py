@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests.e2e.vllmkit import base_config, pdserve
-from tests.integration.test_cli_lifecycle import free_ports
+from tests.kits.ports import free_ports
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,8 @@ import pytest
 from pdserve.observe import dashboard
 from tests.e2e.vllmkit import SHARED, converse, long_user_turn, pdserve
 from tests.e2e.vllmkit import status as status_of
-from tests.integration.test_cli_lifecycle import free_ports, wait_for
+from tests.kits.ports import free_ports
+from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

@@ -16,8 +16,7 @@ import pytest
 from pdserve.launchers.local import marked_processes
 from tests.e2e.vllmkit import SHARED, external_tokens, pdserve, reuse_diagnosis
 from tests.e2e.vllmkit import status as status_of
-from tests.integration.test_cli_lifecycle import port_free
-from tests.integration.test_cli_replicas import consecutive_free
+from tests.kits.ports import consecutive_free, port_free
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.e2e.vllmkit import SHARED, converse
-from tests.otlpkit import Receiver
+from tests.kits.otlp_receiver import Receiver
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

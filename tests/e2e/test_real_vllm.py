@@ -19,7 +19,7 @@ import pytest
 from tests.e2e.vllmkit import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
                                reuse_diagnosis)
 from tests.e2e.vllmkit import status as status_of
-from tests.integration.test_cli_lifecycle import wait_for
+from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

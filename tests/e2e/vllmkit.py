@@ -15,7 +15,7 @@ import yaml
 
 from pdserve.observe.promtext import scrape, total
 from pdserve.spec.load import DEFAULT_CONFIG
-from tests.integration.test_cli_lifecycle import free_ports
+from tests.kits.ports import free_ports
 
 EXTERNAL = {"source": "external_kv_transfer"}
 LOCAL = {"source": "local_compute"}
@@ -207,7 +207,7 @@ def converse(cluster: dict, conv_id: str | None, turns: int, history: list,
 def down_leaves_nothing(cluster: dict) -> None:
     """`pdserve down` succeeds, no process of the cluster is left, and no port of its config is bound."""
     from pdserve.launchers.local import marked_processes
-    from tests.integration.test_cli_lifecycle import port_free
+    from tests.kits.ports import port_free
     res = pdserve("down", cluster["name"])
     assert res.returncode == 0, res.stderr
     root = cluster["home"] / "clusters" / cluster["name"]
