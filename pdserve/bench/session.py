@@ -20,6 +20,7 @@ from pdserve.bench.workload import WORDS, Conversation, generate, load
 from pdserve.errors import NotRunningError, UsageError
 from pdserve.observe.promtext import api_key_of
 from pdserve.orchestrate import ops
+from pdserve.roles import DECODE, PREFILL
 from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
 
 BENCH_CONFIG = SHIPPED_CONFIGS / "bench-cpu.yaml"
@@ -201,7 +202,7 @@ def restart_prefill(name: str, ep: Endpoints, note: Callable[[str], None]) -> fl
     outside the workload: a fresh server's first request carries one-time costs, as after `--warmup`.
     Returns the seconds until they were ready again."""
     started = time.monotonic()
-    ops.restart(name, ops.processes_of(name, "prefill"), ops.STARTUP_TIMEOUT_S,
+    ops.restart(name, ops.processes_of(name, PREFILL), ops.STARTUP_TIMEOUT_S,
                 on_ready_again=lambda n, took: note(f"{n} restarted in {took:.1f}s"))
     took = time.monotonic() - started
     chat(ep, [{"role": "user", "content": f"warm-up after restart {time.time_ns()}"}], 2)
@@ -211,6 +212,6 @@ def restart_prefill(name: str, ep: Endpoints, note: Callable[[str], None]) -> fl
 def endpoints(name: str) -> Endpoints:
     """Where a running cluster's router and servers answer, and the key its router wants."""
     plan = ops.stored_plan(name)
-    return Endpoints(plan.router_url, [p.url for p in plan.processes if p.role == "prefill"],
+    return Endpoints(plan.router_url, [p.url for p in plan.processes if p.role == PREFILL],
                      plan.router_config.get("model", ""), api_key_of(plan.router_config),
-                     [p.url for p in plan.processes if p.role == "decode"])
+                     [p.url for p in plan.processes if p.role == DECODE])

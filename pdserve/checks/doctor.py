@@ -9,13 +9,14 @@ from pdserve.checks.findings import Finding
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
 from pdserve.observe.routerstats import read_router
+from pdserve.roles import ROUTER, SERVER_ROLES
 from pdserve.supervise.canary import canary_of_plan
 from pdserve.supervise.health import probe
 
 
 def store_findings(plan: ClusterPlan) -> list[Finding]:
     """Each router replica answers on its own port, and the shared reuse store answers each of them."""
-    routers = [p for p in plan.processes if p.role == "router"]
+    routers = [p for p in plan.processes if p.role == ROUTER]
     out = []
     for proc in routers:
         stats = read_router(proc.url, api_key_of(plan.router_config))
@@ -45,7 +46,7 @@ def live_findings(plan: ClusterPlan, min_gbps: float | None) -> list[Finding]:
     out.append(Finding("ok" if result.ok else "fail", "canary", result.detail, hint))
     min_gbps = floor or None
     for proc in plan.processes:
-        if proc.role not in ("prefill", "decode"):
+        if proc.role not in SERVER_ROLES:
             continue
         rate = transfer.read(proc.url)
         direction = f"{transfer.DIRECTION[proc.role]} reads"

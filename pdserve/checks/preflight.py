@@ -19,6 +19,7 @@ from pathlib import Path
 from pdserve.checks.findings import Finding
 from pdserve.checks.hosts import host_findings, launcher_probe
 from pdserve.plan.records import ClusterPlan
+from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import ClusterSpec
 
 MIN_VLLM = (0, 21)     # first vLLM with bidirectional_kv_xfer in NixlConnector
@@ -60,13 +61,13 @@ def check_devices(spec: ClusterSpec, cpu_count: int | None = None,
                   gpu_count: Callable[[], int | None] | None = None) -> list[Finding]:
     out = []
     cores = cpu_count or os.cpu_count() or 1
-    for role in ("prefill", "decode"):
+    for role in SERVER_ROLES:
         cpus = getattr(spec, role).cpus or []
         missing = [c for c in cpus if c >= cores]
         if missing:
             out.append(Finding("fail", f"{role}.cpus", f"CPU {missing[0]} does not exist (this machine has {cores})",
                                f"use cores 0-{cores - 1}"))
-    wanted = [g for role in ("prefill", "decode") for g in (getattr(spec, role).gpus or [])]
+    wanted = [g for role in SERVER_ROLES for g in (getattr(spec, role).gpus or [])]
     if wanted:
         have = (gpu_count or nvidia_gpu_count)()
         if have is None:
@@ -111,7 +112,7 @@ def check_chat_template(spec: ClusterSpec) -> list[Finding]:
     """The canary is a chat request: a local model without a chat template fails it (and every chat turn)."""
     model = Path(os.path.expanduser(spec.model))
     given = any(a == "--chat-template" or a.startswith("--chat-template=")
-                for role in ("prefill", "decode") for a in getattr(spec, role).vllm_args)
+                for role in SERVER_ROLES for a in getattr(spec, role).vllm_args)
     if given or spec.model.startswith("pdserve:") or not model.is_dir():
         return []     # built-in models have one; hub ids are resolved by vLLM
     if has_chat_template(model):

@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve import __version__
 from pdserve.plan.records import SIDE_CHANNEL_HOST, ClusterPlan, ProcessPlan, env_slot
+from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import ClusterSpec
 from pdserve.spec.topology import PLATFORMS
 
@@ -77,7 +78,7 @@ class Target:
     def labels(self, component: str, process: str | None = None) -> dict[str, str]:
         out = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/part-of": "pdserve",
                **self.selector(component), "pdserve/process": process or component}
-        if component in ("prefill", "decode"):
+        if component in SERVER_ROLES:
             out["llm-d.ai/role"] = component     # llm-d's P/D convention
         return out
 

@@ -20,7 +20,8 @@ from pdserve.export.k8s_common import (CONFIG_DIR, PYTHON, REDIS_DATA, REDIS_IMA
 from pdserve.export.k8s_servers import server_dns
 from pdserve.plan.build import router_config
 from pdserve.plan.records import BIND, LOOPBACK_ONLY, MARKER, PROGRAM, REPLICA, SECRET, STATE, ProcessPlan
-from pdserve.plan.routers import SECRET_FILE, STORE_ROLE, store_url
+from pdserve.plan.routers import SECRET_FILE, store_url
+from pdserve.roles import ROUTER, SERVER_ROLES, STORE
 from pdserve.spec.schema import MANAGED_STORE
 
 ROUTER_JSON = "router.json"
@@ -48,14 +49,14 @@ def store_secret(t: Target) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
 def router_json(t: Target) -> dict[str, Any]:
     """router.json for the router pods: the planner's router_config with each server at its DNS name, the
     store at its Service, and the router bound to all of its pod's addresses (the Service exposes it)."""
-    servers = [dataclasses.replace(p, host=server_dns(t, p)) for p in t.plan.processes if p.role in ("prefill", "decode")]
+    servers = [dataclasses.replace(p, host=server_dns(t, p)) for p in t.plan.processes if p.role in SERVER_ROLES]
     return {**router_config(t.spec, servers, store_service_url(t)), "host": "0.0.0.0"}
 
 
 def router_objects(t: Target) -> list[dict[str, Any]]:
     """ConfigMap, Deployment and Service of the router. Each pod is one replica (its name the pod's), on
     router.port; with replicas, each also keeps its plan's own port, as on one machine."""
-    routers = [p for p in t.plan.processes if p.role == "router"]
+    routers = [p for p in t.plan.processes if p.role == ROUTER]
     proc, r = routers[0], t.spec.router
     values = {PROGRAM: PYTHON, STATE: f"{CONFIG_DIR}/{ROUTER_JSON}", REPLICA: "$(POD_NAME)", MARKER: None}
     env = container_env(t, proc, values)
@@ -76,17 +77,17 @@ def router_objects(t: Target) -> list[dict[str, Any]]:
         "livenessProbe": {"httpGet": get, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": max(1, math.ceil(t.spec.supervisor.unhealthy_grace / 10))},
     }
-    volumes = [{"name": "config", "configMap": {"name": t.name("router")}}, *store_secret(t)[0]]
+    volumes = [{"name": "config", "configMap": {"name": t.name(ROUTER)}}, *store_secret(t)[0]]
     text = json.dumps(router_json(t), indent=2) + "\n"
     # A changed config changes the pod template, so `kubectl apply` rolls the routers onto it.
     annotations = {**t.scrape_annotations(r.port), "pdserve/config-sha256": hashlib.sha256(text.encode()).hexdigest()}
-    template = {"metadata": {"labels": t.labels("router"), "annotations": annotations},
+    template = {"metadata": {"labels": t.labels(ROUTER), "annotations": annotations},
                 "spec": pod_spec(t, [container], volumes)}
-    config = t.obj("v1", "ConfigMap", t.name("router"), "router", data={ROUTER_JSON: text})
-    deployment = t.obj("apps/v1", "Deployment", t.name("router"), "router", {
-        "replicas": r.replicas, "selector": {"matchLabels": t.selector("router")}, "template": template})
-    service = t.obj("v1", "Service", t.name("router"), "router", {
-        "type": "ClusterIP", "selector": t.selector("router"),
+    config = t.obj("v1", "ConfigMap", t.name(ROUTER), ROUTER, data={ROUTER_JSON: text})
+    deployment = t.obj("apps/v1", "Deployment", t.name(ROUTER), ROUTER, {
+        "replicas": r.replicas, "selector": {"matchLabels": t.selector(ROUTER)}, "template": template})
+    service = t.obj("v1", "Service", t.name(ROUTER), ROUTER, {
+        "type": "ClusterIP", "selector": t.selector(ROUTER),
         "ports": [{"name": "http", "port": r.port, "targetPort": "http", "protocol": "TCP"}]})
     return [config, deployment, service]
 
@@ -96,7 +97,7 @@ def store_objects(t: Target) -> list[dict[str, Any]]:
     disk, its password from the store secret) bound to its pod's addresses, so `--protected-mode` is off and a
     NetworkPolicy admits the router pods alone: the store holds where each conversation's KV lies, which no
     other pod should read or write."""
-    stores = [p for p in t.plan.processes if p.role == STORE_ROLE]
+    stores = [p for p in t.plan.processes if p.role == STORE]
     if not stores:
         return []
     proc: ProcessPlan = stores[0]
@@ -113,20 +114,20 @@ def store_objects(t: Target) -> list[dict[str, Any]]:
     env = container_env(t, proc, values)
     if env:
         container["env"] = env
-    template = {"metadata": {"labels": t.labels(STORE_ROLE, proc.name)},
+    template = {"metadata": {"labels": t.labels(STORE, proc.name)},
                 "spec": pod_spec(t, [container], [{"name": "data", "emptyDir": {}}, *volumes])}
     name = t.name(proc.name)
     return [
-        t.obj("apps/v1", "Deployment", name, STORE_ROLE, {
+        t.obj("apps/v1", "Deployment", name, STORE, {
             "replicas": 1, "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": t.selector(STORE_ROLE)}, "template": template}, process=proc.name),
-        t.obj("v1", "Service", name, STORE_ROLE, {
-            "selector": t.selector(STORE_ROLE),
+            "selector": {"matchLabels": t.selector(STORE)}, "template": template}, process=proc.name),
+        t.obj("v1", "Service", name, STORE, {
+            "selector": t.selector(STORE),
             "ports": [{"name": "redis", "port": proc.port, "targetPort": "redis", "protocol": "TCP"}]},
             process=proc.name),
-        t.obj("networking.k8s.io/v1", "NetworkPolicy", name, STORE_ROLE, {
-            "podSelector": {"matchLabels": t.selector(STORE_ROLE)}, "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": t.selector("router")}}],
+        t.obj("networking.k8s.io/v1", "NetworkPolicy", name, STORE, {
+            "podSelector": {"matchLabels": t.selector(STORE)}, "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": t.selector(ROUTER)}}],
                          "ports": [{"port": proc.port, "protocol": "TCP"}]}]}, process=proc.name),
     ]
 

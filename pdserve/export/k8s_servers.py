@@ -16,6 +16,7 @@ from pdserve.engine.entry import own_cores
 from pdserve.errors import ConfigError
 from pdserve.export.k8s_common import LWS_API, MODELS_DIR, PYTHON, Target, command_of, container_env, pod_spec
 from pdserve.plan.records import BIND, CORES, GPUS, MARKER, MODEL, PROGRAM, SIDE_CHANNEL_HOST, ProcessPlan
+from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX
 from pdserve.spec.topology import PLATFORMS
 
@@ -179,7 +180,7 @@ def leaderworkerset(t: Target, proc: ProcessPlan) -> dict[str, Any]:
 
 
 def server_objects(t: Target) -> list[dict[str, Any]]:
-    servers = [p for p in t.plan.processes if p.role in ("prefill", "decode")]
+    servers = [p for p in t.plan.processes if p.role in SERVER_ROLES]
     if t.fmt == "lws":
         return [leaderworkerset(t, p) for p in servers]
-    return [*(role_service(t, r) for r in ("prefill", "decode")), *(statefulset(t, p) for p in servers)]
+    return [*(role_service(t, r) for r in SERVER_ROLES), *(statefulset(t, p) for p in servers)]

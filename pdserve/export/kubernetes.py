@@ -22,6 +22,7 @@ from pdserve.export.k8s_servers import gpu_layout, server_objects
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import CORES, GPUS, ProcessPlan
 from pdserve.plan.routers import SECRET_FILE
+from pdserve.roles import SERVER_ROLES
 from pdserve.spec.load import is_model_path
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MANAGED_STORE, ClusterSpec, LauncherKind
 from pdserve.spec.topology import PLATFORMS
@@ -69,7 +70,7 @@ def kubernetes_problems(spec: ClusterSpec) -> list[str]:
     """What a valid cluster.yaml says that cannot mean the same in pods, one `field: why` line each."""
     problems = []
     base = k8s_base(spec.name)
-    longest = max(len(f"{base}-{role}-{getattr(spec, role).replicas - 1}") for role in ("prefill", "decode"))
+    longest = max(len(f"{base}-{role}-{getattr(spec, role).replicas - 1}") for role in SERVER_ROLES)
     if longest > MAX_WORKLOAD_NAME:
         problems.append(f"name: {spec.name!r} makes object names of {longest} characters; Kubernetes allows "
                         f"{MAX_WORKLOAD_NAME} here (a StatefulSet's pods carry its name in a 63-character label): "
@@ -86,7 +87,7 @@ def kubernetes_problems(spec: ClusterSpec) -> list[str]:
 def notes(t: Target) -> list[str]:
     """The mapping rules this config needed, one line each (the export prints them on stderr)."""
     spec, out = t.spec, []
-    servers: list[ProcessPlan] = [p for p in t.plan.processes if p.role in ("prefill", "decode")]
+    servers: list[ProcessPlan] = [p for p in t.plan.processes if p.role in SERVER_ROLES]
     if spec.hosts or spec.launcher != LauncherKind.LOCAL:
         out.append(f"launcher {spec.launcher} and hosts: the scheduler places the pods; host names, addresses and "
                    "ssh/Slurm settings are not used, a host's env stays in its servers' env")

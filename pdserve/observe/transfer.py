@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.observe.promtext import Samples, scrape, total
+from pdserve.roles import DECODE, PREFILL
 
 XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
 XFER_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 # The direction of the reads a server of each role makes.
-DIRECTION = {"prefill": "D->P", "decode": "P->D"}
+DIRECTION = {PREFILL: "D->P", DECODE: "P->D"}
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from pdserve.launchers.base import HostUnreachable
 from pdserve.launchers.local import same_process
 from pdserve.launchers.stop import stop_tree
 from pdserve.plan.build import build_plan
-from pdserve.plan.records import ROLE_ORDER, ClusterPlan
+from pdserve.plan.records import ClusterPlan
 from pdserve.plan.routers import MEMORY_STORE, SECRET_FILE
+from pdserve.roles import ROLE_ORDER, ROUTER, SERVER_ROLES
 from pdserve.checks.preflight import machine_findings
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
@@ -122,7 +123,7 @@ def changed_processes(old: dict[str, Any] | None, new: ClusterPlan) -> list[str]
     changed = [p.name for p in new.processes
                if p.name not in names or before.by_name(p.name).fingerprint() != p.fingerprint()]
     if before.router_config != new.router_config:    # every router replica reads it
-        changed += [p.name for p in new.processes if p.role == "router" and p.name not in changed]
+        changed += [p.name for p in new.processes if p.role == ROUTER and p.name not in changed]
     return changed + sorted(names - {p.name for p in new.processes})
 
 
@@ -425,7 +426,7 @@ TRANSFER_READ_TIMEOUT = 0.5   # per server, all at once: a hung server must not 
 
 def _transfers(plan: ClusterPlan, state: ClusterState) -> dict[str, dict]:
     """Each direction's KV transfer rate over the ready servers' lives (observe/transfer.py)."""
-    servers = [p for p in plan.processes if p.role in ("prefill", "decode") and (rec := state.processes.get(p.name))
+    servers = [p for p in plan.processes if p.role in SERVER_ROLES and (rec := state.processes.get(p.name))
                and rec.state == ProcState.READY]
     if not servers:
         return {}
@@ -437,7 +438,7 @@ def _transfers(plan: ClusterPlan, state: ClusterState) -> dict[str, dict]:
 def router_view(plan: ClusterPlan | None, router_url: str) -> dict[str, Any] | None:
     """What the router reports; with replicas, each read on its own port and added up."""
     key = api_key_of(plan.router_config) if plan else None
-    replicas = [p for p in plan.processes if p.role == "router"] if plan else []
+    replicas = [p for p in plan.processes if p.role == ROUTER] if plan else []
     if len(replicas) > 1:
         return read_routers({p.name: p.url for p in replicas}, key)
     return read_router(router_url, key)

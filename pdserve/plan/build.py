@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
-from pdserve.spec.load import ROLES, SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
+from pdserve.spec.load import SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
 from pdserve.plan.routers import router_plans, store_plans, store_url
 from pdserve.engine.entry import own_cores
 from pdserve.plan.records import (BIND, CORES, GPUS, LOCAL_HOST, MARKER, MARKER_ENV, MEMORY, MODEL, PROGRAM,
                                   SIDE_CHANNEL_HOST, ClusterPlan, HostPlan, ProcessPlan, argv_slot, connect_host,
                                   env_slot)
+from pdserve.roles import DECODE, PREFILL, SERVER_ROLES
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MIB, ClusterSpec, RoleSpec
 from pdserve.spec.topology import platform_env, replica_host
 from pdserve.plan.tools import tool_call_args
 from pdserve.plan.transport import transport_settings
 
-KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_ROLE = {PREFILL: "kv_producer", DECODE: "kv_consumer"}
 
 
 def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
@@ -184,8 +185,8 @@ def router_config(spec: ClusterSpec, servers: list[ProcessPlan], store: str) -> 
     return {
         "cluster": spec.name,
         "model": spec.model_name,
-        "prefill": [{"name": p.name, "url": p.url} for p in servers if p.role == "prefill"],
-        "decode": [{"name": p.name, "url": p.url} for p in servers if p.role == "decode"],
+        PREFILL: [{"name": p.name, "url": p.url} for p in servers if p.role == PREFILL],
+        DECODE: [{"name": p.name, "url": p.url} for p in servers if p.role == DECODE],
         # every router: field passes by its own name, but the two given in MiB and the computed TTL
         **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl", "store_port"}),
         "store": store,
@@ -214,7 +215,7 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
     builtin = spec.model[len(BUILTIN_MODEL_PREFIX):] if spec.model.startswith(BUILTIN_MODEL_PREFIX) else None
     model = str(models_dir / builtin) if builtin else spec.model
     servers = cpu_memory_shares([_server_plan(spec, r, getattr(spec, r), i, python, model, cluster_dir)
-                                 for r in ROLES for i in range(getattr(spec, r).replicas)], spec, memory_gib)
+                                 for r in SERVER_ROLES for i in range(getattr(spec, r).replicas)], spec, memory_gib)
     router_cfg_path = str(cluster_dir / "router.json")
     routers = router_plans(spec, python, router_cfg_path, lambda name: marker(cluster_dir, name))
     stores = store_plans(spec, cluster_dir, lambda name: marker(cluster_dir, name))

@@ -7,10 +7,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdserve.roles import ROLE_ORDER, ROUTER
 from pdserve.spec.schema import LauncherKind
 
-# Start order of the roles (prefill, then decode, then the router); stop and restart orders derive from it.
-ROLE_ORDER = {"prefill": 0, "decode": 1, "store": 2, "router": 3}   # store: the managed Redis (plan/routers.py)
 
 # Host name of the machine `pdserve up` runs on: the router, and every server of a cluster without `hosts:`.
 LOCAL_HOST = "local"
@@ -47,7 +46,7 @@ def env_slot(name: str) -> str:
 @dataclass(frozen=True)
 class ProcessPlan:
     name: str                 # prefill-0, decode-0, router
-    role: str                 # prefill | decode | router | store (the managed Redis)
+    role: str                 # one of spec/roles.py: prefill | decode | store (the managed Redis) | router
     argv: list[str]
     env: dict[str, str]       # added to the inherited environment
     host: str
@@ -145,7 +144,7 @@ class ClusterPlan:
 
     @property
     def router(self) -> ProcessPlan:
-        return next(p for p in self.processes if p.role == "router")
+        return next(p for p in self.processes if p.role == ROUTER)
 
     @property
     def router_url(self) -> str:

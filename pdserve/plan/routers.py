@@ -16,11 +16,11 @@ from urllib.parse import quote
 
 from pdserve.plan.records import (BIND, LOOPBACK_ONLY, MARKER, MARKER_ENV, PROGRAM, REPLICA, SECRET, STATE,
                                   ProcessPlan, argv_slot, connect_host, env_slot)
+from pdserve.roles import ROUTER, STORE
 from pdserve.spec.schema import MANAGED_STORE, ClusterSpec
 
 REDIS_SERVER = "redis-server"
 STORE_NAME = "redis"
-STORE_ROLE = "store"
 MEMORY_STORE = "memory"
 # The cluster's store secret in its state folder (`up` makes it: state/secret.py), a Redis config line
 # (`requirepass ...`): the managed Redis includes it, the routers read it (router/kv/store_redis.py).
@@ -54,13 +54,13 @@ def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> li
     # the router's bind address is in its config (router.json), not in argv
     where = {PROGRAM: argv_slot(0), STATE: argv_slot(4), MARKER: env_slot(MARKER_ENV)}
     if r.replicas == 1:
-        return [ProcessPlan(name="router", role="router", argv=base, env={MARKER_ENV: marker("router")},
+        return [ProcessPlan(name="router", role=ROUTER, argv=base, env={MARKER_ENV: marker("router")},
                             host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health",
                             host_specific=where)]
     out = []
     for i in range(r.replicas):
         name, own = f"router-{i}", r.replica_port(i)
-        out.append(ProcessPlan(name=name, role="router", argv=[*base, "--replica", name, "--own-port", str(own)],
+        out.append(ProcessPlan(name=name, role=ROUTER, argv=[*base, "--replica", name, "--own-port", str(own)],
                                env={MARKER_ENV: marker(name)}, host=r.host, port=own,
                                health_url=f"http://{rhost}:{own}/health",
                                host_specific={**where, REPLICA: argv_slot(len(base) + 1)}))
@@ -81,5 +81,5 @@ def store_plans(spec: ClusterSpec, cluster_dir, marker) -> list[ProcessPlan]:
             "--daemonize", "no", "--logfile", "", "--include", str(Path(cluster_dir) / SECRET_FILE)]
     where = {PROGRAM: argv_slot(0), BIND: argv_slot(2), LOOPBACK_ONLY: argv_slot(6), STATE: argv_slot(8),
              SECRET: argv_slot(len(argv) - 1), MARKER: env_slot(MARKER_ENV)}
-    return [ProcessPlan(name=STORE_NAME, role=STORE_ROLE, argv=argv, env={MARKER_ENV: marker(STORE_NAME)},
+    return [ProcessPlan(name=STORE_NAME, role=STORE, argv=argv, env={MARKER_ENV: marker(STORE_NAME)},
                         host="127.0.0.1", port=port, health_url=f"redis://127.0.0.1:{port}", host_specific=where)]

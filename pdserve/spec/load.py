@@ -13,7 +13,8 @@ from pdserve.errors import ConfigError
 from pdserve.router.kv.store import MEMORY, STORES, scheme
 from pdserve.spec.canary_size import canary_tokens_at_least
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, MANAGED_STORE, RESERVED_VLLM_FLAGS, ClusterSpec, RoleSpec
-from pdserve.spec.topology import ROLES, ROUTER_MACHINE, apply_platform, port_key, topology_problems
+from pdserve.roles import SERVER_ROLES
+from pdserve.spec.topology import ROUTER_MACHINE, apply_platform, port_key, topology_problems
 # Shipped configs travel inside the package (the top-level configs/ links here), so a wheel has them.
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "local-cpu.yaml"
@@ -105,7 +106,7 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
     problems += topology_problems(spec)
     if problems:
         return problems     # host references must resolve before ports can be placed on hosts
-    for role_name in ROLES:
+    for role_name in SERVER_ROLES:
         role: RoleSpec = getattr(spec, role_name)
         for flag in role.vllm_args:
             name = flag.split("=", 1)[0]
@@ -176,7 +177,7 @@ def kv_problems(spec: ClusterSpec) -> list[str]:
     if on_gpus and kv.bidirectional_kv_xfer and kv.kv_buffer_device == "cpu":
         problems.append("kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported "
                         "(vLLM reads D->P only from device buffers); use cuda")
-    for role_name in ROLES:
+    for role_name in SERVER_ROLES:
         limit = _max_model_len(getattr(spec, role_name).vllm_args)
         if not kv.bidirectional_kv_xfer or limit is None:
             continue
@@ -230,7 +231,7 @@ SHARED_GPU_BUDGET = 0.92     # vLLM's default utilization of a GPU it has alone,
 def gpu_sharers(spec: ClusterSpec) -> dict[tuple[str, int], list[tuple[str, int]]]:
     """(host, GPU) -> [(role, replica)] in start order."""
     out: dict[tuple[str, int], list[tuple[str, int]]] = {}
-    for role_name in ROLES:
+    for role_name in SERVER_ROLES:
         role = getattr(spec, role_name)
         for i in range(role.replicas):
             for g in replica_devices(role.gpus, role.replicas, i):

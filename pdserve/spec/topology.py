@@ -9,9 +9,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import ClusterSpec, LauncherKind, RoleSpec
 
-ROLES = ("prefill", "decode")
 ROUTER_MACHINE = "(router)"   # port-clash key of the machine the router runs on (where `pdserve up` runs)
 
 
@@ -84,7 +84,7 @@ def topology_problems(spec: ClusterSpec) -> list[str]:
         seen.setdefault(h.name, i)
         if h.address in ("0.0.0.0", "::"):
             problems.append(f"hosts[{i}].address: {h.address} is not an address other hosts can reach")
-    for role_name in ROLES:
+    for role_name in SERVER_ROLES:
         role: RoleSpec = getattr(spec, role_name)
         if not hosts:
             if isinstance(role.host, list):
@@ -97,7 +97,7 @@ def topology_problems(spec: ClusterSpec) -> list[str]:
             if name not in seen:
                 problems.append(f"{role_name}.host: unknown host {name!r} (hosts: {', '.join(seen)})")
     used = set() if problems else {port_key(spec, getattr(spec, r), i)
-                                   for r in ROLES for i in range(getattr(spec, r).replicas)}
+                                   for r in SERVER_ROLES for i in range(getattr(spec, r).replicas)}
     if len(used) > 1:
         # Servers on one host pull KV from servers on another at the host's address (NIXL side channel).
         for i, h in enumerate(hosts):
@@ -106,7 +106,7 @@ def topology_problems(spec: ClusterSpec) -> list[str]:
                                 "must reach it; give the address they use")
     if spec.platform:
         per_host = PLATFORMS[spec.platform].gpus_per_host
-        for role_name in ROLES:
+        for role_name in SERVER_ROLES:
             bad = [g for g in getattr(spec, role_name).gpus or [] if g >= per_host]
             if bad:
                 problems.append(f"{role_name}.gpus: GPU {bad[0]} does not exist on a {spec.platform} host "

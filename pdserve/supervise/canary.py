@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pdserve.observe import transfer
 from pdserve.observe.promtext import Samples, api_key_of, auth_headers, has, scrape, total
 from pdserve.plan.records import ClusterPlan
+from pdserve.roles import DECODE, PREFILL, SERVER_ROLES
 from pdserve.router.config import RouterConfig
 from pdserve.router.wire import PULLED_HEADER
 from pdserve.spec.canary_size import CANARY_ITEMS, canary_items
@@ -185,10 +186,10 @@ def canary_of_plan(plan: ClusterPlan, floor_gbps: float | None = None) -> Canary
     """The canary through a planned cluster's router, checked on its servers (`up` and `doctor`);
     `floor_gbps` None: the plan's own floor."""
     cfg = RouterConfig.from_dict(plan.router_config)     # as the router reads it: its defaults, in one place
-    urls = {role: [p.url for p in plan.processes if p.role == role] for role in ("prefill", "decode")}
-    return run_canary(plan.router_url, urls["decode"], cfg.model, api_key_of(plan.router_config),
+    urls = {role: [p.url for p in plan.processes if p.role == role] for role in SERVER_ROLES}
+    return run_canary(plan.router_url, urls[DECODE], cfg.model, api_key_of(plan.router_config),
                       timeout=min(cfg.request_timeout, 120.0),
-                      prefill_urls=urls["prefill"] if cfg.bidirectional_kv_xfer else None,
+                      prefill_urls=urls[PREFILL] if cfg.bidirectional_kv_xfer else None,
                       floor_gbps=plan.transfer_floor_gbps if floor_gbps is None else floor_gbps,
                       pull_threshold=cfg.kv_recompute_threshold,
                       decode_only_max_tokens=cfg.decode_only_max_tokens if cfg.decode_only else 0)
@@ -260,7 +261,7 @@ class CanaryGate:
         if out_of_tries:
             roles = {p.role for p in procs if p.name in verify}
             verify.clear()
-            if "prefill" in roles:
-                decode = [p.name for p in procs if p.role == "decode" and p.name not in restart_queue]
+            if PREFILL in roles:
+                decode = [p.name for p in procs if p.role == DECODE and p.name not in restart_queue]
                 log.warning("restarting %s: KV reads keep failing after a prefill restart", ", ".join(decode))
                 restart_queue.extend(decode)

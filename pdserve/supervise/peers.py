@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 from pdserve.observe.resources import gpu_free_memory, gpus_still_holding, process_gpus
 from pdserve.plan.records import LOCAL_HOST, ProcessPlan
+from pdserve.roles import SERVER_ROLES
 from pdserve.supervise.process import ManagedProcess
 
 log = logging.getLogger("pdserve.supervisor")
 
-SERVER_ROLES = ("prefill", "decode")
 FAILED_STARTS_BEFORE_PEER_RESET = 2
 PEER_GPU_SETTLE_S = 8.0     # before a dead server's memory counts as held (gpus_still_holding says why)
 

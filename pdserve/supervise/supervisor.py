@@ -19,11 +19,12 @@ from typing import Any
 from pdserve.launchers.base import HostUnreachable
 from pdserve.observe.logfiles import rotate_if_large
 from pdserve.plan.records import ClusterPlan
+from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import SupervisorSpec
 from pdserve.state.folder import ClusterDir
 from pdserve.state.records import ClusterState, Phase, ProcessRecord, ProcState, SupervisorRecord
 from pdserve.supervise.canary import CanaryGate
-from pdserve.supervise.peers import SERVER_ROLES, PeerReset
+from pdserve.supervise.peers import PeerReset
 from pdserve.supervise.process import ORPHAN_GRACE, Exited, ManagedProcess, Notice, Stopped
 from pdserve.supervise.restarts import RestartQueue, reload_plan, take_requests
 from pdserve.supervise.services import Services
