@@ -51,7 +51,7 @@ def bench_store(n: int, every: int, tokens: int, max_entries: int, max_bytes: in
 async def bench_router(n: int, every: int, concurrency: int, max_entries: int) -> None:
     import aiohttp
 
-    from tests.integration.routerkit import deployment
+    from tests.kits.router_rig import deployment
     print(f"\nrouter: {n} requests with distinct conversation ids, {concurrency} clients, "
           f"reuse_max_entries {max_entries} (router, fake backends and clients in this one process)")
     print(f"{'requests':>9} {'req/s':>8} {'entries':>8} {'RSS MiB':>8}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Issue 35 item 7: what does a backend's unbounded answer cost the router? The real router (a process of its
-own: its resident memory is read from /proc) against fake servers that answer with (tests/fakes/hostile.py):
+own: its resident memory is read from /proc) against fake servers that answer with (tests/kits/hostile.py):
 
 - endless-json: a JSON body that never ends (P and D alike, so that no role serves it whole instead);
 - endless-line: for a stream, one SSE line that never ends (D);

@@ -1,6 +1,6 @@
 """Shared by the issue-35 scenario scripts (the router under a broken or hostile neighbour): the real router
 process (`python -m pdserve.router`, as `pdserve up` starts it) on a free port, against fake vLLM servers
-(tests/fakes/fake_vllm.py, each its own process) or a hostile backend the script serves itself; its /metrics
+(tests/kits/fake_vllm.py, each its own process) or a hostile backend the script serves itself; its /metrics
 and its resident memory.
 
 Not a scenario itself: benchmarks/scenarios/churn_admission.py, shifted_answers.py, endless_answer.py, rotating_flood.py
@@ -53,9 +53,9 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def fake(*args: str) -> Iterator[str]:
-    """A fake vLLM server (tests/fakes/fake_vllm.py, its own process, keeping no request bodies): its URL."""
+    """A fake vLLM server (tests/kits/fake_vllm.py, its own process, keeping no request bodies): its URL."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.fake_vllm", "--port", str(port), "--no-record",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kits.fake_vllm", "--port", str(port), "--no-record",
                              *args], cwd=TREE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

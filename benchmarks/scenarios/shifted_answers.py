@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 35 item 4: does a pooled backend connection ever hand one request another's answer? The real router
 against fake P and D servers that send interim answers (100 Continue, 103 Early Hints) before every answer and/or,
-after every whole answer, the previous answer once more, unsolicited (tests/fakes/hostile.py); each client
+after every whole answer, the previous answer once more, unsolicited (tests/kits/hostile.py); each client
 message carries a nonce that D echoes at the start of its reply, and D's reply says MISMATCH when the P handles
 it was given were made for another prompt. Counted: answers that are another request's (a wrong nonce, or P
 handles of another), failed requests, and requests served.

@@ -114,7 +114,7 @@ async def through_router(store: str, backend_url: str, args, fault) -> list[tupl
 
 async def big_puts(redis_port: int, redis_proc: subprocess.Popen, args) -> None:
     from pdserve.router.kv.store import open_store
-    from tests.integration.test_router_store_redis import PARAMS
+    from tests.kits.redis_rig import PARAMS
     store = open_store(f"redis://127.0.0.1:{redis_port}/0", ttl=30, max_entries=100,
                        max_bytes=2**30, cluster="faults", decodes=["decode-0"], timeout=args.timeout,
                        on_evict=lambda r, n: None, on_error=lambda op, why: None, on_health=lambda up: None)
