@@ -2,7 +2,8 @@
 plan -> spec, with observe, engine, roles and errors below; the CLI imports only the operations (orchestrate.ops,
 bench.session), errors and ui; the router imports nothing of the rest but errors. A new import that runs
 back up fails here, and so does any cycle between packages or between the modules of one package. Inside
-the router, its sub-packages import one way too (front -> legs -> route -> kv, api and telemetry below)."""
+the router, its sub-packages import one way too (front -> legs -> route -> kv, api and telemetry below). And
+no file under tests/, scripts/ or benchmarks/ imports a test module: what tests share is in tests/kits/."""
 
 from __future__ import annotations
 
@@ -145,3 +146,35 @@ def test_the_routers_sub_packages_import_one_way():
             if own and other and other != own and other != "top" and other not in ROUTER_ALLOWED.get(own, set()):
                 bad.add(f"{module} -> {target}")
     assert not bad, f"router imports against its layering: {sorted(bad)}"
+
+
+# -- the tests' own imports ----------------------------------------------------------------------------------
+REPO = PKG.parent
+
+
+def imports_of_test_modules() -> list[str]:
+    """`file:line module` for each import of a test module (a `test_*` name) under tests/, scripts/ or benchmarks/."""
+    found = []
+    for top in ("tests", "scripts", "benchmarks"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = "." * node.level + (node.module or "")
+                    names = [base] + [f"{base}.{a.name}" for a in node.names]
+                else:
+                    continue
+                for name in names:      # ours: under tests, relative, or a test_* put on the path (not aiohttp.test_utils)
+                    parts = name.lstrip(".").split(".")
+                    ours = parts[0] == "tests" or name.startswith(".") or parts[0].startswith("test_")
+                    if ours and any(part.startswith("test_") for part in parts):
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+                        break
+    return found
+
+
+def test_no_test_module_is_imported_helpers_are_in_kits():
+    """What tests share lives in tests/kits/ (fixtures in a conftest.py): a test module imported by another
+    file runs its tests twice over or drags a package's fixtures into another, and hides what is shared."""
+    assert imports_of_test_modules() == []
