@@ -25,7 +25,11 @@ from pdserve.router.kv.held import HeldKV
 from pdserve.router.kv.held_control import HttpControl
 from pdserve.router.kv.store import open_store, scheme
 from pdserve.router.legs import http1 as lean_http
+from pdserve.router.legs.book import TurnBook
+from pdserve.router.legs.decode import DecodeLeg
 from pdserve.router.legs.flow import Flow
+from pdserve.router.legs.offer import Offers
+from pdserve.router.legs.plan import Planner
 from pdserve.router.legs.prefill import PrefillLeg
 from pdserve.router.legs.turn import FAILED, TURN
 from pdserve.router.legs.upstream import Upstream
@@ -263,9 +267,12 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         held = HeldKV(cfg, [d.name for d in cfg.decode], metrics,
                       HttpControl(session, lambda name: getattr(decode.by_name(name), "url", None), upstream.auth))
         held.attach(store)
-        app[FLOW] = Flow(cfg, upstream, PrefillLeg(cfg, upstream, prefill, decode, store, costs, metrics,
-                                                          RoutePolicy(cfg, costs)),
-                         decode, store, metrics, recheck=prober.recheck, held=held)
+        policy = RoutePolicy(cfg, costs)
+        offers = Offers(cfg, upstream, prefill, decode)
+        book = TurnBook(store, metrics, held, stamps=policy.short is not None)
+        app[FLOW] = Flow(cfg, upstream, Planner(cfg, policy, offers, book, metrics, prober.recheck),
+                         PrefillLeg(upstream, offers, costs, metrics, policy), DecodeLeg(upstream, metrics, costs),
+                         book, metrics)
         tasks = [asyncio.create_task(prober.forever()),
                  asyncio.create_task(purge_forever()),
                  asyncio.create_task(held.forever())]

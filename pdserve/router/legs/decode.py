@@ -1,5 +1,6 @@
 """The D leg: one request on a decode server (or, degraded, on whichever role is left), whole or streamed,
-relayed to the client with D's router-only fields taken out; the turn is remembered when D has finished."""
+relayed to the client with D's router-only fields taken out. It returns the turn's outcomes (book.Finished when D
+has finished, or how the turn ended) for the flow to record; it records nothing itself."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from pdserve.router.api.base import Collector
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
+from pdserve.router.legs.book import Finished
 from pdserve.router.legs.relay import StreamRelay
 from pdserve.router.legs.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
 from pdserve.router.legs.upstream import Upstream, read_bounded
@@ -28,20 +30,11 @@ from pdserve.router.wire import PREFILL_THEN_DECODE
 log = logging.getLogger("pdserve.router")
 
 
-class TurnEnds(Protocol):
-    """What the D leg reports back to the flow."""
-
-    def end(self, turn: Turn, outcome: str) -> None: ...
-
-    async def remember(self, turn: Turn, backend: Backend, collector: Collector, track: bool) -> None: ...
-
-
 class DecodeLeg:
-    def __init__(self, upstream: Upstream, metrics: RouterMetrics, flow: TurnEnds, costs: CostModel):
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, costs: CostModel):
         self.upstream = upstream
         self.costs = costs
         self.metrics = metrics
-        self.flow = flow
         if upstream.http1 is not None:   # streams keep the bounds they had on aiohttp's pool (http1.py)
             connector = upstream.session.connector
             upstream.http1.budget_streams(getattr(connector, "limit", 0), getattr(connector, "limit_per_host", 0))
@@ -68,27 +61,31 @@ class DecodeLeg:
                 last = err
 
     async def whole(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
-                           collector: Collector, track: bool) -> web.Response:
+                    collector: Collector, track: bool) -> tuple[web.Response, Finished | None]:
+        """D's whole answer for the client, and Finished when D answered it (the flow keeps the turn)."""
         d_started = time.perf_counter()
         status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
                                                      suspects=turn.suspects)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
         if backend_at_fault(status, data):
             raise UpstreamError(status, data, backend.name)   # the caller may serve it on the other role
-        if status == 200:
-            await self.flow.remember(turn, backend, collector, track)
-            ttft = time.perf_counter() - turn.started
-            self.metrics.ttft.labels("false").observe(ttft)
-            tracing.note(ttft_ms=round(1000 * ttft, 1))
-        return json_answer(turn, data, status, 1000 * (time.perf_counter() - d_started))
+        if status != 200:
+            return json_answer(turn, data, status, 1000 * (time.perf_counter() - d_started)), None
+        ttft = time.perf_counter() - turn.started
+        self.metrics.ttft.labels("false").observe(ttft)
+        tracing.note(ttft_ms=round(1000 * ttft, 1))
+        return json_answer(turn, data, status, 1000 * (time.perf_counter() - d_started)), \
+            Finished(backend, collector, track)
 
-    async def stream(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend,
-                           body: dict[str, Any], collector: Collector, track: bool) -> web.StreamResponse:
+    async def stream(self, request: web.Request, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
+                     collector: Collector, track: bool) -> AsyncIterator[Finished | str | web.StreamResponse]:
         """Relay D's stream. Raises UpstreamError only before anything reached the client.
 
-        The turn is remembered the moment D has finished its answer (its final handles, or the format's
-        end marker), before the client gets the end of the stream: a client may hang up as soon as it has it
-        (the openai client does), which cancels this handler while D's body is still ending."""
+        Yields the turn's outcomes as they happen, for the flow to record before the stream goes on, then the
+        response, last. Finished comes the moment D has finished its answer (its final handles, or the
+        format's end marker), before the client gets the end of the stream: a client may hang up as soon as it
+        has it (the openai client does), which cancels this handler while D's body is still ending.
+        CLIENT_GONE or FAILED come when the client left or D broke the stream."""
         trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
@@ -105,7 +102,8 @@ class DecodeLeg:
                         turn.suspects.hold(pool, backend)
                     if ok is not True:
                         raise UpstreamError(status, data, backend.name)   # nothing sent: may go elsewhere
-                    return json_answer(turn, data, status)
+                    yield json_answer(turn, data, status)
+                    return
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   **headers(turn)})
                 await _to_client(out.prepare(request))
@@ -113,7 +111,8 @@ class DecodeLeg:
                 async for data in resp.content.iter_any():
                     chunk = relay.feed(data)
                     if ok is None and (relay.done or collector.kv_params is not None):
-                        ok = await self._finished(turn, backend, relay, track)
+                        yield self._finished(turn, backend, relay, track)
+                        ok = True
                     if chunk:
                         try:                  # _to_client inline: a coroutine less per chunk
                             await out.write(chunk)
@@ -131,27 +130,32 @@ class DecodeLeg:
                                 self.costs.observe_first_token(backend.name, d_first)
                 tail = relay.close()
                 if ok is None and relay.done:
-                    ok = await self._finished(turn, backend, relay, track)
+                    yield self._finished(turn, backend, relay, track)
+                    ok = True
                 if tail:
                     await _to_client(out.write(tail))
                 if not relay.done:
                     raise ValueError("the stream ended before the end of the answer")
             await _to_client(out.write_eof())
-            return out
+            yield out
         except ClientGone:
-            self.flow.end(turn, CLIENT_GONE)       # no-op when it had its whole answer
-            return out                        # type: ignore[return-value] - only raised once out exists
+            yield CLIENT_GONE                 # no-op when it had its whole answer
+            yield out                         # type: ignore[misc] - only raised once out exists
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as err:
             if out is None:
                 ok, error = self.upstream.failure(backend, turn.route, err)
                 raise error from None
+            if not ok:
+                yield FAILED
             ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
-            return out
+            yield out
         except Exception as err:  # noqa: BLE001 - D sent what the relay cannot handle: its fault, not a 500
             if out is None:
                 raise
+            if not ok:
+                yield FAILED
             ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
-            return out
+            yield out
         finally:
             pool.release(backend, ok, trial)
 
@@ -164,14 +168,13 @@ class DecodeLeg:
         return up.http1.stream(backend.url, turn.route, json.dumps(body).encode(), {**turn.headers, **up.auth},
                                up.request_timeout, up.pool_timeout)
 
-    async def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> bool:
-        """D has finished the answer: count D's success and remember the turn (the breaker verdict)."""
+    def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> Finished:
+        """D has finished the answer: count D's success; the turn is to be kept."""
         relay.finish()
         self.upstream.count(backend, turn.route, True)
         turn.suspects.served()
         # A stream longer than the bound kept neither its lines nor its ids: served, not remembered.
-        await self.flow.remember(turn, backend, relay.collector, track and not relay.overflow)
-        return True
+        return Finished(backend, relay.collector, track and not relay.overflow)
 
     async def _not_a_stream(self, backend: Backend, resp: Any) -> tuple[bool, int, dict[str, Any]]:
         """D answered a streamed request with an error or with something that is not SSE:
@@ -193,10 +196,9 @@ class DecodeLeg:
         """Bytes already reached the client: never retry or restart the stream. If D had finished its
         answer, only its last bytes were lost: end the stream as D would have. Otherwise end it with an
         error event in the client's format (and its end marker), and the turn failed. Returns the breaker
-        verdict."""
+        verdict. The turn failed unless D had finished (the caller yields FAILED first)."""
         if not finished:
             self.upstream.count(backend, turn.route, False)
-            self.flow.end(turn, FAILED)
             log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
                         type(err).__name__)
         with contextlib.suppress(ConnectionError, RuntimeError):

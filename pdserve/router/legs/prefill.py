@@ -1,24 +1,18 @@
-"""The P leg: decide what of D's blocks P may read for this turn, then prefill (max_tokens 1) with
-failover across prefill servers and a recompute retry when reading D's blocks fails."""
+"""The P leg: prefill (max_tokens 1) with the offer of D's blocks the turn's plan carries (offer.py decides it),
+with failover across prefill servers and a recompute retry when reading D's blocks fails."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 import time
 from typing import Any
 
-from pdserve.router.api import WireFormat
-from pdserve.router.api.completions import prompt_ids_if_given
-from pdserve.router.config import RouterConfig
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
-from pdserve.router.identity import Key
-from pdserve.router.kv.reuse import ENGINE_CHECKED, HIT, MISS, Decision, ReuseEntry, decide, engine_checked, engine_outcome, held
-from pdserve.router.kv.store import ReuseStore
+from pdserve.router.kv.reuse import ENGINE_CHECKED, HIT, MISS, Decision, engine_outcome
+from pdserve.router.legs.offer import Offers
 from pdserve.router.legs.turn import Turn
 from pdserve.router.legs.upstream import Upstream
-from pdserve.router.route.backends import Backend, Pool
+from pdserve.router.route.backends import Backend
 from pdserve.router.route.cost import CostModel
 from pdserve.router.route.policy import RoutePolicy
 from pdserve.router.telemetry import tracing
@@ -26,119 +20,18 @@ from pdserve.router.telemetry.metrics import RouterMetrics
 from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
 
 log = logging.getLogger("pdserve.router")
-BLOCK_SIZE_RE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 
 class PrefillLeg:
-    def __init__(self, cfg: RouterConfig, upstream: Upstream, pool: Pool, decode: Pool, store: ReuseStore,
-                 costs: CostModel, metrics: RouterMetrics, policy: RoutePolicy):
-        self.cfg = cfg
+    def __init__(self, upstream: Upstream, offers: Offers, costs: CostModel, metrics: RouterMetrics,
+                 policy: RoutePolicy):
         self.policy = policy
         self.upstream = upstream
-        self.pool = pool
-        self.decode = decode
-        self.store = store
+        self.offers = offers                 # P's block size and which engines check an offer (offer.py)
+        self.pool = offers.pool
         self.costs = costs
         self.metrics = metrics
-        self.block_size: int | None = None   # P's KV block size, read once from its /metrics
         self.warned: set[str] = set()        # prefill servers said to run without NixlConnector
-        self.unrendered: set[str] = set()    # APIs whose render endpoint P refused (said once)
-        # Prefill servers seen answering with pdserve's connector counts (PULLED_KEY): their engine cuts an
-        # offer to the common token prefix itself (wire.EXPECT_KEY). Only they get engine-checked offers.
-        self.engine_checks: set[str] = set()
-
-    # -- what may P read? --------------------------------------------------------------------------
-    async def take(self, keys: list[Key]) -> tuple[ReuseEntry | None, str]:
-        """The conversation's entry (single use: taken from the store), or why there is none."""
-        entry, why = await self.store.take_first(keys)
-        self.metrics.entries_live.set(len(self.store))
-        return entry, why
-
-    def holds(self, entry: ReuseEntry) -> bool:
-        """The entry's decode server is usable and still the process that made it (reuse.held)."""
-        return held(entry, **self._holder(entry))
-
-    def _holder(self, entry: ReuseEntry) -> dict[str, Any]:
-        holder = self.decode.by_name(entry.decode)
-        return {"holder_healthy": bool(holder and holder.healthy),
-                "holder_generation": holder.generation if holder else -1}
-
-    def engine_check(self, entry: ReuseEntry, prompt_tokens: int | None) -> Decision:
-        """The offer with D's sequence for P's engine to cut (reuse.engine_checked), without P's /tokenize."""
-        return dataclasses.replace(engine_checked(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold),
-                                   holder=entry.decode, prompt_tokens=prompt_tokens)
-
-    async def count_tokens(self, text: str) -> int | None:
-        """P's token count of `text` alone (/tokenize of a plain prompt, no special tokens); None if P
-        cannot say."""
-        backend = self.pool.least_loaded()
-        if backend is None:
-            return None
-        body = {"model": self.cfg.model, "prompt": text, "add_special_tokens": False}
-        try:
-            status, data = await self.upstream.post_json(self.pool, backend, "/tokenize", body, {}, blame=False)
-        except UpstreamError:
-            return None
-        tokens = data.get("tokens") if status == 200 and isinstance(data, dict) else None
-        return len(tokens) if isinstance(tokens, list) else None
-
-    def engines_check(self) -> bool:
-        """Every prefill server has answered with pdserve's counts: its engine cuts an offer itself."""
-        return all(b.name in self.engine_checks for b in self.pool.backends)
-
-    def below_threshold(self, entry: ReuseEntry) -> bool:
-        """Too few tokens held to be worth reading (kv_recompute_threshold), whatever the new prompt is."""
-        return entry.num_tokens < max(1, self.cfg.kv_recompute_threshold)
-
-    async def decide(self, entry: ReuseEntry | None, why: str, fmt: WireFormat, body: dict[str, Any]) -> Decision:
-        """What of the taken entry P may read for this prompt, verified against P's /tokenize of it."""
-        if entry is None:
-            return Decision(MISS, why)
-        if self.below_threshold(entry):
-            # Too little to pull whatever the new prompt is: no /tokenize (its cost grows with the prompt,
-            # docs/gpu.md) for a turn that recomputes anyway.
-            return Decision(MISS, "below_threshold", holder=entry.decode)
-        new_prompt = await self._prompt_ids(fmt, body) if entry.sequence is not None else None
-        if new_prompt is None and fmt.render_path and entry.sequence is not None:
-            # No render endpoint on P (vLLM 0.26 has none for messages and responses): P's engine checks.
-            return self.engine_check(entry, None)
-        decision = decide(entry, **self._holder(entry), threshold=self.cfg.kv_recompute_threshold,
-                          new_prompt=new_prompt, block_size=await self._block_size())
-        return dataclasses.replace(decision, holder=entry.decode,
-                                   prompt_tokens=len(new_prompt) if new_prompt is not None else None)
-
-    async def _prompt_ids(self, fmt: WireFormat, body: dict[str, Any]) -> list[int] | None:
-        """The token ids P will prefill for this request (P's own tokenizer and chat template): its
-        /tokenize, or the format's render endpoint."""
-        given = prompt_ids_if_given(body) if fmt.native_token_ids else None
-        if given is not None:
-            return given
-        tok = fmt.tokenize_body(body, self.cfg.model)
-        backend = self.pool.least_loaded()   # no rotation: tokenizing must not shift where prefills go
-        if tok is None or backend is None:
-            return None
-        try:
-            # The client's content again: a failure here says nothing sure about P (its prefill follows).
-            status, data = await self.upstream.post_json(self.pool, backend, fmt.render_path or "/tokenize", tok,
-                                                         {}, blame=False)
-        except UpstreamError:
-            return None
-        if status != 200:
-            if fmt.render_path and fmt.api not in self.unrendered:
-                self.unrendered.add(fmt.api)     # said once: every turn of this API recomputes (unverifiable)
-                log.warning("%s on %s answered HTTP %d: %s turns cannot be checked for reuse and recompute; "
-                            "prefill servers need --enable-scale-out (pdserve's entry adds it where vLLM has it)",
-                            fmt.render_path, backend.name, status, fmt.api)
-            return None
-        return fmt.prompt_ids(data)
-
-    async def _block_size(self) -> int | None:
-        for backend in self.pool.backends if self.block_size is None else []:
-            m = BLOCK_SIZE_RE.search(await self.upstream.get_text(backend, "/metrics") or "")
-            if m:
-                self.block_size = int(m.group(1))
-                break
-        return self.block_size
 
     # -- prefill -----------------------------------------------------------------------------------
     async def run(self, turn: Turn, decision: Decision | None,
@@ -159,13 +52,13 @@ class PrefillLeg:
                 use, guarded = self.policy.offer(backend.name, offer)
                 if guarded is not None:
                     outcome = guarded
-                if use is not None and use.reason == ENGINE_CHECKED and backend.name not in self.engine_checks:
+                if use is not None and use.reason == ENGINE_CHECKED and backend.name not in self.offers.engine_checks:
                     use, outcome = None, Decision(MISS, "unverifiable", holder=use.holder)   # its engine may not cut
                 try:
                     params, pulled, checked, local = await self._once(backend, turn, use)
                     served = True
                     if use is not None and use.reason == ENGINE_CHECKED:
-                        outcome = engine_outcome(use, pulled, checked, await self._block_size(), local)
+                        outcome = engine_outcome(use, pulled, checked, await self.offers.read_block_size(), local)
                     return params, pulled
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
@@ -216,7 +109,7 @@ class PrefillLeg:
         counts = pop_counts(params) if isinstance(params, dict) else None   # never forwarded to D
         checked = params.pop(CHECKED_KEY, None) if isinstance(params, dict) else None
         if counts is not None:
-            self.engine_checks.add(backend.name)
+            self.offers.engine_checks.add(backend.name)
         if not isinstance(params, dict):
             self._misconfigured(backend)
             raise UpstreamError(502, error_body(

@@ -11,6 +11,7 @@ from aiohttp import web
 from pdserve.router.api import WireFormat
 from pdserve.router.conversation import Conversation
 from pdserve.router.route.backends import Suspects
+from pdserve.router.route.policy import template_digest
 from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
 
 
@@ -61,6 +62,11 @@ class ClientGone(Exception):
     """A write to the client failed: it went away. Never counted against a backend."""
 
 
+def template(turn: Turn) -> str:
+    """policy.template_digest of the turn's body, computed once."""
+    if turn.template is None:
+        turn.template = template_digest(turn.body)
+    return turn.template
 
 
 def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
