@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -11,7 +10,6 @@ import os
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -21,22 +19,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_body
 from pdserve.router.front import observe
 from pdserve.router.front import admission
-from pdserve.router.kv.held import HeldKV
-from pdserve.router.kv.held_control import HttpControl
-from pdserve.router.kv.store import open_store, scheme
-from pdserve.router.legs import http1 as lean_http
-from pdserve.router.legs.book import TurnBook
-from pdserve.router.legs.decode import DecodeLeg
+from pdserve.router.front.compose import compose
 from pdserve.router.legs.flow import Flow
-from pdserve.router.legs.offer import Offers
-from pdserve.router.legs.plan import Planner
-from pdserve.router.legs.prefill import PrefillLeg
 from pdserve.router.legs.turn import FAILED, TURN
-from pdserve.router.legs.upstream import Upstream
-from pdserve.router.route.backends import Backend, HealthProber, Pool
-from pdserve.router.route.breaker import CircuitBreaker
-from pdserve.router.route.cost import CostModel
-from pdserve.router.route.policy import RoutePolicy
 from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
@@ -206,88 +191,11 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics_endpoint)
 
     async def lifecycle(app: web.Application):
-        # A bounded pool of kept-alive connections: under load requests wait for one (up to
-        # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
-        # Whole-JSON calls go on the lean client (http1.py), unless traced: aiohttp's trace hooks carry the
-        # traceparent of every backend call. The two pools share upstream_max_connections (the descriptor
-        # budget), half each; the lean one splits its half evenly over the backends.
-        lean = spans is None and lean_http.AVAILABLE
-        lean_total = cfg.upstream_max_connections // 2 if lean else 0
-        backends = len(cfg.prefill) + len(cfg.decode)
-        http1 = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends)),
-                                      max_answer_bytes=cfg.max_answer_bytes) if lean else None
-        connector = aiohttp.TCPConnector(limit=max(1, cfg.upstream_max_connections - lean_total),
-                                         limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
-        # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
-        # filtering the jar was work on every backend call).
-        session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                        trace_configs=[spans.trace_config()] if spans is not None else None)
-        def breaker() -> CircuitBreaker:
-            return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
-
-        prefill = Pool("prefill", cfg.prefill, metrics, breaker)
-        decode = Pool("decode", cfg.decode, metrics, breaker)
-        store = open_store(cfg.store, ttl=cfg.reuse_ttl, max_entries=cfg.reuse_max_entries,
-                           max_bytes=cfg.reuse_max_bytes, cluster=cfg.cluster, decodes=[d.name for d in cfg.decode],
-                           timeout=cfg.store_timeout,
-                           on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n),
-                           on_error=lambda op, reason: metrics.store_errors.labels(op, reason).inc(),
-                           on_health=lambda up: metrics.store_up.labels(scheme(cfg.store)).set(1 if up else 0))
-        if not store.remote:
-            metrics.store_up.labels(scheme(cfg.store)).set(1)
-        drops: set[asyncio.Task] = set()
-        upstream = Upstream(session, metrics, cfg.request_timeout, app[API_KEY] or None, cfg.upstream_pool_timeout,
-                            (prefill, decode), http1, cfg.max_answer_bytes)
-        # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
-        costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
-
-        async def drop(backend: Backend) -> None:
-            dropped = await store.drop_decode(backend.name)
-            metrics.entries_live.set(len(store))
-            if dropped:
-                log.info("dropped %d reuse entries held by %s", dropped, backend.name)
-
-        def on_down(backend: Backend) -> None:
-            if backend.role == "decode":
-                task = asyncio.create_task(drop(backend))
-                drops.add(task)
-                task.add_done_callback(drops.discard)
-
-        async def purge_forever() -> None:
-            # Expired entries also leave an idle router on time (put and take purge as they go); a shared
-            # store is checked every second (its health, and the gauges).
-            while True:
-                await asyncio.sleep(1.0 if store.remote else min(cfg.reuse_ttl, 10.0))
-                await store.refresh()
-                metrics.entries_live.set(len(store))
-                metrics.entries_bytes.set(store.bytes)
-
-        prober = HealthProber([prefill, decode], session, cfg.health_interval, on_down)
-        # D's held KV: released when no longer needed, under a budget, renewed while used (held.py)
-        held = HeldKV(cfg, [d.name for d in cfg.decode], metrics,
-                      HttpControl(session, lambda name: getattr(decode.by_name(name), "url", None), upstream.auth))
-        held.attach(store)
-        policy = RoutePolicy(cfg, costs)
-        offers = Offers(cfg, upstream, prefill, decode)
-        book = TurnBook(store, metrics, held, stamps=policy.short is not None)
-        app[FLOW] = Flow(cfg, upstream, Planner(cfg, policy, offers, book, metrics, prober.recheck),
-                         PrefillLeg(upstream, offers, costs, metrics, policy), DecodeLeg(upstream, metrics, costs),
-                         book, metrics)
-        tasks = [asyncio.create_task(prober.forever()),
-                 asyncio.create_task(purge_forever()),
-                 asyncio.create_task(held.forever())]
+        router = compose(cfg, metrics, app[API_KEY], spans)
+        app[FLOW] = router.flow
+        router.start()
         yield
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await held.close()
-        await session.close()
-        if http1 is not None:
-            await http1.close()
-        if spans is not None:
-            await asyncio.to_thread(spans.shutdown)     # export what is queued
-        await store.close()
+        await router.close()
 
     app.cleanup_ctx.append(lifecycle)
     draining = app[DRAINING] = asyncio.Event()

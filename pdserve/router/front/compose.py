@@ -1,0 +1,135 @@
+"""The router's objects, built and wired in one place (as vLLM's init_app_state beside build_app): the
+backend clients, the pools and their prober, the reuse store, D's held KV, the policy, the legs and the
+flow; and what runs beside the requests (probes, the store's purge, the held-KV lease)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import aiohttp
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.kv.held import HeldKV
+from pdserve.router.kv.held_control import HttpControl
+from pdserve.router.kv.store import ReuseStore, open_store, scheme
+from pdserve.router.legs import http1 as lean_http
+from pdserve.router.legs.book import TurnBook
+from pdserve.router.legs.decode import DecodeLeg
+from pdserve.router.legs.flow import Flow
+from pdserve.router.legs.offer import Offers
+from pdserve.router.legs.plan import Planner
+from pdserve.router.legs.prefill import PrefillLeg
+from pdserve.router.legs.upstream import Upstream
+from pdserve.router.route.backends import Backend, HealthProber, Pool
+from pdserve.router.route.breaker import CircuitBreaker
+from pdserve.router.route.cost import CostModel
+from pdserve.router.route.policy import RoutePolicy
+from pdserve.router.telemetry.metrics import RouterMetrics
+
+log = logging.getLogger("pdserve.router")
+
+
+class Router:
+    """The composed router: its flow (what the routes call) and what runs beside it until close()."""
+
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, flow: Flow, session: aiohttp.ClientSession,
+                 http1: Any, prober: HealthProber, store: ReuseStore, held: HeldKV, spans: Any):
+        self.cfg, self.metrics, self.flow = cfg, metrics, flow
+        self.session, self.http1, self.prober, self.store, self.held, self.spans = \
+            session, http1, prober, store, held, spans
+        self.tasks: list[asyncio.Task] = []
+        self.drops: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.prober.forever()),
+                      asyncio.create_task(self._purge_forever()),
+                      asyncio.create_task(self.held.forever())]
+
+    def on_down(self, backend: Backend) -> None:
+        """A decode server seen gone: its entries are dropped (its KV is gone with it)."""
+        if backend.role == "decode":
+            task = asyncio.create_task(self._drop(backend))
+            self.drops.add(task)
+            task.add_done_callback(self.drops.discard)
+
+    async def _drop(self, backend: Backend) -> None:
+        dropped = await self.store.drop_decode(backend.name)
+        self.metrics.entries_live.set(len(self.store))
+        if dropped:
+            log.info("dropped %d reuse entries held by %s", dropped, backend.name)
+
+    async def _purge_forever(self) -> None:
+        # Expired entries also leave an idle router on time (put and take purge as they go); a shared
+        # store is checked every second (its health, and the gauges).
+        store = self.store
+        while True:
+            await asyncio.sleep(1.0 if store.remote else min(self.cfg.reuse_ttl, 10.0))
+            await store.refresh()
+            self.metrics.entries_live.set(len(store))
+            self.metrics.entries_bytes.set(store.bytes)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.held.close()
+        await self.session.close()
+        if self.http1 is not None:
+            await self.http1.close()
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.shutdown)     # export what is queued
+        await self.store.close()
+
+
+def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, spans: Any = None) -> Router:
+    """Every object of the router, wired; nothing runs until Router.start (call it on the running loop)."""
+    # A bounded pool of kept-alive connections: under load requests wait for one (up to
+    # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
+    # Whole-JSON calls go on the lean client (http1.py), unless traced: aiohttp's trace hooks carry the
+    # traceparent of every backend call. The two pools share upstream_max_connections (the descriptor
+    # budget), half each; the lean one splits its half evenly over the backends.
+    lean = spans is None and lean_http.AVAILABLE
+    lean_total = cfg.upstream_max_connections // 2 if lean else 0
+    backends = len(cfg.prefill) + len(cfg.decode)
+    http1 = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends)),
+                                  max_answer_bytes=cfg.max_answer_bytes) if lean else None
+    connector = aiohttp.TCPConnector(limit=max(1, cfg.upstream_max_connections - lean_total),
+                                     limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
+    # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
+    # filtering the jar was work on every backend call).
+    session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                    trace_configs=[spans.trace_config()] if spans is not None else None)
+
+    def breaker() -> CircuitBreaker:
+        return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
+
+    prefill = Pool("prefill", cfg.prefill, metrics, breaker)
+    decode = Pool("decode", cfg.decode, metrics, breaker)
+    store = open_store(cfg.store, ttl=cfg.reuse_ttl, max_entries=cfg.reuse_max_entries,
+                       max_bytes=cfg.reuse_max_bytes, cluster=cfg.cluster, decodes=[d.name for d in cfg.decode],
+                       timeout=cfg.store_timeout,
+                       on_evict=lambda reason, n: metrics.entries_evicted.labels(reason).inc(n),
+                       on_error=lambda op, reason: metrics.store_errors.labels(op, reason).inc(),
+                       on_health=lambda up: metrics.store_up.labels(scheme(cfg.store)).set(1 if up else 0))
+    if not store.remote:
+        metrics.store_up.labels(scheme(cfg.store)).set(1)
+    upstream = Upstream(session, metrics, cfg.request_timeout, api_key or None, cfg.upstream_pool_timeout,
+                        (prefill, decode), http1, cfg.max_answer_bytes)
+    # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
+    costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
+    # D's held KV: released when no longer needed, under a budget, renewed while used (held.py)
+    held = HeldKV(cfg, [d.name for d in cfg.decode], metrics,
+                  HttpControl(session, lambda name: getattr(decode.by_name(name), "url", None), upstream.auth))
+    held.attach(store)
+    policy = RoutePolicy(cfg, costs)
+    offers = Offers(cfg, upstream, prefill, decode)
+    book = TurnBook(store, metrics, held, stamps=policy.short is not None)
+    prober = HealthProber([prefill, decode], session, cfg.health_interval, lambda backend: router.on_down(backend))
+    flow = Flow(cfg, upstream, Planner(cfg, policy, offers, book, metrics, prober.recheck),
+                PrefillLeg(upstream, offers, costs, metrics, policy), DecodeLeg(upstream, metrics, costs), book, metrics)
+    router = Router(cfg, metrics, flow, session, http1, prober, store, held, spans)
+    return router
