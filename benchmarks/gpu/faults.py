@@ -26,7 +26,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402  (the GPU scripts' own helpers: filler text, chat, P's /metrics)
 
-from pdserve.orchestrate.cluster import cluster_status  # noqa: E402
+from pdserve.orchestrate.view import cluster_view  # noqa: E402
 from pdserve.state.folder import ClusterDir  # noqa: E402
 
 T0 = time.monotonic()
@@ -62,7 +62,7 @@ def watch(name: str, timeline: list) -> None:
     last = None
     while not stop.is_set():
         try:
-            st = cluster_status(ClusterDir(name))
+            st = cluster_view(ClusterDir(name)).to_json()
             seen = {"phase": st["phase"], **{p["name"]: [p["state"], p["pid"], p["restarts"]]
                                              for p in st["processes"]}}
         except Exception as e:   # state.json mid-write, router busy: the next read will do
@@ -100,7 +100,7 @@ def conversation(router: str, p_url: str, tag: str) -> dict:
 
 
 def state_of(name: str, proc: str) -> dict:
-    return next(p for p in cluster_status(ClusterDir(name))["processes"] if p["name"] == proc)
+    return next(p for p in cluster_view(ClusterDir(name)).to_json()["processes"] if p["name"] == proc)
 
 
 def main() -> int:
@@ -145,7 +145,7 @@ def main() -> int:
         log(f"killed {victim}", {"t": t_kill, "pid": d["pid"], "gpu_mib": gpu_memory()})
         deadline = time.monotonic() + recovery_timeout
         while time.monotonic() < deadline:
-            st = cluster_status(ClusterDir(name))
+            st = cluster_view(ClusterDir(name)).to_json()
             dd = next(p for p in st["processes"] if p["name"] == victim)
             if dd["restarts"] > restarts0 and dd["state"] == "ready" and st["phase"] == "running":
                 break

@@ -39,26 +39,25 @@ def command(
                                                         "(0: until Ctrl-C)."),
 ) -> None:
     if name is None:
-        rows = ops.status()
+        views = ops.status()
         if json_out:
-            console.print_json(rows)
+            console.print_json([v.to_json() for v in views])
             return
         table = Table("cluster", "phase", "ready", "router", "supervisor")
-        for r in rows:
-            ready = sum(1 for p in r["processes"] if p["state"] == "ready")
-            table.add_row(r["name"], r["phase"] or "-", f"{ready}/{len(r['processes'])}", r["router_url"] or "-",
-                          "alive" if r["supervisor_alive"] else "gone")
-        console.out.print(table if rows else "no clusters")
+        for v in views:
+            table.add_row(v.name, v.phase.value or "-", f"{v.ready}/{len(v.processes)}", v.router_url or "-",
+                          "alive" if v.supervisor_alive else "gone")
+        console.out.print(table if views else "no clusters")
         return
     st = ops.status(name)
-    if watch and st["running"]:
+    if watch and st.running:
         return _watch(name, count)
     if json_out:
-        console.print_json(st)
+        console.print_json(st.to_json())
     else:
         console.out.print(_view(st))
         _warnings(st)
-    if not st["running"]:
+    if not st.running:
         raise NotRunningError(f"cluster {name} is not running", hint="`pdserve up` to start it")
 
 
@@ -71,7 +70,7 @@ def _watch(name: str, count: int) -> None:
                 st = ops.status(name)
                 live.update(_view(st, sampler))
                 refreshes += 1
-                if not st["running"] or refreshes == count:
+                if not st.running or refreshes == count:
                     break
                 time.sleep(1.0)
         except KeyboardInterrupt:
@@ -88,10 +87,10 @@ def _routing(backend: dict | None) -> tuple[str, str]:
     return health, str(backend.get("in_flight", 0))
 
 
-def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
+def _view(st: ops.ClusterView, sampler: ops.Usage | None = None) -> Group:
     """The process table and the router line; with a sampler, CPU and memory (and GPU memory where
     nvidia-smi sees GPUs) per process tree too."""
-    table = Table(title=f"{st['name']}: {st['phase']}", title_justify="left")
+    table = Table(title=f"{st.name}: {st.phase.value}", title_justify="left")
     cols = ["process", "role", "state", "pid", "address", "uptime", "restarts", "routing", "in flight"]
     usage = sampler.sample(st) if sampler else {}
     gpus = bool(sampler and sampler.gpus_seen)
@@ -99,24 +98,24 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
         cols += ["cpu", "memory"] + (["gpu memory"] if gpus else [])
     for col in cols:
         table.add_column(col)
-    backends = (st.get("router") or {}).get("backends") or {}
-    for p in st["processes"]:
-        health, load = _routing(backends.get(p["name"])) if p["role"] != "router" else ("", "")
-        row = [p["name"], p["role"], p["state"], str(p["pid"] or "-"), f"{p['host']}:{p['port']}",
-               _uptime(p["uptime_s"]), str(p["restarts"]), health, load]
+    backends = (st.router or {}).get("backends") or {}
+    for p in st.processes:
+        health, load = ("", "") if p.is_router else _routing(backends.get(p.name))
+        row = [p.name, p.role, p.state.value, str(p.pid or "-"), f"{p.host}:{p.port}",
+               _uptime(p.uptime_s), str(p.restarts), health, load]
         if sampler:
-            use = usage[p["name"]]
+            use = usage[p.name]
             row += ["-" if use.cpu_percent is None else f"{use.cpu_percent:.0f}%", human_bytes(use.rss)]
             if gpus:
                 row.append(human_bytes(use.gpu_bytes))
         table.add_row(*row)
     parts: list = [table]
-    r = st.get("router")
+    r = st.router
     if r:
         decided = r["reuse_hits"] + r["reuse_misses"]
         rate = f"{100 * r['reuse_hit_rate']:.0f}%" if r["reuse_hit_rate"] is not None else "-"
         misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses_by_reason"].items())) or "none"
-        parts.append(Text(f"router {st['router_url']}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
+        parts.append(Text(f"router {st.router_url}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
                           f"({r['reuse_hits']:.0f}/{decided:.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, "
                           f"pulled from D {r['reuse_tokens_pulled']:.0f}, from P's own prefix cache "
                           f"{r.get('prefill_tokens_local_cached', 0):.0f}; misses: {misses}"))
@@ -137,8 +136,8 @@ def _view(st: dict, sampler: ops.Usage | None = None) -> Group:
             served = ", ".join(f"{n} on {role}" for role, n in sorted((r.get("degraded_requests") or {}).items()))
             parts.append(Text(f"degraded mode (requests served whole on one role): {now}; "
                               f"served so far: {served or 'none'}"))
-    if st.get("transfers"):
-        rates = "; ".join(f"{direction} {_rate(t)}" for direction, t in sorted(st["transfers"].items()))
+    if st.transfers:
+        rates = "; ".join(f"{direction} {_rate(t)}" for direction, t in sorted(st.transfers.items()))
         parts.append(Text(f"KV transfers (bytes over transfer time, servers' NIXL totals): {rates}"))
     return Group(*parts)
 
@@ -183,9 +182,9 @@ def _held_lines(r: dict) -> list[Text]:
     return out
 
 
-def _warnings(st: dict) -> None:
-    if st["running"] and not st["supervisor_alive"]:
+def _warnings(st: ops.ClusterView) -> None:
+    if st.running and not st.supervisor_alive:
         console.error("the supervisor is gone: processes are not restarted if they die",
                       hint="`pdserve up` of the same config re-attaches a new supervisor to the live processes")
-    if st.get("error"):
-        console.error(st["error"])
+    if st.error:
+        console.error(st.error)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, overload
 
 from pdserve.checks import doctor as live_checks
 from pdserve.checks.findings import Finding
@@ -25,8 +25,10 @@ from pdserve.launchers.local import environ_mark
 from pdserve.observe import dashboard as grafana
 from pdserve.observe.logfiles import follow, last_lines
 from pdserve.observe.resources import TreeSampler, TreeUsage, gpu_memory_by_pid
-from pdserve.orchestrate import cluster
-from pdserve.orchestrate.cluster import StartFailed, StopReport
+from pdserve.orchestrate import lookup, restarts, start, stop
+from pdserve.orchestrate.start import StartFailed
+from pdserve.orchestrate.stop import StopReport
+from pdserve.orchestrate.view import ClusterView, ProcessView, cluster_view
 from pdserve.plan.records import ClusterPlan
 from pdserve.spec.load import DEFAULT_CONFIG, load_spec
 from pdserve.spec.schema import STARTUP_TIMEOUT_S, ClusterSpec
@@ -34,6 +36,7 @@ from pdserve.state.folder import ClusterDir, list_clusters, targets_dir
 from pdserve.state.records import ClusterState, ProcState
 
 __all__ = ["STARTUP_TIMEOUT_S", "ClusterState", "ProcState", "StartFailed", "StopReport", "UpInterrupted", "UpResult", "PlanResult", "Usage",
+           "ClusterView", "ProcessView",
            "up", "stay_attached", "down", "status", "cluster_names", "restart", "logs", "follow_log", "plan",
            "doctor", "export", "EXPORT_TARGETS", "schema", "dashboard", "scrape_config", "stored_plan", "is_running",
            "processes_of"]
@@ -80,13 +83,13 @@ def up(config: str | Path | None = None, *, note: Note = _quiet,
     whose plan changed restarted, one at a time (none: a no-op), unless `apply_to_running` is False, when
     it is refused as already running. `watch()` is entered while the processes start; what it yields gets
     each state read."""
-    spec, plan, cdir = cluster.plan_from_file(config)
+    spec, plan, cdir = lookup.plan_from_file(config)
     config_path = Path(config) if config else DEFAULT_CONFIG
-    if apply_to_running and cluster.has_supervisor(cdir):
+    if apply_to_running and lookup.has_supervisor(cdir):
         return _update_running(spec, plan, cdir, config_path, note, on_ready_again)
     if plan.builtin_model:
         note(f"model: built-in {spec.model} at {plan.model_path} (built on first use)")
-    adopted = cluster.prepare(spec, plan, cdir, config_path)
+    adopted = start.prepare(spec, plan, cdir, config_path)
     if adopted:
         note(f"{spec.name}: its supervisor was gone; re-attaching to live {', '.join(adopted)} "
              "after checking their identity")
@@ -95,7 +98,7 @@ def up(config: str | Path | None = None, *, note: Note = _quiet,
          f"(`pdserve logs {spec.name} PROCESS`)")
     try:
         with watch() as on_update:
-            supervisor = cluster.supervise_until_up(cdir, bool(adopted), on_update, spec.supervisor.stop_timeout)
+            supervisor = start.supervise_until_up(cdir, bool(adopted), on_update, spec.supervisor.stop_timeout)
     except KeyboardInterrupt:
         raise UpInterrupted() from None
     return UpResult(spec.name, plan.router_url, spec.supervisor.stop_timeout, time.monotonic() - started,
@@ -105,14 +108,14 @@ def up(config: str | Path | None = None, *, note: Note = _quiet,
 def _update_running(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path: Path, note: Note,
                     on_ready_again: Callable[[str, float], None]) -> UpResult:
     """`up` of a running cluster: restart only what the config changed, one process at a time."""
-    before = cluster.apply_changes(plan, cdir, config_path)
+    before = start.apply_changes(plan, cdir, config_path)
     result = UpResult(plan.name, plan.router_url, spec.supervisor.stop_timeout, restarted=list(before))
     if not before:
         note(f"{plan.name} is running and its config is unchanged: nothing to do")
         return result
     note(f"{plan.name}: the config changed for {', '.join(before)}; restarting them one at a time")
     started = time.monotonic()
-    cluster.wait_restarted(cdir, before, spec.supervisor.startup_timeout,
+    restarts.wait_restarted(cdir, before, spec.supervisor.startup_timeout,
                            lambda n: on_ready_again(n, time.monotonic() - started))
     result.took_s = time.monotonic() - started
     return result
@@ -128,7 +131,7 @@ def stay_attached(result: UpResult, note: Note = _quiet, poll: float = 0.5) -> N
             time.sleep(poll)
     except KeyboardInterrupt:
         note("stopping")
-        cluster.stop_cluster(ClusterDir(result.name), result.stop_timeout)
+        stop.stop_cluster(ClusterDir(result.name), result.stop_timeout)
 
 
 # -- down ------------------------------------------------------------------------------------------
@@ -139,21 +142,21 @@ def down(name: str | None = None, timeout: float | None = None, *, note: Note = 
     already stopped. `timeout`: SIGTERM -> SIGKILL per process (None: the config's stop_timeout). Strict,
     anything left (a process, a bound port, GPU memory) is an error naming it; else the report says it."""
     if name is None:
-        running = [n for n in list_clusters() if cluster.has_live_processes(ClusterDir(n))]
+        running = [n for n in list_clusters() if lookup.has_live_processes(ClusterDir(n))]
         if len(running) > 1:
             raise UsageError(f"{len(running)} clusters are running: {', '.join(running)}",
                              hint="name one: `pdserve down NAME`")
         if not running:
             raise NotRunningError("no cluster is running")
         name = running[0]
-    cdir = cluster.find_cluster(name)
-    if not cluster.has_live_processes(cdir):
+    cdir = lookup.find_cluster(name)
+    if not lookup.has_live_processes(cdir):
         note(f"{name} is already stopped")
         return None
     if timeout is None:
-        timeout = cluster.stop_timeout_of(cdir)
+        timeout = lookup.stop_timeout_of(cdir)
     note(f"stopping {name}")
-    report = cluster.stop_cluster(cdir, timeout)
+    report = stop.stop_cluster(cdir, timeout)
     if strict:
         report.raise_if_unclean(name)
     note(f"{name} stopped")
@@ -167,12 +170,18 @@ def cluster_names() -> list[str]:
     return list_clusters()
 
 
-def status(name: str | None = None) -> Any:
-    """One cluster as `status NAME --json` shows it (exit 3 when there is no such cluster), or with no
-    name, every known cluster's."""
+@overload
+def status(name: str) -> ClusterView: ...
+@overload
+def status(name: None = None) -> list[ClusterView]: ...
+
+
+def status(name: str | None = None) -> ClusterView | list[ClusterView]:
+    """One cluster as `status NAME` shows it (exit 3 when there is no such cluster), or with no name,
+    every known cluster's; `status --json` prints their to_json()."""
     if name is None:
-        return [cluster.cluster_status(ClusterDir(n)) for n in list_clusters()]
-    return cluster.cluster_status(cluster.find_cluster(name))
+        return [cluster_view(ClusterDir(n)) for n in list_clusters()]
+    return cluster_view(lookup.find_cluster(name))
 
 
 class Usage:
@@ -183,13 +192,13 @@ class Usage:
         self._trees = TreeSampler()
         self.gpus_seen = False
 
-    def sample(self, st: dict[str, Any]) -> dict[str, TreeUsage]:
+    def sample(self, view: ClusterView) -> dict[str, TreeUsage]:
         gpu_by_pid = gpu_memory_by_pid()
         self.gpus_seen = gpu_by_pid is not None
-        state = ClusterDir(st["name"]).read_state()
+        state = ClusterDir(view.name).read_state()
         handles = {name: proc.handle for name, proc in state.processes.items()} if state else {}
-        return {p["name"]: self._sample(handles.get(p["name"]) if p["alive"] else None, gpu_by_pid)
-                for p in st["processes"]}
+        return {p.name: self._sample(handles.get(p.name) if p.alive else None, gpu_by_pid)
+                for p in view.processes}
 
     def _sample(self, handle: Handle | None, gpu_by_pid: dict[int, int] | None) -> TreeUsage:
         """The tree as the launchers find it: the leader's group and session, and its marker."""
@@ -205,11 +214,11 @@ def restart(name: str, processes: list[str] | None = None, timeout: float = STAR
             on_ready_again: Callable[[str, float], None] = _quiet) -> None:
     """Restart some processes of a running cluster (None: all), one at a time in start order, each ready
     before the next; returns when all are ready again (an error after `timeout`)."""
-    cdir = cluster.find_cluster(name)
-    before = cluster.request_restart(cdir, processes)
+    cdir = lookup.find_cluster(name)
+    before = restarts.request_restart(cdir, processes)
     on_requested(list(before))
     started = time.monotonic()
-    cluster.wait_restarted(cdir, before, timeout, lambda n: on_ready_again(n, time.monotonic() - started))
+    restarts.wait_restarted(cdir, before, timeout, lambda n: on_ready_again(n, time.monotonic() - started))
 
 
 def processes_of(name: str, role: str) -> list[str]:
@@ -222,7 +231,7 @@ def processes_of(name: str, role: str) -> list[str]:
 
 def _remote_handles(cdir: ClusterDir) -> dict:
     """Process name -> (launcher, handle) for processes whose log lives on another host."""
-    state, plan = cdir.read_state(), cluster.stored_plan(cdir)
+    state, plan = cdir.read_state(), lookup.stored_plan(cdir)
     if state is None or plan is None:
         return {}
     return {name: (launcher_for_handle(plan, rec.handle), rec.handle) for name, rec in state.processes.items()
@@ -230,7 +239,7 @@ def _remote_handles(cdir: ClusterDir) -> dict:
 
 
 def _log_names(name: str, process: str | None) -> tuple[ClusterDir, dict, list[str]]:
-    cdir = cluster.find_cluster(name)
+    cdir = lookup.find_cluster(name)
     remote = _remote_handles(cdir)
     available = sorted({p.stem for p in cdir.logs_dir.glob("*.log")} | set(remote))
     if process is not None and process not in available:
@@ -276,8 +285,8 @@ class PlanResult:
 
 def plan(config: str | Path | None = None) -> PlanResult:
     """The exact processes `up` would start, checked against this machine (and its hosts); starts nothing."""
-    spec, cplan, cdir = cluster.plan_from_file(config)
-    findings = machine_findings(spec, cplan, None if cluster.has_supervisor(cdir) else cluster.busy_ports(cplan))
+    spec, cplan, cdir = lookup.plan_from_file(config)
+    findings = machine_findings(spec, cplan, None if lookup.has_supervisor(cdir) else lookup.busy_ports(cplan))
     return PlanResult(spec, cplan, cdir.root, findings)
 
 
@@ -285,9 +294,9 @@ def doctor(config: str | Path | None = None, min_gbps: float | None = None) -> l
     """The machine checks, and when the cluster runs, the live ones: its router answers, a canary moves KV
     from prefill to decode and back at least min_gbps fast (default: the plan's floor), each server's NIXL
     rate over its life (a warning below it)."""
-    spec, cplan, cdir = cluster.plan_from_file(config)
-    running = cluster.has_live_processes(cdir)
-    findings = machine_findings(spec, cplan, None if running else cluster.busy_ports(cplan))
+    spec, cplan, cdir = lookup.plan_from_file(config)
+    running = lookup.has_live_processes(cdir)
+    findings = machine_findings(spec, cplan, None if running else lookup.busy_ports(cplan))
     if running:
         findings += live_checks.live_findings(cplan, min_gbps)
     else:
@@ -330,9 +339,9 @@ def scrape_config(interval: str = "15s") -> str:
 
 def stored_plan(name: str) -> ClusterPlan | None:
     """The plan a cluster was started with (None when it has none)."""
-    return cluster.stored_plan(ClusterDir(name))
+    return lookup.stored_plan(ClusterDir(name))
 
 
 def is_running(name: str) -> bool:
     """The supervisor or any process of the cluster is alive."""
-    return cluster.has_live_processes(ClusterDir(name))
+    return lookup.has_live_processes(ClusterDir(name))

@@ -24,7 +24,7 @@ from pdserve.cli.main import app
 from pdserve.errors import ConfigError
 from pdserve.export.k8s_common import K8S_VERSION, LWS_API, LWS_RELEASE
 from pdserve.orchestrate import ops
-from pdserve.orchestrate.cluster import plan_from_file
+from pdserve.orchestrate.lookup import plan_from_file
 from pdserve.plan.records import (BIND, CORES, GPUS, MARKER, MEMORY, MODEL, PROGRAM, SIDE_CHANNEL_HOST, ProcessPlan)
 from pdserve.router.config import RouterConfig
 from pdserve.spec.load import SHIPPED_CONFIGS

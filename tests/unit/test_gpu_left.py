@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.observe.resources import GpuLeft, gpus_holding_memory, physical_gpus
-from pdserve.orchestrate.cluster import StopReport, gpu_memory_left
+from pdserve.orchestrate.stop import StopReport, gpu_memory_left
 from pdserve.plan.records import ClusterPlan, ProcessPlan
 
 GPUS = "0, GPU-aaa, 3\n1, GPU-bbb, 71574\n2, GPU-ccc, 80000\n"

@@ -178,3 +178,26 @@ def test_no_test_module_is_imported_helpers_are_in_kits():
     """What tests share lives in tests/kits/ (fixtures in a conftest.py): a test module imported by another
     file runs its tests twice over or drags a package's fixtures into another, and hides what is shared."""
     assert imports_of_test_modules() == []
+
+
+# Inside orchestrate, module -> the modules it may import: ops, one operation per command, uses the modules
+# cluster.py was split into, by the operations that use them; lookup (find a cluster, its plan, what lives)
+# sits below them all.
+ORCHESTRATE_ALLOWED = {
+    "ops": {"lookup", "start", "stop", "restarts", "view"},
+    "start": {"lookup", "stop", "restarts"},     # up: prepare, supervise until up (a failure stops), apply changes
+    "stop": {"lookup"},                          # down
+    "restarts": {"lookup"},                      # restart
+    "view": {"lookup"},                          # status
+    "lookup": set(),
+}
+
+
+def test_orchestrates_modules_import_one_way():
+    own = {p.stem for p in (PKG / "orchestrate").glob("*.py")} - {"__init__"}
+    assert own == set(ORCHESTRATE_ALLOWED), own ^ set(ORCHESTRATE_ALLOWED)
+    bad = {f"{module} -> {target}" for module, targets in module_imports().items()
+           if module.startswith("pdserve.orchestrate.") for target in targets
+           if target.startswith("pdserve.orchestrate.")
+           and target.rsplit(".", 1)[1] not in ORCHESTRATE_ALLOWED[module.rsplit(".", 1)[1]]}
+    assert not bad, f"orchestrate imports against its layering: {sorted(bad)}"

@@ -108,7 +108,7 @@ def test_api_key_travels_by_variable_name_only(monkeypatch):
 
 
 def test_changed_processes_compares_each_process_plan():
-    from pdserve.orchestrate.cluster import changed_processes
+    from pdserve.orchestrate.start import changed_processes
     base = plan_of(GOOD)
     assert changed_processes(base.to_dict(), plan_of(GOOD)) == []
     assert changed_processes(base.to_dict(), plan_of(with_("decode.vllm_args", ["--x"]))) == ["decode-0"]
@@ -288,7 +288,7 @@ def test_two_clusters_of_one_name_name_two_secrets_and_a_url_keeps_its_own_deplo
 
 
 def test_a_router_setting_change_restarts_every_replica():
-    from pdserve.orchestrate.cluster import changed_processes
+    from pdserve.orchestrate.start import changed_processes
     base = with_("router.replicas", 2, with_("router.store", "managed"))
     changed = changed_processes(plan_of(base).to_dict(), plan_of(with_("router.request_timeout", 5, base)))
     assert changed == ["router-0", "router-1"]

@@ -140,7 +140,7 @@ def test_shipped_2p2d_four_hosts():
 
 def test_host_preflight_runs_per_host_and_compares_versions():
     from pdserve.checks.preflight import machine_findings
-    from pdserve.orchestrate.cluster import busy_ports
+    from pdserve.orchestrate.lookup import busy_ports
     data = with_("platform", "p5en-efa", with_("prefill.gpus", [7], with_("decode.gpus", [0], with_(
         "prefill.cpus", None, with_("decode.cpus", None, with_("kv_transfer.kv_buffer_device", "cuda", TWO_HOSTS))))))
     data["prefill"].pop("cpus"), data["decode"].pop("cpus")
