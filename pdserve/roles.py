@@ -1,0 +1,14 @@
+"""The roles a cluster's processes play, named once. It imports nothing, so every package that plans, starts,
+checks, reads or exports processes may import it (tests/unit/test_layers.py); the router spells its two
+server pools itself (router/config.py's `prefill` and `decode`: these names), as it imports none of them."""
+
+from __future__ import annotations
+
+PREFILL = "prefill"
+DECODE = "decode"
+STORE = "store"          # the managed Redis (router.store: managed; plan/routers.py)
+ROUTER = "router"
+
+SERVER_ROLES = (PREFILL, DECODE)                 # the vLLM servers: the spec's two role sections
+ROLES = (PREFILL, DECODE, STORE, ROUTER)         # start order; stop and restart orders derive from it
+ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
