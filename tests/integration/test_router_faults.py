@@ -96,7 +96,7 @@ async def test_router_out_of_descriptors_is_not_blamed_on_the_backend():
             raise OSError(errno.EMFILE, "Too many open files")
 
         upstream.session.post = emfile
-        lean = upstream.http1
+        lean = upstream.client
         if lean is not None:
             lean.post = emfile_lean
         try:

@@ -17,6 +17,7 @@ from pdserve.router.kv.held_control import HttpControl
 from pdserve.router.kv.store import ReuseStore, open_store, scheme
 from pdserve.router.legs import http1 as lean_http
 from pdserve.router.legs.book import TurnBook
+from pdserve.router.legs.client import AiohttpClient, BackendClient, Traced
 from pdserve.router.legs.decode import DecodeLeg
 from pdserve.router.legs.flow import Flow
 from pdserve.router.legs.offer import Offers
@@ -36,10 +37,10 @@ class Router:
     """The composed router: its flow (what the routes call) and what runs beside it until close()."""
 
     def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, flow: Flow, session: aiohttp.ClientSession,
-                 http1: Any, prober: HealthProber, store: ReuseStore, held: HeldKV, spans: Any):
+                 client: BackendClient, prober: HealthProber, store: ReuseStore, held: HeldKV, spans: Any):
         self.cfg, self.metrics, self.flow = cfg, metrics, flow
-        self.session, self.http1, self.prober, self.store, self.held, self.spans = \
-            session, http1, prober, store, held, spans
+        self.session, self.client, self.prober, self.store, self.held, self.spans = \
+            session, client, prober, store, held, spans
         self.tasks: list[asyncio.Task] = []
         self.drops: set[asyncio.Task] = set()
 
@@ -78,8 +79,7 @@ class Router:
                 await task
         await self.held.close()
         await self.session.close()
-        if self.http1 is not None:
-            await self.http1.close()
+        await self.client.close()
         if self.spans is not None:
             await asyncio.to_thread(self.spans.shutdown)     # export what is queued
         await self.store.close()
@@ -89,20 +89,27 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     """Every object of the router, wired; nothing runs until Router.start (call it on the running loop)."""
     # A bounded pool of kept-alive connections: under load requests wait for one (up to
     # upstream_pool_timeout) instead of opening sockets until the router runs out of descriptors.
-    # Whole-JSON calls go on the lean client (http1.py), unless traced: aiohttp's trace hooks carry the
-    # traceparent of every backend call. The two pools share upstream_max_connections (the descriptor
-    # budget), half each; the lean one splits its half evenly over the backends.
-    lean = spans is None and lean_http.AVAILABLE
+    # The legs' calls go on the lean client (http1.py; on aiohttp where httptools is missing), traced or not:
+    # tracing is a hook on it (client.py). The lean client and aiohttp's pool (probes, /metrics, held control)
+    # share upstream_max_connections (the descriptor budget), half each; the lean one splits its half evenly
+    # over the backends for whole-JSON calls, and its streams keep the bounds they had on aiohttp's pool.
+    lean = lean_http.AVAILABLE
     lean_total = cfg.upstream_max_connections // 2 if lean else 0
     backends = len(cfg.prefill) + len(cfg.decode)
-    http1 = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends)),
-                                  max_answer_bytes=cfg.max_answer_bytes) if lean else None
     connector = aiohttp.TCPConnector(limit=max(1, cfg.upstream_max_connections - lean_total),
                                      limit_per_host=cfg.upstream_max_per_backend, keepalive_timeout=30)
     # No cookie jar: a backend's Set-Cookie is never kept nor sent with another client's request (and
     # filtering the jar was work on every backend call).
-    session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                    trace_configs=[spans.trace_config()] if spans is not None else None)
+    session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+    client: BackendClient
+    if lean:
+        client = lean_http.Http1Client(min(cfg.upstream_max_per_backend, max(1, lean_total // backends)),
+                                       max_answer_bytes=cfg.max_answer_bytes)
+        client.budget_streams(connector.limit, connector.limit_per_host)
+    else:
+        client = AiohttpClient(session, cfg.max_answer_bytes)
+    if spans is not None:
+        client = Traced(client, spans)
 
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
@@ -118,7 +125,7 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     if not store.remote:
         metrics.store_up.labels(scheme(cfg.store)).set(1)
     upstream = Upstream(session, metrics, cfg.request_timeout, api_key or None, cfg.upstream_pool_timeout,
-                        (prefill, decode), http1, cfg.max_answer_bytes)
+                        (prefill, decode), client, cfg.max_answer_bytes)
     # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
     costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
     # D's held KV: released when no longer needed, under a budget, renewed while used (held.py)
@@ -131,5 +138,5 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     prober = HealthProber([prefill, decode], session, cfg.health_interval, lambda backend: router.on_down(backend))
     flow = Flow(cfg, upstream, Planner(cfg, policy, offers, book, metrics, prober.recheck),
                 PrefillLeg(upstream, offers, costs, metrics, policy), DecodeLeg(upstream, metrics, costs), book, metrics)
-    router = Router(cfg, metrics, flow, session, http1, prober, store, held, spans)
+    router = Router(cfg, metrics, flow, session, client, prober, store, held, spans)
     return router

@@ -20,7 +20,8 @@ from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.legs.book import Finished
 from pdserve.router.legs.relay import StreamRelay
 from pdserve.router.legs.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
-from pdserve.router.legs.upstream import Upstream, read_bounded
+from pdserve.router.legs.client import read_bounded
+from pdserve.router.legs.upstream import Upstream
 from pdserve.router.route.backends import Backend, Pool
 from pdserve.router.route.cost import CostModel
 from pdserve.router.telemetry import tracing
@@ -35,9 +36,6 @@ class DecodeLeg:
         self.upstream = upstream
         self.costs = costs
         self.metrics = metrics
-        if upstream.http1 is not None:   # streams keep the bounds they had on aiohttp's pool (http1.py)
-            connector = upstream.session.connector
-            upstream.http1.budget_streams(getattr(connector, "limit", 0), getattr(connector, "limit_per_host", 0))
 
     async def on_a_server(self, turn: Turn, pool: Pool, prefer: str | None,
                            attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -93,7 +91,7 @@ class DecodeLeg:
                             max_bytes=self.upstream.max_answer_bytes)
         d_started = time.perf_counter()
         try:
-            async with self._open(backend, turn, body) as resp:
+            async with self.upstream.stream(backend, turn.route, body, turn.headers) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
                     ok, status, data = await self._not_a_stream(backend, resp)
                     self.upstream.count(backend, turn.route, False)
@@ -158,15 +156,6 @@ class DecodeLeg:
             yield out
         finally:
             pool.release(backend, ok, trial)
-
-    def _open(self, backend: Backend, turn: Turn, body: dict[str, Any]) -> Any:
-        """D's streamed answer, as `async with`: on the lean client (http1.py: a third of the router's CPU per
-        stream went to aiohttp's client, issue 31), else (tracing on, no httptools) on aiohttp."""
-        up = self.upstream
-        if up.http1 is None:
-            return up.open_stream(backend, turn.route, body, turn.headers)
-        return up.http1.stream(backend.url, turn.route, json.dumps(body).encode(), {**turn.headers, **up.auth},
-                               up.request_timeout, up.pool_timeout)
 
     def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> Finished:
         """D has finished the answer: count D's success; the turn is to be kept."""

@@ -17,23 +17,10 @@ import aiohttp
 
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.legs import bigjson
-from pdserve.router.legs.http1 import ROUTER_ERRNOS, AnswerTooLarge, ConnectFailed, Http1Client, PoolTimeout
+from pdserve.router.legs.client import AiohttpClient, BackendClient, read_bounded
+from pdserve.router.legs.http1 import ROUTER_ERRNOS, AnswerTooLarge, ConnectFailed, PoolTimeout
 from pdserve.router.route.backends import Backend, Pool, Suspects
 from pdserve.router.telemetry.metrics import RouterMetrics
-
-async def read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """An aiohttp answer's whole body, refused (AnswerTooLarge) past `limit` bytes: at once by its
-    Content-Length, else as soon as it grows past it (an endless body costs `limit`, not the router)."""
-    if resp.content_length is not None and resp.content_length > limit:
-        raise AnswerTooLarge(f"an answer of {resp.content_length} bytes, over {limit}")
-    chunks, size = [], 0
-    async for chunk in resp.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise AnswerTooLarge(f"an answer over {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
 
 def router_resource_error(err: BaseException) -> bool:
     os_error = getattr(err, "os_error", err)
@@ -43,10 +30,11 @@ def router_resource_error(err: BaseException) -> bool:
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, request_timeout: float,
                  api_key: str | None = None, pool_timeout: float | None = None, pools: tuple[Pool, ...] = (),
-                 http1: Http1Client | None = None, max_answer_bytes: int = 32 * 1024 * 1024):
-        self.session = session
+                 client: BackendClient | None = None, max_answer_bytes: int = 32 * 1024 * 1024):
+        self.session = session             # the aiohttp session: /metrics reads here (and probes, held control)
         self.max_answer_bytes = max_answer_bytes   # a whole answer, or a stream's line (relay.py)
-        self.http1 = http1                 # whole-JSON calls (http1.py); streams and probes stay on aiohttp
+        # Every P and D leg and /tokenize (client.py: the lean http1.py, or aiohttp without httptools)
+        self.client: BackendClient = client if client is not None else AiohttpClient(session, max_answer_bytes)
         self.pool_timeout = pool_timeout
         self.pools = pools
         self.metrics = metrics
@@ -130,24 +118,18 @@ class Upstream:
 
     async def _post(self, backend: Backend, route: str, body: dict[str, Any],
                     headers: dict[str, str]) -> tuple[int, Any]:
-        if self.http1 is not None:
-            status, _, raw = await self.http1.post(backend.url, route, json.dumps(body).encode(),
-                                                   {**headers, **self.auth}, self.request_timeout, self.pool_timeout)
-        else:
-            async with self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
-                                         timeout=self.timeout) as resp:
-                status, raw = resp.status, await read_bounded(resp, self.max_answer_bytes)
+        status, _, raw = await self.client.post(backend.url, route, json.dumps(body).encode(),
+                                                {**headers, **self.auth}, self.request_timeout, self.pool_timeout)
         try:
             return status, await bigjson.loads(raw)   # a large answer's token ids parsed with the loop running
         except (json.JSONDecodeError, UnicodeDecodeError):
             return 502, error_body(f"backend {backend.name} sent a non-JSON body (HTTP {status})", "server_error", 502)
 
-    def open_stream(self, backend: Backend, route: str, body: dict[str, Any],
-                    headers: dict[str, str]) -> Any:
+    def stream(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         """A streamed POST (the D leg's), as `async with`: the caller reads the events and accounts for the
         backend (acquire, count, failure), since a stream's outcome is known only at its end (decode.py)."""
-        return self.session.post(backend.url + route, json=body, headers={**headers, **self.auth},
-                                 timeout=self.timeout)
+        return self.client.stream(backend.url, route, json.dumps(body).encode(), {**headers, **self.auth},
+                                  self.request_timeout, self.pool_timeout)
 
     async def get_text(self, backend: Backend, path: str) -> str | None:
         try:

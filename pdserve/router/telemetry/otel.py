@@ -3,17 +3,18 @@ opentelemetry-exporter-otlp-proto-http: the `otel` extra).
 
 One trace per completion request: a SERVER span `pdserve.request` (continuing a client's W3C
 `traceparent` if it sent one) with the request's facts as `pdserve.*` attributes (router/telemetry/tracing.py), and
-one CLIENT span per backend call, made by an aiohttp TraceConfig on the upstream session: every call
-through Upstream and the streamed D leg alike, named by the backend's role, carrying `traceparent` to the
-vLLM server so that its own spans (`--otlp-traces-endpoint`) join the same trace. A client span ends when
-the backend's response head arrives: its length is the time to the backend's first byte.
+one CLIENT span per backend call, made by the hook this Tracer is on the router's backend client
+(router/legs/client.py: Traced, on whichever client the router runs): every P and D leg and /tokenize alike,
+named by the backend's role, carrying `traceparent` to the vLLM server so that its own spans
+(`--otlp-traces-endpoint`) join the same trace. A stream's span ends when the backend's response head arrives
+(the time to its first byte); a whole answer's when it has come whole.
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from opentelemetry import context, propagate, trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -38,7 +39,7 @@ class Tracer:
         self.provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=cfg.otlp_endpoint),
                                                             schedule_delay_millis=1000))
         self.tracer = self.provider.get_tracer("pdserve.router")
-        # backend URL -> (name, role), to name the client spans
+        # backend base URL -> (name, role), to name the client spans
         self.backends = {b.url: (b.name, role) for role, group in (("prefill", cfg.prefill), ("decode", cfg.decode))
                          for b in group}
 
@@ -61,39 +62,29 @@ class Tracer:
         ctx = span.get_span_context()
         return trace.format_trace_id(ctx.trace_id) if ctx.is_valid and ctx.trace_flags.sampled else None
 
-    # -- backend calls -----------------------------------------------------------------------------
-    def trace_config(self) -> aiohttp.TraceConfig:
-        config = aiohttp.TraceConfig()
-        config.on_request_start.append(self._client_start)
-        config.on_request_end.append(self._client_end)
-        config.on_request_exception.append(self._client_failed)
-        return config
-
-    async def _client_start(self, _session, ctx, params: aiohttp.TraceRequestStartParams) -> None:
+    # -- backend calls: the hook on the router's backend client (router/legs/client.py) ----------------
+    def call_start(self, base_url: str, path: str, headers: dict[str, str]) -> Any:
         if not trace.get_current_span().get_span_context().is_valid:
-            ctx.span = None                  # a health probe or a canary: no request to hang it on
-            return
-        base = f"{params.url.scheme}://{params.url.host}:{params.url.port}"
-        name, role = self.backends.get(base, (base, "backend"))
-        span = self.tracer.start_span(f"{role} {params.url.path}", kind=SpanKind.CLIENT, attributes={
-            "http.request.method": params.method, "url.full": str(params.url), "server.address": params.url.host or "",
-            "server.port": params.url.port or 0, ATTRIBUTE_PREFIX + "backend": name, ATTRIBUTE_PREFIX + "role": role})
-        propagate.inject(params.headers, context=trace.set_span_in_context(span))
-        ctx.span = span
+            return None                      # a call outside any request (a canary): no request to hang it on
+        name, role = self.backends.get(base_url, (base_url, "backend"))
+        url = urlsplit(base_url)
+        span = self.tracer.start_span(f"{role} {path}", kind=SpanKind.CLIENT, attributes={
+            "http.request.method": "POST", "url.full": base_url + path, "server.address": url.hostname or "",
+            "server.port": url.port or 0, ATTRIBUTE_PREFIX + "backend": name, ATTRIBUTE_PREFIX + "role": role})
+        propagate.inject(headers, context=trace.set_span_in_context(span))
+        return span
 
-    async def _client_end(self, _session, ctx, params: aiohttp.TraceRequestEndParams) -> None:
-        span = getattr(ctx, "span", None)
+    def call_end(self, span: Any, status: int) -> None:
         if span is not None:
-            span.set_attribute("http.response.status_code", params.response.status)
-            if params.response.status >= 500:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
                 span.set_status(Status(StatusCode.ERROR))
             span.end()
 
-    async def _client_failed(self, _session, ctx, params: aiohttp.TraceRequestExceptionParams) -> None:
-        span = getattr(ctx, "span", None)
+    def call_failed(self, span: Any, err: BaseException) -> None:
         if span is not None:
-            span.record_exception(params.exception)
-            span.set_status(Status(StatusCode.ERROR, type(params.exception).__name__))
+            span.record_exception(err)
+            span.set_status(Status(StatusCode.ERROR, type(err).__name__))
             span.end()
 
     def shutdown(self) -> None:
