@@ -56,7 +56,7 @@ def status(name: str) -> dict:
     """`status NAME --json`'s content, read in-process (the library call the CLI renders): polled in loops,
     a fresh CLI process each time cost ~1 s of a 2-core box."""
     from pdserve.orchestrate import ops
-    return json.loads(json.dumps(ops.status(name)))
+    return json.loads(json.dumps(ops.status(name).to_json()))
 
 
 def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
