@@ -12,6 +12,7 @@ supervisor_rig.py   the supervisor on those fakes, driven tick by tick (Rig)
 router_rig.py       the router and fake backends in-process on free ports (deployment)
 redis_rig.py        a real redis-server, a reuse store on it (store_at, PARAMS), more router replicas
 raw_server.py       a raw asyncio server with one scripted answer per request (misbehaving backends)
+wire_samples.py     sample answers and streams of the wire formats (Anthropic Messages, OpenAI Responses)
 otlp_receiver.py    an OTLP/HTTP traces receiver
 netns_rig.py        two "hosts" in network namespaces, each with sshd; a plan on them (cluster)
 slurm_rig.py        a one-node Slurm on this machine
