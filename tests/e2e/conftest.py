@@ -1,4 +1,4 @@
-"""The e2e modules share one real cluster (tests/e2e/vllmkit.py: SharedCluster), in an order that restarts
+"""The e2e modules share one real cluster (tests/kits/vllm_cluster.py: SharedCluster), in an order that restarts
 the fewest servers: the embedded default's settings first, then settings that restart one or both servers,
 then modules that stop the cluster or need a fresh one, and last the shipped compiled config."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.vllmkit import SharedCluster
+from tests.kits.vllm_cluster import SharedCluster
 
 # Module order (file stem -> rank); unknown modules run in the middle, in name order.
 ORDER = [

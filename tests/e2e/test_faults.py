@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.vllmkit import SHARED, down_leaves_nothing, pdserve
-from tests.e2e.vllmkit import status as status_of
+from tests.kits.vllm_cluster import SHARED, down_leaves_nothing, pdserve
+from tests.kits.vllm_cluster import status as status_of
 from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e

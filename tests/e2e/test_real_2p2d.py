@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.vllmkit import SHARED, converse, metric, pdserve, status
+from tests.kits.vllm_cluster import SHARED, converse, metric, pdserve, status
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import SHARED, metric, status
+from tests.kits.vllm_cluster import SHARED, metric, status
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

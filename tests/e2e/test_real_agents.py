@@ -13,7 +13,7 @@ import urllib.request
 import httpx
 import pytest
 
-from tests.e2e.vllmkit import BLOCK, FILE_TEXT, SHARED, SYSTEM, computed, external_tokens, router_metric
+from tests.kits.vllm_cluster import BLOCK, FILE_TEXT, SHARED, SYSTEM, computed, external_tokens, router_metric
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

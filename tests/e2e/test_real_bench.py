@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from tests.e2e.vllmkit import base_config, pdserve
+from tests.kits.vllm_cluster import base_config, pdserve
 from tests.kits.ports import free_ports
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from pdserve.observe.routerstats import read_router
-from tests.e2e.vllmkit import SHARED, external_tokens
+from tests.kits.vllm_cluster import SHARED, external_tokens
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

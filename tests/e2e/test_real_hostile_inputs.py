@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import SHARED, metric
+from tests.kits.vllm_cluster import SHARED, metric
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

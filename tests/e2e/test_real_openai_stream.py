@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import SHARED, external_tokens, long_user_turn, metric, reuse_diagnosis
-from tests.e2e.vllmkit import status as status_of
+from tests.kits.vllm_cluster import SHARED, external_tokens, long_user_turn, metric, reuse_diagnosis
+from tests.kits.vllm_cluster import status as status_of
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

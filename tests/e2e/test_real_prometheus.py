@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 
 from pdserve.observe import dashboard
-from tests.e2e.vllmkit import SHARED, converse, long_user_turn, pdserve
-from tests.e2e.vllmkit import status as status_of
+from tests.kits.vllm_cluster import SHARED, converse, long_user_turn, pdserve
+from tests.kits.vllm_cluster import status as status_of
 from tests.kits.ports import free_ports
 from tests.kits.waits import wait_for
 

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from pdserve.launchers.local import marked_processes
-from tests.e2e.vllmkit import SHARED, external_tokens, pdserve, reuse_diagnosis
-from tests.e2e.vllmkit import status as status_of
+from tests.kits.vllm_cluster import SHARED, external_tokens, pdserve, reuse_diagnosis
+from tests.kits.vllm_cluster import status as status_of
 from tests.kits.ports import consecutive_free, port_free
 
 pytestmark = pytest.mark.e2e

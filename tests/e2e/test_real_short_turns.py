@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.vllmkit import SHARED, EXTERNAL, long_user_turn, metric
-from tests.e2e.vllmkit import status as status_of
+from tests.kits.vllm_cluster import SHARED, EXTERNAL, long_user_turn, metric
+from tests.kits.vllm_cluster import status as status_of
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED

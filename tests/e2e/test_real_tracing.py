@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.vllmkit import SHARED, converse
+from tests.kits.vllm_cluster import SHARED, converse
 from tests.kits.otlp_receiver import Receiver
 
 pytestmark = pytest.mark.e2e

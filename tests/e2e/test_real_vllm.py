@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.vllmkit import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
+from tests.kits.vllm_cluster import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
                                reuse_diagnosis)
-from tests.e2e.vllmkit import status as status_of
+from tests.kits.vllm_cluster import status as status_of
 from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.vllmkit import converse, metric, pdserve, up
+from tests.kits.vllm_cluster import converse, metric, pdserve, up
 from tests.kits.slurm_rig import NODE
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ import yaml
 
 from pdserve.launchers.ssh import HostUnreachable, SshLauncher
 from pdserve.spec.load import DEFAULT_CONFIG
-from tests.e2e.vllmkit import pdserve
+from tests.kits.vllm_cluster import pdserve
 from tests.kits.netns_rig import SSH_PORT, cluster, sh
 from tests.kits.ports import free_ports
 

@@ -17,7 +17,7 @@ import pytest
 from pdserve.engine.models import BUILTIN_MODELS
 from pdserve.launchers.ssh import SshLauncher
 from pdserve.orchestrate.lookup import find_cluster, stored_plan
-from tests.e2e.vllmkit import converse, external_tokens, metric, pdserve, up
+from tests.kits.vllm_cluster import converse, external_tokens, metric, pdserve, up
 from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e
