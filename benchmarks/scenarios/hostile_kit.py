@@ -55,7 +55,8 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
 def fake(*args: str) -> Iterator[str]:
     """A fake vLLM server (tests/kits/fake_vllm.py, its own process, keeping no request bodies): its URL."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.kits.fake_vllm", "--port", str(port), "--no-record",
+    module = "tests.kits.fake_vllm" if (TREE / "tests" / "kits").is_dir() else "tests.fakes.fake_vllm"   # an older tree
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--no-record",
                              *args], cwd=TREE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
