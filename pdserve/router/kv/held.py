@@ -40,16 +40,14 @@ here wires them to the flow, the memory table and the metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pdserve.router.identity import Key
-from pdserve.router.kv.held_control import P_READ_MARGIN_S, Control, DecodeCalls, Lease
-from pdserve.router.kv.held_ledger import Held, Ledger, held_tokens
+from pdserve.router.kv.held_control import P_READ_MARGIN_S, Control, DecodeCalls, Lease, Tasks
+from pdserve.router.kv.held_ledger import Held, Ledger, Tombstones, held_tokens
 from pdserve.router.kv.reuse import ReuseEntry
 from pdserve.router.wire import DECODE_ONLY
 
@@ -93,8 +91,8 @@ class HeldKV:
         self.lease = Lease(cfg, self.ledger, self.calls, metrics, clock, self._show)
         self.table: Any = None                 # the MemoryTable (budget and lease need it)
         self.turns: dict[str, Held] = {}       # turn request id -> the entry it took
-        self.tombstones: OrderedDict[Key, None] = OrderedDict()
-        self.tasks: set[asyncio.Task] = set()
+        self.tombstones = Tombstones(TOMBSTONES)   # keys whose entry the budget released: the miss reason
+        self.tasks = Tasks()                   # the calls to D in flight
         self.learning: dict[str, asyncio.Task] = {}
         for name in decodes:
             self.ledger.decode(name)
@@ -126,12 +124,7 @@ class HeldKV:
         if not self.on:
             return why
         if entry is None:
-            if why == "no_entry" and self.tombstones:
-                for key in keys:
-                    if key in self.tombstones:
-                        del self.tombstones[key]
-                        return RELEASED
-            return why
+            return RELEASED if why == "no_entry" and self.tombstones.claim(keys) else why
         rid = entry.params.get("remote_request_id")
         held = self.ledger.take(rid) if isinstance(rid, str) else None
         if held is None:        # a shared store's entry, or one stored before the ledger knew the server
@@ -178,7 +171,7 @@ class HeldKV:
         if d.engine is not None and engine != d.engine:
             self._restarted(entry.decode)
         d.engine = engine
-        self.tombstones.pop(key, None)
+        self.tombstones.discard(key)
         self.ledger.add(key, entry.params, entry.decode, entry.expires)
         self._show(entry.decode)
         if d.capacity is None or d.control is None:
@@ -204,19 +197,13 @@ class HeldKV:
             # Out of the table first: no turn can take it (and hand it to P) once its release is sent.
             entry = self.table.withdraw(held.key, held.request_id) if held.key is not None else None
             if entry is not None:
-                self._tombstone(held.key)
+                self.tombstones.add(held.key)
                 if entry.alias is not None:      # its prompt's key: a client that rewrote the reply looks there
-                    self._tombstone(entry.alias)
+                    self.tombstones.add(entry.alias)
                 released.append(held.request_id)
         self._show(decode)
         if released:
             self._release(decode, released, LRU, 0.0)
-
-    def _tombstone(self, key: Key) -> None:
-        self.tombstones[key] = None
-        self.tombstones.move_to_end(key)
-        while len(self.tombstones) > TOMBSTONES:
-            self.tombstones.popitem(last=False)
 
     def _restarted(self, decode: str) -> None:
         """A new engine on this server: what the ledger knew of it is gone (the table drops the entries)."""
@@ -230,12 +217,12 @@ class HeldKV:
     def _release(self, decode: str, ids: list[str], reason: str, grace: float) -> None:
         if self.ledger.decode(decode).control is False:
             return
-        self._spawn(self.calls.release(decode, ids, reason, grace))
+        self.tasks.spawn(self.calls.release(decode, ids, reason, grace))
 
     def _learn_soon(self, decode: str) -> None:
         task = self.learning.get(decode)
         if task is None or task.done():
-            self.learning[decode] = self._spawn(self.learn(decode))
+            self.learning[decode] = self.tasks.spawn(self.learn(decode))
 
     async def learn(self, decode: str) -> None:
         """D's KV capacity (its /metrics) and whether it answers the control routes; then the budget holds."""
@@ -278,30 +265,16 @@ class HeldKV:
                 log.exception("held KV lease round failed")
             await asyncio.sleep(self.lease.tick)
 
-
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
-
     async def settled(self) -> None:
         """Wait for the calls in flight (tests, and shutdown)."""
-        while self.tasks:
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        await self.tasks.settled()
 
     async def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        await self.tasks.close()
 
     def _show(self, decode: str) -> None:
         if self.on:
             self.metrics.held_tokens.labels(decode).set(self.ledger.decode(decode).tokens)
-
-    def held_now(self) -> dict[str, int]:
-        return {name: d.tokens for name, d in self.ledger.decodes.items()}
 
 
 class NoHeld:

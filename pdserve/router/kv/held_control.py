@@ -5,8 +5,9 @@ lease that renews the table's entries on D."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -203,3 +204,26 @@ class Lease:
         held.deadline, held.expires = deadline, expires
         self.metrics.held_renewals.inc()
         return 1
+
+
+class Tasks:
+    """The calls to D in flight: spawned off the turn's path, awaited (settled), or cancelled (close)."""
+
+    def __init__(self) -> None:
+        self.running: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        return task
+
+    async def settled(self) -> None:
+        while self.running:
+            await asyncio.gather(*list(self.running), return_exceptions=True)
+
+    async def close(self) -> None:
+        for task in list(self.running):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*list(self.running), return_exceptions=True)

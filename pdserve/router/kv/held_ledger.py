@@ -198,3 +198,29 @@ class Ledger:
             out += [h for h in d.entries.values() if h.in_table and h.deadline is not None
                     and h.expires - now <= lead and now - h.used < self.lease]
         return out
+
+
+class Tombstones:
+    """Keys whose entry the budget released, the newest `limit` of them: the next turn of such a conversation
+    is told why it missed (`released`), once."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.keys: OrderedDict[Key, None] = OrderedDict()
+
+    def add(self, key: Key) -> None:
+        self.keys[key] = None
+        self.keys.move_to_end(key)
+        while len(self.keys) > self.limit:
+            self.keys.popitem(last=False)
+
+    def discard(self, key: Key) -> None:
+        self.keys.pop(key, None)
+
+    def claim(self, keys: list[Key]) -> bool:
+        """One of `keys` had its entry released (said once: it is forgotten then)."""
+        for key in keys if self.keys else ():
+            if key in self.keys:
+                del self.keys[key]
+                return True
+        return False
