@@ -117,7 +117,7 @@ def test_no_cycle_between_modules_of_a_package():
 
 
 # Inside the router, sub-package -> the sub-packages it may import. Its top-level modules (config, errors, wire,
-# identity) sit below them all and import none; __main__, the process, wires everything.
+# identity, conversation) sit below them all and import none of them; __main__, the process, wires everything.
 ROUTER_ALLOWED = {
     "front": {"legs", "route", "kv", "api", "telemetry"},   # HTTP front: routes, admission, the observe middleware
     "legs": {"route", "kv", "api", "telemetry"},            # a turn's flow, its P and D legs, calls to servers

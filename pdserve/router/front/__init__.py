@@ -1,2 +1,2 @@
-"""The HTTP front: routes and the lean HTTP/1.1 client (app, http1), reading and checking request bodies
-(inputs, bigjson), and who may send how much (admission, limits)."""
+"""The HTTP front: the routes (app), the router's objects composed (compose), who may send how much
+(admission, limits), and one span and log line per request (observe)."""
