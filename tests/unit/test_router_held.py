@@ -349,6 +349,8 @@ def test_status_shows_held_tokens_per_decode_server_releases_by_reason_and_renew
 
     from pdserve.cli.status import _view
     from pdserve.observe.routerstats import add_held, parse_metrics
+    from pdserve.orchestrate.view import ClusterView
+    from pdserve.state.records import Phase
     held = parse_metrics(HELD_METRICS)["held_kv"]
     assert held["tokens"] == {"decode-0": 9216, "decode-1": 0} and held["budget"] == {"decode-0": 11712}
     assert held["releases"] == {"lru": 10, "unused": 2, "expired": 0} and held["renewals"] == 3
@@ -357,8 +359,10 @@ def test_status_shows_held_tokens_per_decode_server_releases_by_reason_and_renew
 
     def shown(text: str) -> str:
         console = Console(width=250, record=True)
-        console.print(_view({"name": "c", "phase": "ready", "processes": [], "router": parse_metrics(text),
-                             "router_url": "http://r"}))
+        console.print(_view(ClusterView(name="c", phase=Phase.RUNNING, running=True, supervisor_alive=True,
+                                        error=None, router_url="http://r", processes=[],
+                                        router=parse_metrics(text), transfers=None, state_dir="",
+                                        scrape_targets="")))
         return console.export_text()
 
     out = shown(HELD_METRICS)

@@ -264,6 +264,8 @@ def test_status_shows_admission_outcomes_only_while_admission_is_on():
     from rich.console import Console
 
     from pdserve.cli.status import _view
+    from pdserve.orchestrate.view import ClusterView
+    from pdserve.state.records import Phase
     base = parse_metrics('pdserve_router_turns_total{outcome="stored"} 3\n')
     on = parse_metrics('pdserve_router_admission_total{outcome="admitted"} 4\n'
                        'pdserve_router_admission_total{outcome="rejected_tenant_rate"} 1\n'
@@ -271,8 +273,9 @@ def test_status_shows_admission_outcomes_only_while_admission_is_on():
 
     def shown(router: dict) -> str:
         console = Console(width=200, record=True)
-        console.print(_view({"name": "c", "phase": "ready", "processes": [], "router": router,
-                             "router_url": "http://r"}))
+        console.print(_view(ClusterView(name="c", phase=Phase.RUNNING, running=True, supervisor_alive=True,
+                                        error=None, router_url="http://r", processes=[], router=router,
+                                        transfers=None, state_dir="", scrape_targets="")))
         return console.export_text()
 
     assert "admission: admitted 4, rejected_tenant_rate 1; queued now 2" in shown(on)
