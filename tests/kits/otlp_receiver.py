@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gzip
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ class Receiver:
     spans: list[Span] = field(default_factory=list)
     url: str = ""
     runner: web.AppRunner | None = None
+    since_ns: int = 0              # roots() leaves out requests that began before reset()
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -80,4 +82,10 @@ class Receiver:
         return [s for s in self.spans if s.trace_id == trace_id]
 
     def roots(self, name: str = "pdserve.request") -> list[Span]:
-        return [s for s in self.spans if s.name == name]
+        return [s for s in self.spans if s.name == name and s.start_ns >= self.since_ns]
+
+    def reset(self) -> None:
+        """Forget what came so far (a receiver shared by several modules): spans of earlier requests that
+        arrive late are no roots of this one's."""
+        self.since_ns = time.time_ns()
+        self.spans.clear()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ import yaml
 from pdserve.observe.promtext import scrape, total
 from pdserve.spec.load import DEFAULT_CONFIG
 from tests.kits.ports import free_ports
+from tests.kits.waits import wait_for
 
 EXTERNAL = {"source": "external_kv_transfer"}
 LOCAL = {"source": "local_compute"}
@@ -101,28 +104,33 @@ def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = 
 
 
 class SharedCluster:
-    """One real cluster the e2e modules share. Each module asks for its settings (`use`): `pdserve up` applies
-    them to the running cluster and restarts only the processes whose plan changed (what users of `up` get
-    too); the router is restarted whatever changed, so no module sees another's conversations. A change of
-    processes (replicas), a stopped cluster or `fresh` starts it anew in a fresh PDSERVE_HOME."""
+    """One real cluster the e2e modules share. Each module asks for its settings (`use`). A change of router or
+    supervisor settings is applied with `pdserve up` on the running cluster (only the router restarts: what
+    users of `up` get too); the router is restarted whatever changed, so no module sees another's
+    conversations. A change of the servers' settings or of the processes, a stopped cluster or `fresh`
+    starts it anew in a fresh PDSERVE_HOME: P and D then start side by side, each on its own core, where
+    `up` on a running cluster restarts them one after the other (to keep serving), twice the wait.
+    `extra`: settings every use starts from (the package's OTLP receiver)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, extra: dict | None = None):
         self.tmp = tmp
+        self.extra = extra or {}
         self.ports = free_ports(5)
         self.homes = 0
         self.running: dict | None = None         # the facts of the last `use`
 
     def use(self, mutate: Callable[[dict, list[int]], None] | None = None, *, compiled: bool = False,
             fresh: bool = False) -> dict:
-        cfg = base_config(SHARED, self.ports, eager=not compiled)
+        cfg = {**base_config(SHARED, self.ports, eager=not compiled), **copy.deepcopy(self.extra)}
         if mutate:
             mutate(cfg, self.ports)
-        alive = self.running is not None and not fresh and self._alive()
-        if alive and self._processes(cfg) != self._processes(self.running["cfg"]):
-            alive = False
+        alive = (self.running is not None and not fresh and self._alive()
+                 and self._servers(cfg) == self._servers(self.running["cfg"]))
         if not alive:
             self.stop()
             self.homes += 1
+        else:
+            self._canary_settled()
         home = self.tmp / f"home{self.homes}"
         os.environ["PDSERVE_HOME"] = str(home)
         path = self.tmp / f"{SHARED}-{self.homes}.yaml"
@@ -143,6 +151,18 @@ class SharedCluster:
             pdserve("down", SHARED)
             self.running = None
 
+    def _canary_settled(self, timeout: float = 180) -> None:
+        """A server a module restarted is checked by the supervisor's canary after `restart` returned; its
+        turns must not land in the next module's counters: wait for its verdict."""
+        log = self.running["home"] / "clusters" / SHARED / "logs" / "supervisor.log"
+        started = re.compile(r"(prefill|decode)-\d+ started, pid")
+
+        def settled() -> bool:
+            lines = log.read_text(errors="replace").splitlines()
+            last = max((i for i, line in enumerate(lines) if started.search(line)), default=-1)
+            return last < 0 or any("after restarting" in line and "canary moved" in line for line in lines[last + 1:])
+        wait_for(settled, timeout=timeout, what="the canary after a server restart")
+
     @staticmethod
     def _alive() -> bool:
         from pdserve.errors import PdserveError
@@ -155,9 +175,11 @@ class SharedCluster:
         return {p["name"]: p["pid"] for p in status(SHARED)["processes"] if p["role"] == "router"}
 
     @staticmethod
-    def _processes(cfg: dict) -> tuple:
-        return tuple((role, (cfg[role] or {}).get("replicas", 1)) for role in ("prefill", "decode", "router")) + (
-            cfg["router"].get("store") == "managed",)
+    def _servers(cfg: dict) -> dict:
+        """Everything but the router's and the supervisor's settings, and the router's processes."""
+        router = cfg.get("router") or {}
+        return {**{k: v for k, v in cfg.items() if k not in ("router", "supervisor")},
+                "routers": (router.get("replicas", 1), router.get("store") == "managed")}
 
 
 def computed(cluster: dict) -> float:
