@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kits.vllm_cluster import SHARED, down_leaves_nothing, pdserve
+from tests.kits.vllm_cluster import SHARED, canary_settled, converse, down_leaves_nothing, pdserve, reuse_diagnosis
 from tests.kits.vllm_cluster import status as status_of
 from tests.kits.waits import wait_for
 
@@ -115,13 +115,45 @@ def test_up(cluster):
     assert status()["phase"] == "running"
 
 
+def alive(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.name())
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 @pytest.mark.parametrize("server", ["decode-0", "prefill-0"])
 def test_sigkill_of_one_api_server_pid_loses_no_request(cluster, server):
+    """SIGKILL of the API server's pid only (what the OOM killer does): served whole by the other role
+    meanwhile; every process it had started (its EngineCore, retitled, in the dead leader's group) is gone
+    before the new server starts; the new server's KV reaches P again (was test_real_vllm's decode test)."""
     pid = procs()[server]["pid"]
     tree = psutil.Process(pid).children(recursive=True)
-    during = fault(cluster, f"kill {server}", lambda: os.kill(pid, signal.SIGKILL), server)
+    assert tree, "vLLM's API server should have started its engine"
+    outlived: list[str] = []
+
+    def kill_and_watch_the_new_server() -> None:
+        os.kill(pid, signal.SIGKILL)
+
+        def new_server() -> bool:
+            now = procs()[server]["pid"]
+            if now and now != pid:
+                outlived.extend(alive(tree))
+                return True
+            return False
+        wait_for(new_server, timeout=120, what=f"{server} started anew")
+
+    during = fault(cluster, f"kill {server}", kill_and_watch_the_new_server, server)
+    assert not outlived, f"{outlived} outlived the killed API server into the restart"
     assert during and set(during) == {200}, during                # served whole by the other role meanwhile
-    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in tree)
+    assert not alive(tree)
+    canary_settled(cluster)
+    rows = converse(cluster, f"after-kill-{server}", 2, [])
+    assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(cluster))
 
 
 def test_sigkill_of_an_engine_child_loses_no_request(cluster):
@@ -143,17 +175,24 @@ def test_sigkill_of_the_router_is_restarted(cluster):
 
 
 def test_sigkill_of_the_supervisor_keeps_serving_and_up_reattaches(cluster):
+    """Traffic goes on without the supervisor; `up` adopts the live processes, whose router still knows a
+    conversation and whose D still holds its blocks (with test_real_vllm's adoption test)."""
     traffic: Traffic = cluster["traffic"]
+    history: list = []
+    converse(cluster, "faults-adopt", 1, history)                    # D holds this turn's blocks
     state = json.loads((cluster["home"] / "clusters" / NAME / "state.json").read_text())
     before = {n: p["pid"] for n, p in procs().items()}
     traffic.label = "kill supervisor"
     os.kill(state["supervisor"]["pid"], signal.SIGKILL)
     wait_for(lambda: not status()["supervisor_alive"], timeout=10, what="supervisor gone")
+    assert "supervisor is gone" in pdserve("status", NAME).stderr
     wait_for(lambda: len(traffic.outcomes("kill supervisor")) >= 3, timeout=60, what="traffic without supervisor")
     again = pdserve("up", str(cluster["path"]))
-    assert again.returncode == 0 and "re-attaching" in again.stderr, again.stderr
-    assert {n: p["pid"] for n, p in procs().items()} == before
+    assert again.returncode == 0 and "re-attaching to live" in again.stderr, again.stderr
+    assert status()["supervisor_alive"] and {n: p["pid"] for n, p in procs().items()} == before   # no duplicates
     assert set(traffic.outcomes("kill supervisor")) == {200}
+    rows = converse(cluster, "faults-adopt", 1, history)
+    assert rows[0]["tokens_from_d"] > 0, rows
 
 
 def test_down_leaves_no_process_and_no_port(cluster):

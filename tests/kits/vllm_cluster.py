@@ -103,6 +103,19 @@ def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = 
     return _facts(cfg, tmp / "home", path, round(time.monotonic() - started, 1))
 
 
+def canary_settled(cluster: dict, timeout: float = 180) -> None:
+    """After a server restart the supervisor checks the P->D path with a canary turn through the router,
+    after `restart` (or the fault) was over: wait for its verdict, so its turns land in no test's counters."""
+    log = cluster["home"] / "clusters" / cluster["name"] / "logs" / "supervisor.log"
+    started = re.compile(r"(prefill|decode)-\d+ started, pid")
+
+    def settled() -> bool:
+        lines = log.read_text(errors="replace").splitlines()
+        last = max((i for i, line in enumerate(lines) if started.search(line)), default=-1)
+        return last < 0 or any("canary moved" in line for line in lines[last + 1:])
+    wait_for(settled, timeout=timeout, what="the canary after a server restart")
+
+
 class SharedCluster:
     """One real cluster the e2e modules share. Each module asks for its settings (`use`). A change of router or
     supervisor settings is applied with `pdserve up` on the running cluster (only the router restarts: what
@@ -130,7 +143,7 @@ class SharedCluster:
             self.stop()
             self.homes += 1
         else:
-            self._canary_settled()
+            canary_settled(self.running)
         home = self.tmp / f"home{self.homes}"
         os.environ["PDSERVE_HOME"] = str(home)
         path = self.tmp / f"{SHARED}-{self.homes}.yaml"
@@ -150,18 +163,6 @@ class SharedCluster:
         if self.running is not None:
             pdserve("down", SHARED)
             self.running = None
-
-    def _canary_settled(self, timeout: float = 180) -> None:
-        """A server a module restarted is checked by the supervisor's canary after `restart` returned; its
-        turns must not land in the next module's counters: wait for its verdict."""
-        log = self.running["home"] / "clusters" / SHARED / "logs" / "supervisor.log"
-        started = re.compile(r"(prefill|decode)-\d+ started, pid")
-
-        def settled() -> bool:
-            lines = log.read_text(errors="replace").splitlines()
-            last = max((i for i, line in enumerate(lines) if started.search(line)), default=-1)
-            return last < 0 or any("after restarting" in line and "canary moved" in line for line in lines[last + 1:])
-        wait_for(settled, timeout=timeout, what="the canary after a server restart")
 
     @staticmethod
     def _alive() -> bool:
