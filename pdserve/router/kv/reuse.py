@@ -52,6 +52,12 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def below_threshold(tokens: int, threshold: int) -> bool:
+    """kv_recompute_threshold's rule, as vLLM's P applies it: fewer reusable tokens than the threshold
+    (and never none) are recomputed rather than read from D."""
+    return tokens < max(1, threshold)
+
+
 def held(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int) -> bool:
     """The entry's decode server is usable and still the process that made it (so its blocks are there)."""
     return holder_healthy and (entry.generation is None or holder_generation == entry.generation)
@@ -82,7 +88,7 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
         params["remote_block_ids"] = _trim_blocks(params.get("remote_block_ids") or [], -(-common // block_size))
         params["remote_num_tokens"] = offered = common
         reason = "trimmed"
-    if offered < max(1, threshold):
+    if below_threshold(offered, threshold):
         return Decision(MISS, "below_threshold")
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
@@ -98,7 +104,7 @@ def engine_checked(entry: ReuseEntry, *, holder_healthy: bool, holder_generation
     if entry.sequence is None:
         return Decision(MISS, "unverifiable")
     offered = entry.num_tokens
-    if offered < max(1, threshold):
+    if below_threshold(offered, threshold):
         return Decision(MISS, "below_threshold")
     params = {**entry.params, "do_remote_decode": True, "do_remote_prefill": False,
               EXPECT_KEY: list(entry.sequence[:offered])}

@@ -14,6 +14,7 @@ from pdserve.router.api.completions import prompt_ids_if_given
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import UpstreamError
 from pdserve.router.kv.reuse import MISS, Decision, ReuseEntry, decide, engine_checked, held
+from pdserve.router.kv.reuse import below_threshold as too_few_to_read
 from pdserve.router.legs.upstream import Upstream
 from pdserve.router.route.backends import Pool
 
@@ -67,7 +68,7 @@ class Offers:
 
     def below_threshold(self, entry: ReuseEntry) -> bool:
         """Too few tokens held to be worth reading (kv_recompute_threshold), whatever the new prompt is."""
-        return entry.num_tokens < max(1, self.cfg.kv_recompute_threshold)
+        return too_few_to_read(entry.num_tokens, self.cfg.kv_recompute_threshold)
 
     async def decide(self, entry: ReuseEntry | None, why: str, fmt: WireFormat, body: dict[str, Any]) -> Decision:
         """What of the taken entry P may read for this prompt, verified against P's /tokenize of it."""
