@@ -1,6 +1,6 @@
 """The roles a cluster's processes play, named once. It imports nothing, so every package that plans, starts,
-checks, reads or exports processes may import it (tests/unit/test_layers.py); the router spells its two
-server pools itself (router/config.py's `prefill` and `decode`: these names), as it imports none of them."""
+checks, reads or exports processes may import it (tests/unit/test_layers.py), the router too (it imports
+nothing else of pdserve but errors); its config's `prefill` and `decode` keys are these names."""
 
 from __future__ import annotations
 

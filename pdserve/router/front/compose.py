@@ -29,6 +29,7 @@ from pdserve.router.route.breaker import CircuitBreaker
 from pdserve.router.route.cost import CostModel
 from pdserve.router.route.policy import RoutePolicy
 from pdserve.router.telemetry.metrics import RouterMetrics
+from pdserve.roles import DECODE, PREFILL
 
 log = logging.getLogger("pdserve.router")
 
@@ -51,7 +52,7 @@ class Router:
 
     def on_down(self, backend: Backend) -> None:
         """A decode server seen gone: its entries are dropped (its KV is gone with it)."""
-        if backend.role == "decode":
+        if backend.role == DECODE:
             task = asyncio.create_task(self._drop(backend))
             self.drops.add(task)
             task.add_done_callback(self.drops.discard)
@@ -114,8 +115,8 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     def breaker() -> CircuitBreaker:
         return CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown)
 
-    prefill = Pool("prefill", cfg.prefill, metrics, breaker)
-    decode = Pool("decode", cfg.decode, metrics, breaker)
+    prefill = Pool(PREFILL, cfg.prefill, metrics, breaker)
+    decode = Pool(DECODE, cfg.decode, metrics, breaker)
     store = open_store(cfg.store, ttl=cfg.reuse_ttl, max_entries=cfg.reuse_max_entries,
                        max_bytes=cfg.reuse_max_bytes, cluster=cfg.cluster, decodes=[d.name for d in cfg.decode],
                        timeout=cfg.store_timeout,

@@ -28,6 +28,7 @@ from pdserve.router.route.backends import Backend, Pool
 from pdserve.router.route.policy import LOCAL_PARAMS, TOO_LONG, DecodeOnly, Degraded, PrefillThenDecode
 from pdserve.router.telemetry import tracing
 from pdserve.router.telemetry.metrics import RouterMetrics
+from pdserve.roles import PREFILL
 
 log = logging.getLogger("pdserve.router")
 
@@ -109,7 +110,7 @@ class Flow:
             if plan.role is None:
                 return json_answer(turn, error_body("no prefill or decode server available", "server_error", 503),
                                    503)
-            return await self._degraded(request, turn, self.prefill.pool if plan.role == "prefill" else self.decode,
+            return await self._degraded(request, turn, self.prefill.pool if plan.role == PREFILL else self.decode,
                                         plan.why)
         track = self.cfg.bidirectional_kv_xfer and turn.conversation.tracked
         collector = turn.fmt.collector(keep_for_client=bool(turn.body.get("return_token_ids")))

@@ -29,6 +29,7 @@ from pdserve.router.route import affinity
 from pdserve.router.route.backends import Backend, Pool
 from pdserve.router.route.cost import CostModel
 from pdserve.router.wire import DECODE_ONLY, DEGRADED, PREFILL_THEN_DECODE
+from pdserve.roles import SERVER_ROLES
 
 # D's blocks published by a turn served on D alone: any non-empty kv_transfer_params without do_remote_decode
 # makes a bidirectional consumer keep the finished request's blocks and return their handles.
@@ -220,7 +221,7 @@ class RoutePolicy:
 
     def plan(self, inputs: TurnInputs) -> TurnPlan:
         if inputs.missing:
-            left = [r for r in ("prefill", "decode") if r not in inputs.missing]
+            left = [r for r in SERVER_ROLES if r not in inputs.missing]
             return Degraded(left[0] if left else None, f"no {inputs.missing[0]} server usable")
         choice = self.short.choose(inputs) if self.short is not None else ""
         if isinstance(choice, DecodeOnly):

@@ -7,6 +7,7 @@ import functools
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pdserve.router.telemetry import metric_names as names
+from pdserve.roles import SERVER_ROLES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -138,7 +139,7 @@ class RouterMetrics:
         # Series that exist before their first event, so a dashboard shows 0 rather than no data.
         for stream in ("true", "false"):
             self.ttft.labels(stream)
-        for role in ("prefill", "decode"):
+        for role in SERVER_ROLES:
             self.degraded.labels(role)
             self.degraded_now.labels(role)
         self.store_up = Gauge(names.STORE_UP, "1 while the reuse store answers (the memory store always does); "

@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.telemetry.tracing import ATTRIBUTE_PREFIX
+from pdserve.roles import DECODE, PREFILL
 
 SERVICE = "pdserve-router"
 
@@ -40,7 +41,7 @@ class Tracer:
                                                             schedule_delay_millis=1000))
         self.tracer = self.provider.get_tracer("pdserve.router")
         # backend base URL -> (name, role), to name the client spans
-        self.backends = {b.url: (b.name, role) for role, group in (("prefill", cfg.prefill), ("decode", cfg.decode))
+        self.backends = {b.url: (b.name, role) for role, group in ((PREFILL, cfg.prefill), (DECODE, cfg.decode))
                          for b in group}
 
     # -- the request's span (router/front/observe.py's middleware) ---------------------------------------
