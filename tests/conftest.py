@@ -7,8 +7,6 @@ import tempfile
 
 import pytest
 
-import pytest
-
 
 def pytest_configure(config):
     # One built-in model build per run: every PDSERVE_HOME a test makes (and every `pdserve` subprocess)
@@ -17,14 +15,24 @@ def pytest_configure(config):
         os.environ["PDSERVE_MODELS"] = tempfile.mkdtemp(prefix="pdserve-test-models-")
 
 
-@pytest.hookimpl(tryfirst=True)        # before xdist's own hook reads the group marks into the node ids
-def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (scripts/test.sh: --dist loadgroup), one worker runs the real-engine tests and the
-    # network-namespace rigs one after another, in collection order: they share a cluster, pin cores and
-    # use fixed bridge names. Every other test waits on sockets and subprocesses and spreads over workers.
-    for item in items:
-        if item.get_closest_marker("e2e") or item.path.parent.name == "multihost":
-            item.add_marker(pytest.mark.xdist_group("serial"))
+# Under pytest-xdist (scripts/test.sh: -n N --dist loadgroup), one worker runs the real-engine tests and the
+# network-namespace rigs one after another, in collection order: they share a cluster, pin cores and use
+# fixed bridge names. Every other test waits on sockets and subprocesses and goes to any worker on its own.
+# (xdist's own xdist_group marks did not group anything under pytest 9: their node-id suffix never reached
+# the scheduler; this scheduler groups by path instead.)
+SERIAL = ("tests/e2e/", "tests/multihost/")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "serial" if nodeid.startswith(SERIAL) else nodeid
+
+    return SerialGroup(config, log)
 
 
 @pytest.fixture
