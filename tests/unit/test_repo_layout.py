@@ -63,3 +63,32 @@ def test_readme_layout_names_every_top_level_folder():
     layout = (ROOT / "README.md").read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     missing = sorted(f for f in folders | {"configs"} if not re.search(rf"^{re.escape(f)}/?\s", layout, re.M))
     assert not missing, f"README's Layout section does not list: {missing}"
+
+
+ROUTER_CLASS_MAX = 200      # issue 41: a turn's bookkeeping no longer piles up in one router class
+FILE_MAX = 500
+
+
+def _classes(path: Path):
+    import ast
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_no_router_class_over_200_lines():
+    big = [(str(f.relative_to(ROOT)), name, n) for f in (ROOT / "pdserve" / "router").rglob("*.py")
+           for name, n in _classes(f) if n > ROUTER_CLASS_MAX]
+    assert not big, big
+
+
+def test_no_product_or_test_file_over_500_lines():
+    big = [(str(f.relative_to(ROOT)), n) for top in ("pdserve", "tests", "benchmarks", "scripts")
+           for f in (ROOT / top).rglob("*.py") if (n := len(f.read_text().splitlines())) > FILE_MAX]
+    assert not big, big
+
+
+def test_the_python_floor_is_the_routers():
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"      # the router uses asyncio.Runner (3.11)
