@@ -15,12 +15,22 @@ def pytest_configure(config):
         os.environ["PDSERVE_MODELS"] = tempfile.mkdtemp(prefix="pdserve-test-models-")
 
 
-# Under pytest-xdist (scripts/test.sh: -n N --dist loadgroup), one worker runs the real-engine tests and the
-# network-namespace rigs one after another, in collection order: they share a cluster, pin cores and use
-# fixed bridge names. Every other test waits on sockets and subprocesses and goes to any worker on its own.
-# (xdist's own xdist_group marks did not group anything under pytest 9: their node-id suffix never reached
-# the scheduler; this scheduler groups by path instead.)
-SERIAL = ("tests/e2e/", "tests/multihost/")
+# Under pytest-xdist (scripts/test.sh: -n N --dist loadgroup), two chains run each on one worker, in
+# collection order, beside each other from the start: the real-engine tests (they share one cluster) and the
+# network-namespace rigs (fixed bridge names; their own clusters). Every other test waits on sockets and
+# subprocesses and goes to any worker on its own. (xdist's own xdist_group marks grouped nothing under
+# pytest 9.2: their node-id suffix never reached the scheduler; this scheduler groups by path instead.)
+CHAINS = {"tests/e2e/": "e2e", "tests/multihost/": "netns"}
+
+
+def _chain(nodeid: str) -> str | None:
+    return next((name for prefix, name in CHAINS.items() if nodeid.startswith(prefix)), None)
+
+
+def pytest_collection_modifyitems(config, items):
+    # the chains first, so that each has a worker from the start (the scheduler hands out work in this order)
+    order = list(CHAINS.values())
+    items.sort(key=lambda item: order.index(c) if (c := _chain(item.nodeid)) else len(order))
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -28,11 +38,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SerialGroup(LoadScopeScheduling):
+    class Chains(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "serial" if nodeid.startswith(SERIAL) else nodeid
+            return _chain(nodeid) or nodeid
 
-    return SerialGroup(config, log)
+    return Chains(config, log)
 
 
 @pytest.fixture
