@@ -15,12 +15,13 @@ def pytest_configure(config):
         os.environ["PDSERVE_MODELS"] = tempfile.mkdtemp(prefix="pdserve-test-models-")
 
 
-# Under pytest-xdist (scripts/test.sh: -n N --dist loadgroup), two chains run each on one worker, in
-# collection order, beside each other from the start: the real-engine tests (they share one cluster) and the
-# network-namespace rigs (fixed bridge names; their own clusters). Every other test waits on sockets and
-# subprocesses and goes to any worker on its own. (xdist's own xdist_group marks grouped nothing under
-# pytest 9.2: their node-id suffix never reached the scheduler; this scheduler groups by path instead.)
-CHAINS = {"tests/e2e/": "e2e", "tests/multihost/": "netns"}
+# Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup), one worker runs the real-engine tests and the
+# network-namespace rigs one after another, in collection order, from the start: they share a cluster, pin
+# cores and use fixed bridge names. The other worker takes every other test (they wait on sockets and
+# subprocesses). On 2 cores, four workers with the rigs as a second chain took 25 min and failed five
+# timing-bound tests; three workers and this one chain, 20 min and none. (xdist's own xdist_group marks grouped nothing
+# under pytest 9.2: their node-id suffix never reached the scheduler; this scheduler groups by path.)
+CHAINS = {"tests/e2e/": "serial", "tests/multihost/": "serial"}
 
 
 def _chain(nodeid: str) -> str | None:
@@ -28,9 +29,9 @@ def _chain(nodeid: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    # the chains first, so that each has a worker from the start (the scheduler hands out work in this order)
-    order = list(CHAINS.values())
-    items.sort(key=lambda item: order.index(c) if (c := _chain(item.nodeid)) else len(order))
+    # the chain first, so that it has a worker from the start (the scheduler hands out work in this order)
+    prefixes = list(CHAINS)
+    items.sort(key=lambda item: next((i for i, p in enumerate(prefixes) if item.nodeid.startswith(p)), len(prefixes)))
 
 
 def pytest_xdist_make_scheduler(config, log):
