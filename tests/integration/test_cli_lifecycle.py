@@ -323,6 +323,10 @@ def test_the_canary_pulls_past_a_threshold_above_its_default_size(tmp_path, home
 def test_up_fails_when_gpu_kv_moves_slower_than_the_floor_and_the_opt_out_lets_it_run(tmp_path, home):
     """An emulated transport (UCX over TCP, 0.6 GB/s on one H200) works, so only its rate shows it."""
     path, cfg = write_config(tmp_path, "slow", server_args=["--xfer-gbps", "0.5"])   # GPU buffers by default
+    # The floor is under test, not the cost model: at 0.5 GB/s it may (rightly) judge a pull slower than
+    # recomputing on a busy box, and the canary's second turn then reads nothing from D (seen in 3 of 4 runs).
+    cfg["router"]["cost_aware"] = False
+    path.write_text(yaml.safe_dump(cfg))
     up = pdserve("up", str(path))
     assert up.returncode == 1
     assert "below the floor of 5 GB/s" in up.stderr and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in up.stderr, up.stderr
@@ -333,7 +337,8 @@ def test_up_fails_when_gpu_kv_moves_slower_than_the_floor_and_the_opt_out_lets_i
     try:
         doctor = pdserve("doctor", str(path), "--min-gbps", "2")
         assert doctor.returncode == 1 and "fail canary" in doctor.stdout and "0.50 GB/s" in doctor.stdout, doctor.stdout
-        assert pdserve("doctor", str(path)).returncode == 0     # the cluster's own floor: none
+        again = pdserve("doctor", str(path))
+        assert again.returncode == 0, again.stdout     # the cluster's own floor: none
     finally:
         assert pdserve("down", "slow").returncode == 0
 
