@@ -1,6 +1,7 @@
-"""The e2e modules share one real cluster (tests/kits/vllm_cluster.py: SharedCluster), in an order that restarts
-the fewest servers: the embedded default's settings first, then settings that restart one or both servers,
-then modules that stop the cluster or need a fresh one, and last the shipped compiled config."""
+"""The e2e modules share one real cluster (tests/kits/vllm_cluster.py: SharedCluster), in an order that starts
+the fewest servers: the embedded default's settings first (router changes at most), then the servers' own
+settings (each starts the cluster anew), then modules that need other processes or a cluster of their own,
+and last the shipped compiled config."""
 
 from __future__ import annotations
 

@@ -95,12 +95,16 @@ def up(tmp: Path, name: str, mutate: Callable[[dict, list[int]], None] | None = 
     cfg = base_config(name, ports, eager=eager)
     if mutate:
         mutate(cfg, ports)
-    path = tmp / f"{name}.yaml"
+    return _start(cfg, tmp / "home", tmp / f"{name}.yaml")
+
+
+def _start(cfg: dict, home: Path, path: Path) -> dict:
+    """Write `cfg` to `path` and `pdserve up` it (a new cluster, or changes to a running one); its facts."""
     path.write_text(yaml.safe_dump(cfg))
     started = time.monotonic()
     res = pdserve("up", str(path))
     assert res.returncode == 0, res.stderr[-3000:]
-    return _facts(cfg, tmp / "home", path, round(time.monotonic() - started, 1))
+    return _facts(cfg, home, path, round(time.monotonic() - started, 1))
 
 
 def canary_settled(cluster: dict, timeout: float = 180) -> None:
@@ -146,17 +150,12 @@ class SharedCluster:
             canary_settled(self.running)
         home = self.tmp / f"home{self.homes}"
         os.environ["PDSERVE_HOME"] = str(home)
-        path = self.tmp / f"{SHARED}-{self.homes}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
         routers = self._routers() if alive else {}
-        started = time.monotonic()
-        res = pdserve("up", str(path))
-        assert res.returncode == 0, res.stderr[-3000:]
+        self.running = _start(cfg, home, self.tmp / f"{SHARED}-{self.homes}.yaml")
         for name, pid in routers.items():
             if self._routers().get(name) == pid:        # the change left this router running: a fresh one
                 res = pdserve("restart", SHARED, name)
                 assert res.returncode == 0, res.stderr[-3000:]
-        self.running = _facts(cfg, home, path, round(time.monotonic() - started, 1))
         return self.running
 
     def stop(self) -> None:
