@@ -114,7 +114,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
             backends.setdefault(labels.get("backend", ""), {})[BACKEND_GAUGES[name]] = int(value)
     decided = out["reuse_hits"] + out["reuse_misses"]
     out["reuse_hit_rate"] = out["reuse_hits"] / decided if decided else None
-    out["misses_by_reason"] = dict(misses)
+    out["misses_by_reason"] = {k: v for k, v in misses.items() if v}   # the router exports some at 0
     out["turn_outcomes"] = {k: v for k, v in outcomes.items() if k}   # how each turn ended (pdserve.router.legs.turn.TURN_OUTCOMES)
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends

@@ -162,3 +162,22 @@ def test_bad_observability_settings_name_the_field():
         with pytest.raises(ConfigError) as exc:
             parse_spec(with_("observability", value))
         assert field in str(exc.value)
+
+
+def test_a_fresh_router_exports_hit_and_first_turn_reuse_series_at_zero():
+    """Prometheus' rate() of a series born at its first increments reads 0, so the dashboard's hit rate was
+    0/0 (NaN) after a router (re)start until later turns moved series that already existed."""
+    from prometheus_client import generate_latest
+
+    from pdserve.router.api import APIS
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.front.app import METRICS, build_app
+    from pdserve.router.kv.reuse import HIT_REASONS
+
+    app = build_app(RouterConfig(prefill=[], decode=[], model="m"), api_key="")
+    text = generate_latest(app[METRICS].registry).decode()
+    for api in APIS:
+        for reason in HIT_REASONS:
+            assert (f'pdserve_router_reuse_decisions_total{{api="{api}",reason="{reason}",result="hit"}} 0.0'
+                    in text), (api, reason)
+        assert f'pdserve_router_reuse_decisions_total{{api="{api}",reason="no_entry",result="miss"}} 0.0' in text

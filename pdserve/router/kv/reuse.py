@@ -15,6 +15,11 @@ from pdserve.router.wire import EXPECT_KEY
 HIT = "hit"
 MISS = "miss"
 ENGINE_CHECKED = "engine_checked"   # a hit offered with D's sequence for P's engine to cut (wire.EXPECT_KEY)
+UNVERIFIED = "unverified"   # a hit: D's entry taken, the new prompt not tokenized (route.policy.new_tokens_bound)
+CONTINUATION = "continuation"       # a hit: the new prompt continues D's sequence
+TRIMMED = "trimmed"                 # a hit: only a prefix of D's sequence is the new prompt's
+HIT_REASONS = (CONTINUATION, TRIMMED, ENGINE_CHECKED, UNVERIFIED)
+NO_ENTRY = "no_entry"               # a miss: nothing stored for the conversation (its first turn, or expired)
 
 
 @dataclass
@@ -37,7 +42,7 @@ class ReuseEntry:
 @dataclass(frozen=True)
 class Decision:
     result: str                          # hit | miss
-    reason: str                          # why (for hits: "continuation" or "trimmed")
+    reason: str                          # why (for hits: one of HIT_REASONS)
     params: dict[str, Any] | None = None
     tokens: int = 0
     holder: str | None = None            # decode server that held the blocks (its prefix cache is warm)
@@ -81,13 +86,13 @@ def decide(entry: ReuseEntry, *, holder_healthy: bool, holder_generation: int, t
     offered = entry.num_tokens
     # P must compute at least the last prompt token itself to produce logits.
     common = min(common_prefix_len(entry.sequence[:offered], new_prompt), len(new_prompt) - 1)
-    reason = "continuation"
+    reason = CONTINUATION
     if common < offered:
         if not block_size or common < block_size:   # at most a template header in common: an edited history
             return Decision(MISS, "not_a_continuation")
         params["remote_block_ids"] = _trim_blocks(params.get("remote_block_ids") or [], -(-common // block_size))
         params["remote_num_tokens"] = offered = common
-        reason = "trimmed"
+        reason = TRIMMED
     if below_threshold(offered, threshold):
         return Decision(MISS, "below_threshold")
     params["do_remote_decode"] = True
@@ -123,7 +128,7 @@ def engine_outcome(offer: Decision, pulled: int | None, checked: int | None, blo
         reason = "unverifiable" if checked is None else "not_a_continuation" if edited else \
             "prefix_cached" if cached else "below_threshold"
         return Decision(MISS, reason, holder=offer.holder)
-    return Decision(HIT, "continuation" if checked == offer.tokens else "trimmed", holder=offer.holder, tokens=pulled)
+    return Decision(HIT, CONTINUATION if checked == offer.tokens else TRIMMED, holder=offer.holder, tokens=pulled)
 
 
 def _trim_blocks(blocks: Any, keep: int) -> Any:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pdserve.router.kv.reuse import ReuseEntry
+from pdserve.router.kv.reuse import NO_ENTRY, ReuseEntry
 from pdserve.router.kv.store import kept
 
 ENTRY_OVERHEAD_BYTES = 1024   # the entry, its keys and D's params dict, roughly
@@ -102,7 +102,7 @@ class MemoryTable:
         """Remove and return the entry (single use: two concurrent turns can't both get it)."""
         entry = self._remove(key)
         if entry is None:
-            return None, "no_entry"
+            return None, NO_ENTRY
         if self.clock() >= entry.expires:
             self._dropped(key, entry, "expired")
             return None, "expired"
@@ -139,7 +139,7 @@ class MemoryTable:
                 if entry is not None:
                     entry.by_prompt = True
                 return entry, why
-        return None, "no_entry"
+        return None, NO_ENTRY
 
     def drop_decode(self, decode: str) -> int:
         keys = list(self._by_decode.pop(decode, {}))

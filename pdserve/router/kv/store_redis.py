@@ -37,7 +37,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from pdserve.router.kv.redis_pipe import RedisPipe
-from pdserve.router.kv.reuse import ReuseEntry
+from pdserve.router.kv.reuse import NO_ENTRY, ReuseEntry
 from pdserve.router.kv.store import kept
 from pdserve.router.kv.store_entry import INVALID, decode_entry, encode
 
@@ -198,7 +198,7 @@ class RedisStore:
         value = await (await self.pipe.send("EVAL", TAKE_FIRST, len(keys), *[self.key(k) for k in keys],
                                             self.prefix + "idx:", self.prefix + "e:"))
         if not value:
-            return None, "no_entry"
+            return None, NO_ENTRY
         by_prompt = value[:1] == b"\0"
         entry = decode_entry(value[1:] if by_prompt else value)
         if entry is None:

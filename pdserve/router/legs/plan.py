@@ -9,13 +9,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.kv.reuse import HIT, Decision, ReuseEntry
+from pdserve.router.kv.reuse import HIT, UNVERIFIED, Decision, ReuseEntry
 from pdserve.router.legs.book import TurnBook
 from pdserve.router.legs.offer import Offers
 from pdserve.router.legs.turn import Turn, template
 from pdserve.router.route.backends import Pool
 from pdserve.router.route.policy import (
-    UNTOKENIZED, UNVERIFIED, DecodeOnly, RoutePolicy, TurnInputs, TurnPlan, new_text, new_tokens_at_least,
+    UNTOKENIZED, DecodeOnly, RoutePolicy, TurnInputs, TurnPlan, new_text, new_tokens_at_least,
     new_tokens_bound,
 )
 from pdserve.router.telemetry import tracing

@@ -85,7 +85,6 @@ def new_tokens(decision: Decision, block_size: int | None) -> int | None:
 # The chat template's tokens around one message (role header, end marker), generously: Qwen's and Llama 3's
 # take about 5, tool results a few more.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
-UNVERIFIED = "unverified"   # a Decision's reason: D's entry taken, the new prompt not tokenized (new_tokens_bound)
 
 
 # Request fields besides the messages that a chat template renders into the prompt (P's /tokenize gets them
