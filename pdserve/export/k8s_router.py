@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 
 from pdserve.export.k8s_common import (CONFIG_DIR, PYTHON, REDIS_DATA, REDIS_IMAGE, STORE_SECRET_DIR,
-                                       STORE_SECRET_SUFFIX, Target, command_of, container_env, pod_spec, secret_env)
+                                       STORE_SECRET_SUFFIX, Target, command_of, container_env, pod_spec)
 from pdserve.export.k8s_servers import server_dns
 from pdserve.plan.build import router_config
 from pdserve.plan.records import BIND, LOOPBACK_ONLY, MARKER, PROGRAM, REPLICA, SECRET, STATE, ProcessPlan
@@ -62,8 +62,6 @@ def router_objects(t: Target) -> list[dict[str, Any]]:
     env = container_env(t, proc, values)
     if REPLICA in proc.host_specific:
         env.insert(0, {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
-    if r.api_key_env:
-        env.append(secret_env(t, r.api_key_env, r.api_key_env))
     ports = [{"name": "http", "containerPort": r.port}]
     if proc.port != r.port:
         ports.append({"name": "own", "containerPort": proc.port})

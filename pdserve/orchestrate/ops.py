@@ -26,6 +26,7 @@ from pdserve.observe import dashboard as grafana
 from pdserve.observe.logfiles import follow, last_lines
 from pdserve.observe.resources import TreeSampler, TreeUsage, gpu_memory_by_pid
 from pdserve.orchestrate import lookup, restarts, start, stop
+from pdserve.orchestrate.secrets import require_key
 from pdserve.orchestrate.start import StartFailed
 from pdserve.orchestrate.stop import StopReport
 from pdserve.orchestrate.view import ClusterView, ProcessView, cluster_view
@@ -108,6 +109,7 @@ def up(config: str | Path | None = None, *, note: Note = _quiet,
 def _update_running(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path: Path, note: Note,
                     on_ready_again: Callable[[str, float], None]) -> UpResult:
     """`up` of a running cluster: restart only what the config changed, one process at a time."""
+    require_key(spec)
     before = start.apply_changes(plan, cdir, config_path)
     result = UpResult(plan.name, plan.router_url, spec.supervisor.stop_timeout, restarted=list(before))
     if not before:

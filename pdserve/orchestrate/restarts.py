@@ -13,10 +13,12 @@ from pdserve.state.folder import ClusterDir, write_json_atomic
 from pdserve.state.records import ProcState
 
 
-def request_restart(cdir: ClusterDir, names: list[str] | None, reload: bool = False) -> dict[str, int]:
+def request_restart(cdir: ClusterDir, names: list[str] | None, reload: bool = False,
+                    env: dict[str, str] | None = None) -> dict[str, int]:
     """Ask the running supervisor to restart some processes (None: all), one at a time in start order
-    (prefill replicas, then decode, then the router); with `reload`, from the plan now on disk. Returns
-    each one's restart count before the request."""
+    (prefill replicas, then decode, then the router); with `reload`, from the plan now on disk; `env`: the
+    secrets the plan copies from this environment (secrets.py), for the supervisor to start them with.
+    Returns each one's restart count before the request."""
     state = cdir.read_state()
     if supervisor_process(state) is None:
         raise NotRunningError(f"cluster {cdir.name} has no running supervisor",
@@ -26,7 +28,9 @@ def request_restart(cdir: ClusterDir, names: list[str] | None, reload: bool = Fa
     if unknown:
         raise UsageError(f"no process {unknown[0]!r} in cluster {cdir.name}", hint=f"processes: {', '.join(procs)}")
     order = sorted(names if names is not None else procs, key=lambda n: ROLE_ORDER.get(procs[n].role, 9))
-    write_json_atomic(cdir.requests_dir / f"{time.time_ns()}.json", {"restart": order, "reload": reload})
+    # write_json_atomic's file is the user's alone (mkstemp: 0600) until the supervisor removes it
+    write_json_atomic(cdir.requests_dir / f"{time.time_ns()}.json",
+                      {"restart": order, "reload": reload, **({"env": env} if env else {})})
     return {n: procs[n].restarts for n in order}
 
 

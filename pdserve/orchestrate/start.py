@@ -3,7 +3,6 @@ runs), or the changes of a new plan applied to a running one (only the processes
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -13,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.checks.preflight import machine_findings
-from pdserve.errors import EXIT_BAD_INPUT, ConfigError, PdserveError
+from pdserve.errors import EXIT_BAD_INPUT, PdserveError
 from pdserve.observe.logfiles import last_lines, root_cause
 from pdserve.orchestrate.lookup import busy_ports, live_processes, supervisor_process
 from pdserve.orchestrate.restarts import request_restart
+from pdserve.orchestrate.secrets import require_key, secret_env, stale_secrets
 from pdserve.orchestrate.stop import stop_cluster
 from pdserve.plan.records import ClusterPlan
 from pdserve.plan.routers import MEMORY_STORE, SECRET_FILE
@@ -57,10 +57,7 @@ def prepare(spec: ClusterSpec, plan: ClusterPlan, cdir: ClusterDir, config_path:
 
     Returns the live processes to adopt: when the supervisor died but servers still run, `up` re-attaches
     to them (same plan only) instead of starting duplicates."""
-    key_env = spec.router.api_key_env
-    if key_env and not os.environ.get(key_env):
-        raise ConfigError(f"router.api_key_env: environment variable {key_env} is not set or empty",
-                          hint=f"export {key_env}=<key> before `pdserve up`")
+    require_key(spec)
     state = cdir.read_state()
     if supervisor_process(state) is not None:
         raise PdserveError(f"cluster {spec.name} is already running",
@@ -169,6 +166,7 @@ def apply_changes(plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None)
         raise PdserveError(f"{plan.name} is running with other processes than this config describes "
                            "(replicas changed)", hint=f"`pdserve down {plan.name}` then `pdserve up`")
     changed = changed_processes(stored, plan)
+    changed += [n for n in stale_secrets(plan, cdir.read_state()) if n not in changed]
     if not changed:
         return {}
     moved = {p.name for p in plan.processes
@@ -177,4 +175,4 @@ def apply_changes(plan: ClusterPlan, cdir: ClusterDir, config_path: Path | None)
     if busy:
         raise PdserveError(f"ports already in use: {', '.join(busy)}", hint="change the ports in the config")
     write_plan_files(plan, cdir, config_path)
-    return request_restart(cdir, changed, reload=True)
+    return request_restart(cdir, changed, reload=True, env=secret_env(plan))

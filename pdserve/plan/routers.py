@@ -53,16 +53,19 @@ def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> li
     base = [python, "-m", "pdserve.router", "--config", config_path]
     # the router's bind address is in its config (router.json), not in argv
     where = {PROGRAM: argv_slot(0), STATE: argv_slot(4), MARKER: env_slot(MARKER_ENV)}
+    # The key's value comes from the environment of whoever starts the router (`up` hands it to a running
+    # supervisor: orchestrate/secrets.py), under its own name, which router.json names.
+    key = {r.api_key_env: r.api_key_env} if r.api_key_env else {}
     if r.replicas == 1:
         return [ProcessPlan(name="router", role=ROUTER, argv=base, env={MARKER_ENV: marker("router")},
                             host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health",
-                            host_specific=where)]
+                            env_from=key, host_specific=where)]
     out = []
     for i in range(r.replicas):
         name, own = f"router-{i}", r.replica_port(i)
         out.append(ProcessPlan(name=name, role=ROUTER, argv=[*base, "--replica", name, "--own-port", str(own)],
                                env={MARKER_ENV: marker(name)}, host=r.host, port=own,
-                               health_url=f"http://{rhost}:{own}/health",
+                               health_url=f"http://{rhost}:{own}/health", env_from=key,
                                host_specific={**where, REPLICA: argv_slot(len(base) + 1)}))
     return out
 

@@ -261,6 +261,9 @@ class Supervisor:
     # -- requests from the CLI (`pdserve restart`, `up` with a changed config, `down --timeout`) ------
     def _take_requests(self) -> None:
         for request in take_requests(self.cdir):
+            # `up` of a running cluster hands over the secrets its plan copies from the environment (a key
+            # added or changed since this supervisor started): the processes it starts from now on get them
+            os.environ.update(request.get("env") or {})
             if request.get("stop_timeout"):
                 self.stop_timeout = float(request["stop_timeout"])
             if request.get("reload") and (reloaded := reload_plan(self.cdir, self.procs)):

@@ -184,12 +184,13 @@ def test_no_test_module_is_imported_helpers_are_in_kits():
 # cluster.py was split into, by the operations that use them; lookup (find a cluster, its plan, what lives)
 # sits below them all.
 ORCHESTRATE_ALLOWED = {
-    "ops": {"lookup", "start", "stop", "restarts", "view"},
-    "start": {"lookup", "stop", "restarts"},     # up: prepare, supervise until up (a failure stops), apply changes
+    "ops": {"lookup", "start", "stop", "restarts", "view", "secrets"},
+    "start": {"lookup", "stop", "restarts", "secrets"},   # up: prepare, supervise until up, apply changes
     "stop": {"lookup"},                          # down
     "restarts": {"lookup"},                      # restart
     "view": {"lookup"},                          # status
     "lookup": set(),
+    "secrets": set(),                            # the key `up` hands to a running supervisor
 }
 
 
