@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from pdserve.engine import held
+from pdserve.router.wire import CONTROL_TOKEN_ENV
 from pdserve.engine.held import (APP_MODULE, CALL_TIMEOUT_S, CLOCK, ENGINE_METHOD, MAX_GRACE_S, MAX_IDS, MAX_TTL_S,
                                  P_READ_MARGIN_S, PATH, ROUTER_MODULE, Unsupported, merge_answers)
 
@@ -101,9 +102,15 @@ async def handle(engine_client: Any, op: str, raw_body: bytes | None) -> tuple[i
 
 
 def api_tokens(args: Any) -> list[str]:
-    """The server's --api-key values (or VLLM_API_KEY), as vLLM's own middleware takes them: it guards only
-    /v1, /v2, /inference and /cohere, so these routes check them themselves."""
+    """Who may call these routes: the router alone, by the cluster's control token (CONTROL_TOKEN_ENV, which
+    pdserve's supervisor gives its servers and routers), else (a server started without it) the server's
+    --api-key values or VLLM_API_KEY, as vLLM's own middleware takes them: it guards only /v1, /v2,
+    /inference and /cohere, so these routes check them themselves. A client's API key is not the control
+    token: knowing the router's key does not open another tenant's held turns."""
     import os
+    control = os.environ.get(CONTROL_TOKEN_ENV)
+    if control:
+        return [control]
     keys = getattr(args, "api_key", None)
     if isinstance(keys, str):
         keys = [keys]
@@ -176,7 +183,10 @@ def add_routes(app: Any, args: Any) -> str:
         return "none (the app has no include_router)"
     tokens = api_tokens(args)
     app.include_router(make_router(tokens))
-    return f"{PATH}, {PATH}/release, {PATH}/renew" + (" (API key required)" if tokens else "")
+    import os
+    guard = " (control token required)" if os.environ.get(CONTROL_TOKEN_ENV) else \
+        " (API key required)" if tokens else " (open: no control token nor API key)"
+    return f"{PATH}, {PATH}/release, {PATH}/renew" + guard
 
 
 def _adding_routes(fn, app_and_args):

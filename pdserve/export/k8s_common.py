@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import __version__
+from pdserve.engine.names import CONTROL_TOKEN_ENV
 from pdserve.plan.records import SIDE_CHANNEL_HOST, ClusterPlan, ProcessPlan, env_slot
 from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import ClusterSpec
@@ -126,7 +127,10 @@ def container_env(t: Target, proc: ProcessPlan, values: dict[str, str | None]) -
 
 
 def secret_env(t: Target, name: str, key: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": t.secret, "key": key}}}
+    # The control token is optional: on one machine the supervisor makes it; here the user may add it to the
+    # Secret (kubernetes.py's notes say how), and pods start without it.
+    ref = {"name": t.secret, "key": key, **({"optional": True} if name == CONTROL_TOKEN_ENV else {})}
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
 
 
 def pod_spec(t: Target, containers: list[dict], volumes: list[dict], init: list[dict] | None = None,

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.names import CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
+from pdserve.engine.names import (CONTROL_TOKEN_ENV, CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV,
+                                  VLLM_SERVER_MODULE)
 from pdserve.spec.load import SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
 from pdserve.plan.routers import router_plans, store_plans, store_url
 from pdserve.engine.entry import own_cores
@@ -101,6 +102,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     env[MARKER_ENV] = marker(cluster_dir, name)
     env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}
     util, after = gpu_share(spec, role_name, i)
+    if role_name == DECODE and spec.kv_transfer.bidirectional_kv_xfer:    # its held-KV control routes' token
+        env_from[CONTROL_TOKEN_ENV] = CONTROL_TOKEN_ENV
     if util is not None and not any(a.startswith("--gpu-memory-utilization") for a in role.vllm_args):
         argv += ["--gpu-memory-utilization", f"{util:.3g}"]
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=bind, port=http_port,

@@ -32,3 +32,8 @@ PREFILL_THEN_DECODE = "prefill_then_decode"
 DECODE_ONLY = "decode_only"
 DEGRADED = "degraded"
 PLANS = (PREFILL_THEN_DECODE, DECODE_ONLY, DEGRADED)
+
+# The token D's held-KV control routes (pdserve/engine/held_http.py) require, in the servers' and the routers'
+# environment (the supervisor reads it from the cluster's state folder: pdserve/state/secret.py): only the
+# router may list, release or renew held turns, whether or not clients need an API key.
+CONTROL_TOKEN_ENV = "PDSERVE_CONTROL_TOKEN"

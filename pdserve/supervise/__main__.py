@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import fcntl
 import logging
+import os
 import sys
 from pathlib import Path
 
 from pdserve.plan.records import ClusterPlan
+from pdserve.router.wire import CONTROL_TOKEN_ENV
 from pdserve.state.folder import ClusterDir
+from pdserve.state.secret import CONTROL_FILE, control_token, ensure_secret
 from pdserve.supervise.supervisor import Supervisor
 
 
@@ -32,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.error("another supervisor holds %s", cdir.lock_path)
         return 1
     plan = ClusterPlan.from_dict(cdir.read_plan())
+    # D's held-KV routes answer only the holder of the cluster's control token: every process this supervisor
+    # starts gets it from here (a server through its plan's env_from, the routers by inheritance).
+    ensure_secret(root / CONTROL_FILE, control=True)
+    token = control_token(root)
+    if token:
+        os.environ[CONTROL_TOKEN_ENV] = token
     return Supervisor(plan, cdir, adopt=args.adopt).run()
 
 

@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from pdserve.observe.routerstats import read_router
+from pdserve.state.secret import control_token
 from tests.kits.vllm_cluster import SHARED, external_tokens
 
 pytestmark = pytest.mark.e2e
@@ -43,8 +44,12 @@ def cluster(shared_cluster):
 
 
 def held_on_d(cluster: dict) -> tuple[int, int]:
-    """(tokens in whole blocks, turns) D itself lists as held."""
-    with urllib.request.urlopen(cluster["decode"][0] + "/pdserve/held", timeout=30) as resp:
+    """(tokens in whole blocks, turns) D itself lists as held: asked with the cluster's control token, which
+    only pdserve's supervisor, its decode servers and its routers have (anything else gets 401)."""
+    token = control_token(cluster["home"] / "clusters" / cluster["name"])
+    request = urllib.request.Request(cluster["decode"][0] + "/pdserve/held",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
         listed = json.loads(resp.read())
     return sum(h["blocks"] or 0 for h in listed["held"]) * 32, listed["count"]
 
@@ -71,6 +76,21 @@ def settle_under(cluster: dict, budget: int) -> int:
         if tokens <= budget or time.monotonic() > deadline:
             return tokens
         time.sleep(0.2)
+
+
+def test_d_s_held_turns_answer_only_the_cluster_s_control_token(cluster):
+    """Issue 45: with no API key (8 of the 10 shipped configs) D's control routes answered anyone who reached
+    D's port: list, release or pin every tenant's held turns."""
+    import urllib.error
+    url = cluster["decode"][0] + "/pdserve/held"
+    for request in (urllib.request.Request(url),
+                    urllib.request.Request(url + "/release", data=json.dumps({"request_ids": ["x"]}).encode(),
+                                           headers={"Authorization": "Bearer unused",
+                                                    "Content-Type": "application/json"})):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 401
+    assert held_on_d(cluster)[1] >= 0          # the token's holder is answered
 
 
 def test_more_conversations_than_d_holds_never_wait_and_an_idle_one_still_reuses(cluster):

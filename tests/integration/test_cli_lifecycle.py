@@ -171,6 +171,17 @@ def test_api_key_from_the_environment_guards_router_and_servers(tmp_path, home, 
         assert st["router"]["turns"] == 3          # the start-up canary's two (P->D, then D->P) and ours
         assert st["router"]["backends"]["decode-0"]["healthy"] == 1
         assert "k-123" not in "".join(p.read_text() for p in (home / "clusters" / "keyed").glob("*.json"))
+        # D's held-KV routes take the cluster's control token (made by the supervisor, private), not the key
+        from pdserve.state.secret import CONTROL_FILE, control_token
+        secret = home / "clusters" / "keyed" / CONTROL_FILE
+        assert secret.stat().st_mode & 0o777 == 0o600
+        held = f"http://127.0.0.1:{cfg['decode']['port']}/pdserve/held"
+        with pytest.raises(urllib.error.HTTPError) as not_the_key:
+            urllib.request.urlopen(urllib.request.Request(held, headers={"Authorization": "Bearer k-123"}))
+        assert not_the_key.value.code == 401
+        token = control_token(secret.parent)
+        assert urllib.request.urlopen(urllib.request.Request(
+            held, headers={"Authorization": f"Bearer {token}"})).status == 200
     finally:
         assert pdserve("down", "keyed").returncode == 0
 

@@ -180,3 +180,25 @@ async def test_concurrent_conversations_over_the_budget_never_make_p_read_freed_
         stats = parse_metrics(await dep.metrics())
         assert stats["turn_outcomes"]["stored"] == 36 and d.stale_reads == 0
         assert d.held_tokens() <= CAPACITY // 2
+
+
+async def test_the_router_holds_the_control_token_and_nobody_else_reaches_d_s_held_turns(monkeypatch):
+    """Issue 45: D's control routes answered anyone who reached D's port. With the cluster's control token in
+    the environment (pdserve's supervisor puts it there for D and the routers), D answers only it: the router's
+    releases land, a client of D's port without it gets 401."""
+    from pdserve.router.wire import CONTROL_TOKEN_ENV
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, "the-cluster-s-control-token")
+    async with deployment(decode_args=(["--kv-capacity", str(CAPACITY), "--stall-when-full"],)) as dep:
+        d = dep.decode[0][FAKE]
+        histories: dict[int, list] = {c: [] for c in range(6)}
+        for c in range(6):                      # more than D's budget: the router releases the oldest on D
+            await turn(dep, c, histories[c], 1)
+            assert d.held_tokens() <= CAPACITY // 2
+        held = held_kv(await dep.metrics())
+        assert held["releases"]["lru"] >= 1 and not any(held["failures"].values()), held
+        d_url = dep.router[FLOW].decode.backends[0].url
+        async with dep.session.get(d_url + "/pdserve/held") as resp:
+            assert resp.status == 401
+        async with dep.session.post(d_url + "/pdserve/held/release", json={"request_ids": ["x"]},
+                                    headers={"Authorization": "Bearer anything"}) as resp:
+            assert resp.status == 401

@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.engine.patches import cut_offer
-from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
+from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PULLED_KEY
 try:
     from tests.kits import hostile
     from tests.kits.fake_agent_wire import AgentWire
@@ -132,8 +132,7 @@ class FakeVLLM:
     async def held_list(self, request: web.Request) -> web.Response:
         if self.args.no_held_control:
             raise web.HTTPNotFound()
-        key = os.environ.get("VLLM_API_KEY")
-        if key and request.headers.get("Authorization") != f"Bearer {key}":
+        if not held_authorized(request):
             return web.json_response({"error": "Unauthorized"}, status=401)
         self.expire_held()
         now = time.perf_counter()
@@ -147,8 +146,7 @@ class FakeVLLM:
             raise web.HTTPNotFound()
         if self.args.held_status != 200:
             return web.json_response({"error": {"message": "fake"}}, status=self.args.held_status)
-        key = os.environ.get("VLLM_API_KEY")
-        if key and request.headers.get("Authorization") != f"Bearer {key}":
+        if not held_authorized(request):
             return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         release = request.path.endswith("/release")
@@ -389,6 +387,12 @@ async def vllm_api_key(request: web.Request, handler):
     if key and request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
         return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
+
+def held_authorized(request: web.Request) -> bool:
+    """As pdserve/engine/held_http.py: the cluster's control token when the server has one, else its API key."""
+    key = os.environ.get(CONTROL_TOKEN_ENV) or os.environ.get("VLLM_API_KEY")
+    return not key or request.headers.get("Authorization") == f"Bearer {key}"
+
 
 
 def build_app(args: argparse.Namespace) -> web.Application:

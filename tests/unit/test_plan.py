@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.engine.names import DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
+from pdserve.engine.names import CONTROL_TOKEN_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import MARKER_ENV, ClusterPlan
 from pdserve.spec.load import parse_spec
@@ -100,11 +100,19 @@ def test_fingerprint_changes_with_argv():
 def test_api_key_travels_by_variable_name_only(monkeypatch):
     monkeypatch.setenv("MY_KEY", "s3cret")
     plan = plan_of(with_("router.api_key_env", "MY_KEY"))
-    for name in ("prefill-0", "decode-0"):
-        assert plan.by_name(name).env_from == {"VLLM_API_KEY": "MY_KEY"}
+    assert plan.by_name("prefill-0").env_from == {"VLLM_API_KEY": "MY_KEY"}
+    assert plan.by_name("decode-0").env_from == {"VLLM_API_KEY": "MY_KEY", CONTROL_TOKEN_ENV: CONTROL_TOKEN_ENV}
     assert plan.router_config["api_key_env"] == "MY_KEY"
     assert "s3cret" not in json.dumps(plan.to_dict()) + json.dumps(plan.router_config)
     assert plan_of(GOOD).by_name("prefill-0").env_from == {}
+
+
+def test_the_decode_server_gets_the_control_token_by_name_only():
+    """Issue 45: D's held-KV routes answer only the cluster's control token, which the supervisor reads from
+    the state folder into its environment; the plan names the variable, never its value."""
+    plan = plan_of(GOOD)
+    assert plan.by_name("decode-0").env_from == {CONTROL_TOKEN_ENV: CONTROL_TOKEN_ENV}
+    assert CONTROL_TOKEN_ENV not in plan.by_name("decode-0").env
 
 
 def test_changed_processes_compares_each_process_plan():

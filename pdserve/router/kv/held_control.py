@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
 
 from pdserve.router.kv.held_ledger import Held, Ledger, capacity_of
+from pdserve.router.wire import CONTROL_TOKEN_ENV
 
 log = logging.getLogger("pdserve.router")
 
@@ -32,12 +34,15 @@ class Control(Protocol):
 
 
 class HttpControl:
-    """The control routes over the router's HTTP session, with the router's API key (D's routes check it)."""
+    """The control routes over the router's HTTP session, with the cluster's control token (CONTROL_TOKEN_ENV,
+    from pdserve's supervisor: D's routes check it), else the router's API key (a D started without the token
+    checks that)."""
 
     def __init__(self, session: aiohttp.ClientSession, urls: Callable[[str], str | None], auth: dict[str, str]):
         self.session = session
         self.urls = urls
-        self.auth = auth
+        token = os.environ.get(CONTROL_TOKEN_ENV)
+        self.auth = {"Authorization": f"Bearer {token}"} if token else auth
         self.timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
 
     async def call(self, decode: str, method: str, path: str, body: dict[str, Any] | None = None
