@@ -9,8 +9,11 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
+# The Debian servers (sshd, iproute2, Slurm, munge, redis, prometheus) and the pinned agents from npm install
+# beside the Python stack: each waits mostly on its downloads.
+bash scripts/install-test-deps.sh & deps=$!
 bash scripts/install-cpu.sh
-bash scripts/install-test-deps.sh     # sshd, iproute2, Slurm, munge, redis, prometheus for the tests' rigs
+wait "$deps"
 .venv/bin/ruff check pdserve tests scripts benchmarks     # the lint rules in pyproject.toml ([tool.ruff])
 mkdir -p out
 export PDSERVE_MODELS="${PDSERVE_MODELS:-$(mktemp -d)}"     # one built-in model build for both parts
