@@ -349,7 +349,7 @@ async def huge_body_stall(url: str) -> tuple[float, float, int]:
 
 
 async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tuple[str, ...] = ("chat",),
-                      reps: int = 1) -> list[dict]:
+                      reps: int = 1, router_config: dict | None = None) -> list[dict]:
     os.sched_setaffinity(0, LOAD_CORE)
     backend_port = free_port_pair()     # the backend listens on this port and the next
     backend_url = f"http://127.0.0.1:{backend_port}"
@@ -364,11 +364,14 @@ async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tupl
                 cfg = Path(tmp) / "router.json"
                 cfg.write_text(json.dumps({"prefill": [{"name": "prefill-0", "url": backend_url}],
                                            "decode": [{"name": "decode-0", "url": backend_url}],
-                                           "model": "m", "port": port,
+                                           "model": "m", "port": port, **(router_config or {}),
                                            **({"otlp_endpoint": backend_url + "/v1/traces"} if traced else {})}))
+                # The router's log goes to a file opened for appending, as `pdserve up` gives it (its access
+                # log writes a line a request there).
+                router_log = open(Path(tmp) / "router.log", "ab")
                 router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(cfg)], cwd=tmp,
-                                          env={**os.environ, "PYTHONPATH": tmp}, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL,
+                                          env={**os.environ, "PYTHONPATH": tmp}, stdout=router_log,
+                                          stderr=router_log,
                                           preexec_fn=lambda: os.sched_setaffinity(0, PROXY_CORE))
                 try:
                     url = f"http://127.0.0.1:{port}"
@@ -385,15 +388,19 @@ async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tupl
                 finally:
                     router.terminate()
                     router.wait(10)
+                    router_log.close()
+                log_lines = len((Path(tmp) / "router.log").read_bytes().splitlines())
             rev_label = f"{rev}+trace" if traced else rev
             for api, got in runs.items():
                 json_cpu, stream_cpu = (statistics.median(kind) for kind in zip(*got))
                 rows.append({"rev": rev_label, "api": api, "json_cpu_s": json_cpu, "stream_cpu_s": stream_cpu,
                              "json_runs_s": [j for j, _ in got], "stream_runs_s": [t for _, t in got],
-                             "health_stall_s": stall, "huge_body_s": took, "huge_body_status": status})
+                             "health_stall_s": stall, "huge_body_s": took, "huge_body_status": status,
+                             "router_log_lines": log_lines})
                 print(f"  {rev_label} {api}: {n} json {json_cpu:.2f} CPU-s, {n} streams {stream_cpu:.2f} CPU-s "
                       f"(median of {reps}: {' '.join(f'{j:.2f}/{t:.2f}' for j, t in got)}), "
-                      f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s)",
+                      f"/health stalled up to {stall:.2f} s by a 13 MB body (HTTP {status}, {took:.2f} s); "
+                      f"router log {log_lines} lines",
                       file=sys.stderr)
     finally:
         backend.terminate()
@@ -421,13 +428,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="repeat the measurement, arms interleaved")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 64], help="concurrent clients per cell")
     ap.add_argument("--no-stream", dest="stream", action="store_false", help="non-streamed requests only")
-    ap.add_argument("--router-config", default="{}", help="extra pdserve router settings, as JSON")
+    ap.add_argument("--router-config", default="{}", help="extra pdserve router settings, as JSON (with --cpu too, "
+                    "for every revision)")
     ap.add_argument("--tracing", action="store_true", help="with --cpu: each revision with tracing off and on")
     ap.add_argument("--api", nargs="+", choices=tuple(APIS), default=["chat"],
                     help="wire formats to send (chat completions, Anthropic Messages, OpenAI Responses), interleaved")
     args = ap.parse_args()
     if args.cpu:
-        rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api), args.reps))
+        rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api), args.reps,
+                               json.loads(args.router_config)))
         print(f"{'revision':12s} {'api':9s} {f'{args.n} json CPU-s':>16s} {f'{args.n} streams CPU-s':>19s} "
               f"{'/health stall s':>16s} {'13 MB body s':>13s}")
         for r in rows:

@@ -111,21 +111,11 @@ def _view(st: ops.ClusterView, sampler: ops.Usage | None = None) -> Group:
         table.add_row(*row)
     parts: list = [table]
     r = st.router
+    if st.router_key_missing and not r:
+        parts.append(Text(f"router {st.router_url}: turns and reuse need the router's key: export "
+                          f"{st.router_key_missing} (router.api_key_env) to read its /metrics", style="yellow"))
     if r:
-        decided = r["reuse_hits"] + r["reuse_misses"]
-        rate = f"{100 * r['reuse_hit_rate']:.0f}%" if r["reuse_hit_rate"] is not None else "-"
-        misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses_by_reason"].items())) or "none"
-        parts.append(Text(f"router {st.router_url}: turns {r['turns']:.0f}, D->P reuse hit rate {rate} "
-                          f"({r['reuse_hits']:.0f}/{decided:.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, "
-                          f"pulled from D {r['reuse_tokens_pulled']:.0f}, from P's own prefix cache "
-                          f"{r.get('prefill_tokens_local_cached', 0):.0f}; misses: {misses}"))
-        ended = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_outcomes") or {}).items())) or "none yet"
-        plans = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_plans") or {}).items())) or "none yet"
-        parts.append(Text(f"turns by outcome: {ended}; by route: {plans} (decode_only: served on D alone)"))
-        if r.get("by_api"):
-            apis = ", ".join(f"{api} {c['turns']} turns, {c['hits']}/{c['hits'] + c['misses']} reused"
-                             for api, c in r["by_api"].items())
-            parts.append(Text(f"by API: {apis}"))
+        parts += _reuse_lines(st.router_url, r)
         if r.get("admission"):
             admitted = ", ".join(f"{k} {v}" for k, v in sorted(r["admission"].items()))
             parts.append(Text(f"admission: {admitted}; queued now {r.get('admission_queue_depth', 0)}"))
@@ -140,6 +130,32 @@ def _view(st: ops.ClusterView, sampler: ops.Usage | None = None) -> Group:
         rates = "; ".join(f"{direction} {_rate(t)}" for direction, t in sorted(st.transfers.items()))
         parts.append(Text(f"KV transfers (bytes over transfer time, servers' NIXL totals): {rates}"))
     return Group(*parts)
+
+
+def _reuse_lines(url: str | None, r: dict) -> list[Text]:
+    """Turns, the reuse hit rate over follow-up turns (a hit: P pulled D's KV, or D alone served it from its
+    prefix cache; first turns had nothing to reuse and are counted apart), and the same per API."""
+    decided = r["reuse_hits"] + r["reuse_misses"]
+    rate = f"{100 * r['reuse_hit_rate']:.0f}%" if r["reuse_hit_rate"] is not None else "-"
+    misses = ", ".join(f"{k} {v}" for k, v in sorted(r["misses_by_reason"].items())) or "none"
+    out = [Text(f"router {url}: turns {r['turns']:.0f}, reuse hit rate {rate} ({r['reuse_hits']:.0f}/{decided:.0f} "
+                f"follow-ups, {r.get('reuse_decode_only', 0):.0f} of them on D alone; first turns "
+                f"{r.get('reuse_first', 0):.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, pulled from D "
+                f"{r['reuse_tokens_pulled']:.0f}, from P's own prefix cache "
+                f"{r.get('prefill_tokens_local_cached', 0):.0f}; misses: {misses}")]
+    ended = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_outcomes") or {}).items())) or "none yet"
+    plans = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_plans") or {}).items())) or "none yet"
+    out.append(Text(f"turns by outcome: {ended}; by route: {plans} (decode_only: served on D alone)"))
+    if r.get("by_api"):
+        out.append(Text("by API: " + ", ".join(f"{api} {_api_reuse(c)}" for api, c in r["by_api"].items())))
+    return out
+
+
+def _api_reuse(c: dict) -> str:
+    """One API's turns and follow-ups reused, e.g. `messages 3 turns, 2/2 reused (1 on D alone), 1 first`."""
+    alone = f" ({c['decode_only']} on D alone)" if c.get("decode_only") else ""
+    first = f", {c['first']} first" if c.get("first") else ""
+    return f"{c['turns']} turns, {c['hits']}/{c['hits'] + c['misses']} reused{alone}{first}"
 
 
 def _rate(t: dict) -> str:

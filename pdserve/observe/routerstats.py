@@ -6,11 +6,13 @@ from collections import Counter
 from typing import Any
 
 from pdserve.observe.promtext import Samples, parse, scrape
+from pdserve.router.kv.reuse import FIRST, HIT
 from pdserve.router.telemetry import metric_names as names
+from pdserve.router.wire import DECODE_ONLY
 
 # summary fields that replicas' summaries add up (plain numbers, and counts by label)
-ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_tokens_offered", "reuse_tokens_pulled",
-         "prefill_tokens_local_cached", "store_errors")
+ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_first", "reuse_decode_only", "reuse_tokens_offered",
+         "reuse_tokens_pulled", "prefill_tokens_local_cached", "store_errors")
 ADDED_BY_LABEL = ("misses_by_reason", "turn_outcomes", "degraded_requests")
 HELD_BY_DECODE = {names.HELD_TOKENS: "tokens", names.HELD_BUDGET: "budget", names.HELD_CAPACITY: "capacity",
                   names.HELD_CONTROL: "control"}
@@ -38,6 +40,8 @@ def read_routers(replicas: dict[str, str], api_key: str | None = None, timeout: 
         for key in ADDED_BY_LABEL:
             out[key] = dict(Counter(out[key]) + Counter(other[key]))
         out["degraded_missing"] = sorted(set(out["degraded_missing"]) | set(other["degraded_missing"]))
+        out["by_api"] = {api: dict(Counter(out["by_api"].get(api, {})) + Counter(other["by_api"].get(api, {})))
+                         for api in sorted({*out["by_api"], *other["by_api"]})}
         out["held_kv"] = add_held(out["held_kv"], other["held_kv"])
         if other.get("store") and not other["store"]["up"]:
             out["store"] = other["store"]
@@ -55,7 +59,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
 
 
 def summarize(samples: Samples) -> dict[str, Any]:
-    out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_tokens_offered": 0.0,
+    out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_first": 0.0,
+                           "reuse_decode_only": 0.0, "reuse_tokens_offered": 0.0,
                            "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0, "store_errors": 0.0,
                            "store": None}
     misses: Counter[str] = Counter()
@@ -63,7 +68,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     degraded_served: Counter[str] = Counter()
     admission: Counter[str] = Counter()
     plans: Counter[str] = Counter()
-    by_api: dict[str, Counter[str]] = {}     # api -> turns, hits, misses
+    by_api: dict[str, Counter[str]] = {}     # api -> turns, hits (decode_only: on D alone), misses, first
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
     held: dict[str, Any] = {"tokens": {}, "budget": {}, "capacity": {}, "control": {}, "releases": {},
@@ -75,12 +80,16 @@ def summarize(samples: Samples) -> dict[str, Any]:
             outcomes[labels.get("outcome", "")] += int(value)
             by_api.setdefault(labels.get("api", ""), Counter())["turns"] += int(value)
         elif name == names.REUSE_DECISIONS + "_total":
-            by_api.setdefault(labels.get("api", ""), Counter())[
-                "hits" if labels.get("result") == "hit" else "misses"] += int(value)
-            if labels.get("result") == "hit":
-                out["reuse_hits"] += value
-            else:
-                out["reuse_misses"] += value
+            # hit (decode_only: served on D alone), miss, or first (a first turn: out of the hit rate)
+            result = labels.get("result")
+            kind = "hits" if result == HIT else "first" if result == FIRST else "misses"
+            counts = by_api.setdefault(labels.get("api", ""), Counter())
+            counts[kind] += int(value)
+            out["reuse_" + kind] += value
+            if result == HIT and labels.get("reason") == DECODE_ONLY:
+                counts["decode_only"] += int(value)
+                out["reuse_decode_only"] += value
+            elif kind == "misses":
                 misses[labels.get("reason", "")] += int(value)
         elif name == names.REUSE_TOKENS_OFFERED + "_total":
             out["reuse_tokens_offered"] += value
@@ -119,9 +128,10 @@ def summarize(samples: Samples) -> dict[str, Any]:
     out["entries_unavailable"] = float(outcomes["unavailable"])
     out["backends"] = backends
     out["admission"] = {k: v for k, v in admission.items() if v}   # admission outcomes (empty while it is off)
-    # per wire format (chat, completions, messages, responses): turns, reuse hits and misses
-    out["by_api"] = {api: {k: c[k] for k in ("turns", "hits", "misses")} for api, c in sorted(by_api.items())
-                     if api and c["turns"]}
+    # per wire format (chat, completions, messages, responses): turns, reuse hits (decode_only of them on D alone),
+    # misses, first turns
+    out["by_api"] = {api: {k: c[k] for k in ("turns", "hits", "decode_only", "misses", "first")}
+                     for api, c in sorted(by_api.items()) if api and c["turns"]}
     out["turn_plans"] = {k: v for k, v in plans.items() if k}   # where turns were routed (router/wire.py PLANS)
     out["decode_only_turns"] = float(plans["decode_only"])      # served on the holder D alone
     out["degraded_requests"] = dict(degraded_served)     # served whole on one role, by that role

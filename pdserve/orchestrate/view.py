@@ -54,6 +54,9 @@ class ClusterView:
     transfers: dict[str, dict] | None
     state_dir: str
     scrape_targets: str
+    # The variable router.api_key_env names, when it is not exported here: the router's /metrics wants the key,
+    # so `router` (turns, reuse) could not be read.
+    router_key_missing: str | None = None
 
     @property
     def ready(self) -> int:
@@ -92,6 +95,7 @@ def cluster_view(cdir: ClusterDir) -> ClusterView:
         name=cdir.name, phase=state.phase if running else Phase.STOPPED, running=running,
         supervisor_alive=sup_alive, error=state.error, router_url=router_url, processes=processes,
         router=router_view(plan, router_url) if running and router_url else None,
+        router_key_missing=key_missing(plan) if running and router_url else None,
         transfers=_transfers(plan, state) if running and plan else None,
         state_dir=str(cdir.root), scrape_targets=str(cdir.targets_path))
 
@@ -108,6 +112,12 @@ def _transfers(plan: ClusterPlan, state: ClusterState) -> dict[str, dict]:
     with ThreadPoolExecutor(len(servers)) as pool:
         reads = list(pool.map(lambda p: transfer.read(p.url, TRANSFER_READ_TIMEOUT), servers))
     return transfer.by_direction([(p.role, got) for p, got in zip(servers, reads)])
+
+
+def key_missing(plan: ClusterPlan | None) -> str | None:
+    """The name of the variable holding the router's key when the config wants one and it is not exported."""
+    name = plan.router_config.get("api_key_env") if plan else None
+    return name if name and not api_key_of(plan.router_config) else None
 
 
 def router_view(plan: ClusterPlan | None, router_url: str) -> dict[str, Any] | None:

@@ -61,6 +61,7 @@ class RouterConfig:
     otlp_endpoint: str | None = None   # OTLP/HTTP traces URL (e.g. http://127.0.0.1:4318/v1/traces); None: no tracing
     trace_sample_ratio: float = 1.0    # share of requests traced (a client's sampled traceparent is followed)
     json_logs: bool = False            # one JSON line per completion request (request id, trace id, outcome...)
+    access_log: bool = True            # one text line per request (front/observe.py); with json_logs, the JSON line
     # Admission (admission.py); 0 is unlimited, and with every limit 0 admission is off.
     max_in_flight: int = 0             # completion requests in flight in all; past it they queue
     queue_size: int = 0                # ... this many at most (then 503)

@@ -203,6 +203,7 @@ class RouterSpec(Strict):
                                         "failed one serves the turn by recomputing (miss reason "
                                         "store_unavailable).", gt=0)
     replicas: int = router_field("replicas", "Router processes, each supervised, all on router.port (SO_REUSEPORT: "
+
                                  "the kernel spreads connections over them) and each on its own port too "
                                  "(router.port + 1 + i: health, /metrics). More than one needs a shared store.",
                                  ge=1, le=64)
@@ -229,6 +230,10 @@ class ObservabilitySpec(Strict):
     json_logs: bool = router_field(
         "json_logs", "One JSON line per completion request in the router's log: request id, trace id, "
         "conversation key hash, outcome, reuse decision, servers.")
+    access_log: bool = router_field(
+        "access_log", "One line per request in the router's log (health probes and metric scrapes left out): "
+        "method, path, status, time, API, conversation (its key's hash), route plan, reuse outcome, prompt tokens "
+        "P computed, pulled from D and computed on D alone, outcome, request id. With json_logs the line is JSON.")
 
 
 class SupervisorSpec(Strict):

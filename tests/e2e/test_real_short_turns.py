@@ -58,7 +58,9 @@ def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cl
     history: list = [{"role": "system", "content": f"You are a coding agent ({conversation}). " + " ".join(
         f"tool {i}: reads files and reports status;" for i in range(60))}]
     rows = []
-    plans0 = status_of(NAME)["router"]["turn_plans"]     # the supervisor's canary turns count there too
+    router0 = status_of(NAME)["router"]
+    plans0 = router0["turn_plans"]     # the supervisor's canary turns count there too
+    reuse0 = {k: router0[k] for k in ("reuse_decode_only", "reuse_hits", "reuse_first")}
     short = {"role": "user", "content": "yes, run the tests"}
     for turn, (message, stream) in enumerate([(long_user_turn(0), False), (short, False), (long_user_turn(2), False),
                                               ({**short, "content": "ok, next file please"}, True),
@@ -91,7 +93,11 @@ def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cl
     # P pulled the conversation from D as the D-alone turn left it: all of that turn's prompt (D computed
     # its end itself), so the handle D published after serving it alone was the one read.
     assert long2["p_pulled"] >= short1["d_hits"] + short1["d_computed"] - 1, rows
-    plans = status_of(NAME)["router"]["turn_plans"]
+    router = status_of(NAME)["router"]
+    plans = router["turn_plans"]
     local = 1 + (short2["plan"] == "decode_only")
+    # every follow-up reused D's KV, on D alone or pulled by P: 4/4 in the hit rate, the first turn apart
+    alone, hits, first_turns = (router[k] - reuse0[k] for k in ("reuse_decode_only", "reuse_hits", "reuse_first"))
+    assert (alone, hits, first_turns) == (local, 4, 1), router
     assert {k: v - plans0.get(k, 0) for k, v in plans.items()} == {"decode_only": local,
                                                                    "prefill_then_decode": 5 - local}

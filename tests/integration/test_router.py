@@ -57,7 +57,9 @@ async def test_conversation_reuse_offers_only_the_common_prefix():
         assert len(offered["remote_block_ids"][0]) == -(-offered["remote_num_tokens"] // 16)
         m = await dep.metrics()
         assert 'pdserve_router_reuse_decisions_total{api="chat",reason="trimmed",result="hit"} 1.0' in m
-        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="no_entry",result="miss"} 1.0' in m
+        # turn 1 held no earlier model output: a first turn, not a miss
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="no_entry",result="first"} 1.0' in m
+        assert 'pdserve_router_reuse_decisions_total{api="chat",reason="no_entry",result="miss"} 0.0' in m
         assert dep.prefill[0][FAKE].external_tokens == offered["remote_num_tokens"]
 
 

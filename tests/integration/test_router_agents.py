@@ -340,7 +340,10 @@ async def test_a_side_call_under_the_same_session_leaves_the_main_chains_entry(m
         m = parse(await dep.metrics())
         assert total(m, "pdserve_router_reuse_decisions_total", result="hit", api="messages") == 2
         # the side chain's second call read the first one's blocks; the main chain's turn 2 its own
-        assert total(m, "pdserve_router_reuse_decisions_total", result="miss", reason="no_entry") == 2
+        # the main chain's turn 1 and the side chain's first call are first turns (no earlier model output),
+        # not misses
+        assert total(m, "pdserve_router_reuse_decisions_total", result="first", reason="no_entry") == 2
+        assert total(m, "pdserve_router_reuse_decisions_total", result="miss") == 0
 
 
 # -- the agents' own SDKs ---------------------------------------------------------------------------------

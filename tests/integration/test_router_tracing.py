@@ -50,7 +50,8 @@ async def test_span_tree_of_a_miss_then_a_hit_and_traceparent_reaches_the_backen
     assert miss.parent_id == ""                                         # one trace per request
     assert miss.trace_id != hit.trace_id
     a = miss.attributes
-    assert (a["pdserve.identity"], a["pdserve.reuse"], a["pdserve.reuse_reason"]) == ("explicit", "miss", "no_entry")
+    # turn 1 holds no earlier model output: a first turn, not a miss
+    assert (a["pdserve.identity"], a["pdserve.reuse"], a["pdserve.reuse_reason"]) == ("explicit", "first", "no_entry")
     assert a["pdserve.outcome"] == "stored" and a["pdserve.prefill_servers"] == "prefill-0"
     assert a["pdserve.generated_on"] == "decode-0" and a["pdserve.generate_tries"] == 1
     assert a["pdserve.conversation"] and a["pdserve.degraded"] is False

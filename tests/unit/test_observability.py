@@ -181,3 +181,4 @@ def test_a_fresh_router_exports_hit_and_first_turn_reuse_series_at_zero():
             assert (f'pdserve_router_reuse_decisions_total{{api="{api}",reason="{reason}",result="hit"}} 0.0'
                     in text), (api, reason)
         assert f'pdserve_router_reuse_decisions_total{{api="{api}",reason="no_entry",result="miss"}} 0.0' in text
+        assert f'pdserve_router_reuse_decisions_total{{api="{api}",reason="no_entry",result="first"}} 0.0' in text

@@ -203,10 +203,15 @@ pdserve_router_turns_total{api="messages",outcome="failed"} 1.0
 pdserve_router_turns_total{api="responses",outcome="stored"} 0.0
 pdserve_router_reuse_decisions_total{api="messages",reason="continuation",result="hit"} 1.0
 pdserve_router_reuse_decisions_total{api="messages",reason="no_entry",result="miss"} 2.0
+pdserve_router_reuse_decisions_total{api="messages",reason="decode_only",result="hit"} 1.0
+pdserve_router_reuse_decisions_total{api="messages",reason="no_entry",result="first"} 1.0
 """)
     assert r["turns"] == 7 and r["turn_outcomes"] == {"stored": 6, "failed": 1}
-    assert r["by_api"] == {"chat": {"turns": 4, "hits": 0, "misses": 0},
-                           "messages": {"turns": 3, "hits": 1, "misses": 2}}
+    # a turn on D alone is a hit; a first turn neither a hit nor a miss
+    assert r["by_api"] == {"chat": {"turns": 4, "hits": 0, "decode_only": 0, "misses": 0, "first": 0},
+                           "messages": {"turns": 3, "hits": 2, "decode_only": 1, "misses": 2, "first": 1}}
+    assert (r["reuse_hits"], r["reuse_misses"], r["reuse_first"], r["reuse_decode_only"]) == (2, 2, 1, 1)
+    assert r["reuse_hit_rate"] == 0.5 and r["misses_by_reason"] == {"no_entry": 2}
 
 
 def test_parse_router_metrics_degraded_mode():

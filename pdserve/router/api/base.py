@@ -198,6 +198,12 @@ class WireFormat:
         """The conversation so far as history items (for automatic detection), None when not a chat."""
         return None
 
+    def first_turn(self, body: dict[str, Any]) -> bool:
+        """The request's history holds no earlier model output: a conversation's first turn, counted apart from
+        the reuse hit rate (reuse.FIRST). False where a format carries no history the router can read
+        (completions: its prompt is one text, so a session's first completions request counts no_entry)."""
+        return False
+
     def fingerprint(self, body: dict[str, Any]) -> str:
         """What tells a session's side requests (another system prompt, tools or model) from its main
         chain under one session id: folded into the explicit conversation key. Empty: nothing."""
@@ -261,6 +267,17 @@ class WireFormat:
     def stream_end(self) -> bytes:
         """What ends a stream whose end marker D's failure kept from the client (D had finished)."""
         return b"data: [DONE]\n\n"
+
+
+def no_assistant_message(messages: Any) -> bool:
+    """No message of role `assistant` (chat, Anthropic Messages): scanned from the end, where a follow-up's
+    last reply is, so a long history costs a step or two."""
+    if not isinstance(messages, list):
+        return False
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            return False
+    return True
 
 
 def fingerprint_text(model: str, prompt: str, tools: list[str]) -> str:

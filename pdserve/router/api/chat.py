@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.router.api.base import Collector, HistoryItem, WireFormat
+from pdserve.router.api.base import Collector, HistoryItem, WireFormat, no_assistant_message
 from pdserve.router.api.inputs import BadInput, check_common, objects
 
 TOKENIZE_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
@@ -202,6 +202,9 @@ class ChatFormat(WireFormat):
     def history(self, body: dict[str, Any]) -> list[HistoryItem] | None:
         messages = body.get("messages")
         return messages if isinstance(messages, list) else None
+
+    def first_turn(self, body: dict[str, Any]) -> bool:
+        return no_assistant_message(body.get("messages"))
 
     def prefill_body(self, body: dict[str, Any], params: dict[str, Any] | None, request_id: str) -> dict[str, Any]:
         out = super().prefill_body(body, params, request_id)

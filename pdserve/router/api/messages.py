@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text
+from pdserve.router.api.base import (
+    Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text, no_assistant_message,
+)
 from pdserve.router.api.inputs import BadInput, check_common, objects
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
@@ -138,6 +140,9 @@ class MessagesFormat(WireFormat):
         items = [blocks_item("system", body["system"])] if body.get("system") else []
         items += [blocks_item(m.get("role"), m.get("content")) for m in body.get("messages") or []]
         return items
+
+    def first_turn(self, body: dict[str, Any]) -> bool:
+        return no_assistant_message(body.get("messages"))
 
     def fingerprint(self, body: dict[str, Any]) -> str:
         tools = body.get("tools")      # names as strings: sorting mixed types failed (a 500)

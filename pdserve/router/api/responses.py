@@ -15,6 +15,9 @@ from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonica
 from pdserve.router.api.inputs import BadInput, check_common
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+# Input items the client writes itself; every other item (an assistant message, a function call, reasoning) is
+# a model's earlier output, so the request continues a conversation (ResponsesFormat.first_turn).
+CLIENT_ROLES = ("user", "system", "developer")
 SKIPPED_ITEMS = ("reasoning",)    # clients resend or drop them; templates mostly drop them
 
 
@@ -117,6 +120,20 @@ class ResponsesFormat(WireFormat):
     def history(self, body: dict[str, Any]) -> list[HistoryItem] | None:
         items = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
         return items + history_items(body.get("input"))
+
+    def first_turn(self, body: dict[str, Any]) -> bool:
+        if body.get("previous_response_id"):
+            return False
+        items = body.get("input")
+        if isinstance(items, str):
+            return True
+        for item in reversed(items) if isinstance(items, list) else ():
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "message" and item.get("role") in CLIENT_ROLES or isinstance(kind, str) and \
+                    kind.endswith("_output"):
+                continue                 # the client's message, or a tool's output it sends back
+            return False
+        return isinstance(items, list)
 
     def fingerprint(self, body: dict[str, Any]) -> str:
         tools = body.get("tools")

@@ -20,7 +20,7 @@ from pdserve.router.errors import error_body
 from pdserve.router.front import observe
 from pdserve.router.front import admission
 from pdserve.router.front.compose import compose
-from pdserve.router.kv.reuse import HIT, HIT_REASONS, MISS, NO_ENTRY
+from pdserve.router.kv.reuse import FIRST, HIT, HIT_REASONS, MISS, NO_ENTRY
 from pdserve.router.legs.flow import Flow
 from pdserve.router.legs.turn import FAILED, TURN
 from pdserve.router.telemetry.metrics import RouterMetrics
@@ -171,7 +171,8 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     if cfg.otlp_endpoint:             # only then is OpenTelemetry imported
         from pdserve.router.telemetry.otel import Tracer
         spans = Tracer(cfg)
-    observers = [observe.middleware(spans, cfg.json_logs)] if spans is not None or cfg.json_logs else []
+    observers = [observe.middleware(spans, cfg.json_logs, cfg.access_log)] \
+        if spans is not None or cfg.json_logs or cfg.access_log else []
     metrics = RouterMetrics()
     # Reuse series at 0 before the first turn: Prometheus' rate() of a series born at its first increments
     # reads 0, so after a router (re)start the dashboard's hit rate would be 0/0 until the next turns.
@@ -179,6 +180,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         for reason in HIT_REASONS:
             metrics.reuse.labels(HIT, reason, fmt_api)
         metrics.reuse.labels(MISS, NO_ENTRY, fmt_api)
+        metrics.reuse.labels(FIRST, NO_ENTRY, fmt_api)
     # Without a key, no key middleware, and without limits no admission: each is a coroutine more per request.
     limits = admission.Limits.from_config(cfg)
     admit = [admission.middleware(admission.Admission(limits, metrics), api.BY_ROUTE,

@@ -10,16 +10,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.router.wire import EXPECT_KEY
+from pdserve.router.wire import DECODE_ONLY, EXPECT_KEY
 
 HIT = "hit"
 MISS = "miss"
+# A conversation's first turn (its history holds no earlier model output: WireFormat.first_turn) that reused
+# nothing, counted apart from the misses with the decision's reason (mostly no_entry): there was nothing of it to
+# reuse, so it stays out of the hit rate. A first turn that did read D's KV (a shared prefix) is a hit.
+FIRST = "first"
 ENGINE_CHECKED = "engine_checked"   # a hit offered with D's sequence for P's engine to cut (wire.EXPECT_KEY)
 UNVERIFIED = "unverified"   # a hit: D's entry taken, the new prompt not tokenized (route.policy.new_tokens_bound)
 CONTINUATION = "continuation"       # a hit: the new prompt continues D's sequence
 TRIMMED = "trimmed"                 # a hit: only a prefix of D's sequence is the new prompt's
-HIT_REASONS = (CONTINUATION, TRIMMED, ENGINE_CHECKED, UNVERIFIED)
-NO_ENTRY = "no_entry"               # a miss: nothing stored for the conversation (its first turn, or expired)
+# a hit served on D alone (route plan decode_only): D's prefix cache holds the history, D computes the new tokens
+HIT_REASONS = (CONTINUATION, TRIMMED, ENGINE_CHECKED, UNVERIFIED, DECODE_ONLY)
+DECODE_FAILED = "decode_failed"     # a miss: planned on D alone, but D did not answer it (served otherwise, or failed)
+NO_ENTRY = "no_entry"               # a miss: nothing stored for the follow-up (used, expired, evicted, restarted)
 
 
 @dataclass

@@ -18,14 +18,16 @@ from pdserve.router.api.base import ROUTER_ONLY, Collector
 from pdserve.router.config import RouterConfig
 from pdserve.router.conversation import Conversation
 from pdserve.router.errors import UpstreamError, error_body
+from pdserve.router.kv.reuse import DECODE_FAILED, HIT, MISS, Decision
 from pdserve.router.legs.book import TurnBook
 from pdserve.router.legs.decode import DecodeLeg
 from pdserve.router.legs.plan import Planner
-from pdserve.router.legs.prefill import PrefillLeg
+from pdserve.router.legs.prefill import PrefillLeg, count_reuse
 from pdserve.router.legs.turn import CLIENT_GONE, FAILED, TURN, UNTRACKED, Turn, json_answer
 from pdserve.router.legs.upstream import Upstream
 from pdserve.router.route.backends import Backend, Pool
 from pdserve.router.route.policy import LOCAL_PARAMS, TOO_LONG, DecodeOnly, Degraded, PrefillThenDecode
+from pdserve.router.wire import DECODE_ONLY
 from pdserve.router.telemetry import tracing
 from pdserve.router.telemetry.metrics import RouterMetrics
 from pdserve.roles import PREFILL
@@ -134,8 +136,12 @@ class Flow:
             prefer = plan.decision.holder if plan.decision else None
         # With `track`, D also returns its sequence, for the next turn's continuation check.
         d_body = turn.fmt.decode_body(turn.body, d_params, track, turn.request_id)
-        return await self._serve(request, turn, self.decode, prefer, d_body, collector, track,
+        resp = await self._serve(request, turn, self.decode, prefer, d_body, collector, track,
                                  fallback=self.prefill.pool)
+        if isinstance(plan, DecodeOnly):   # reused when D answered it alone (else served elsewhere or failed)
+            alone = resp.status == 200 and not turn.degraded
+            count_reuse(self.metrics, turn, Decision(HIT, DECODE_ONLY) if alone else Decision(MISS, DECODE_FAILED))
+        return resp
 
     async def _degraded(self, request: web.Request, turn: Turn, pool: Pool, why: str) -> web.StreamResponse:
         """No server of the other role is usable, or the one tried failed (`why`): serve the request whole

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
-from pdserve.router.kv.reuse import ENGINE_CHECKED, HIT, MISS, Decision, engine_outcome
+from pdserve.router.kv.reuse import ENGINE_CHECKED, FIRST, HIT, MISS, NO_ENTRY, Decision, engine_outcome
 from pdserve.router.legs.offer import Offers
 from pdserve.router.legs.turn import Turn
 from pdserve.router.legs.upstream import Upstream
@@ -84,9 +84,11 @@ class PrefillLeg:
             if outcome is not None and outcome.result == HIT and not served:
                 # P refused or failed the request: nothing was read, so it is no hit.
                 outcome = Decision(MISS, "prefill_failed", holder=outcome.holder)
+            if outcome is None and self.offers.cfg.bidirectional_kv_xfer and turn.conversation.messages \
+                    and turn.fmt.first_turn(turn.body):
+                outcome = Decision(MISS, NO_ENTRY)   # a first turn found by its history alone: no key to look up
             if outcome is not None:
-                self.metrics.reuse.labels(outcome.result, outcome.reason, turn.fmt.api).inc()
-                tracing.note(reuse=outcome.result, reuse_reason=outcome.reason, tokens_offered=outcome.tokens)
+                count_reuse(self.metrics, turn, outcome)
                 if outcome.result == HIT:
                     self.metrics.reuse_tokens_offered.inc(outcome.tokens)
                 # Per turn: at debug level (a line a turn cost ~9% of the router's CPU at 1,800 turns/s);
@@ -116,6 +118,8 @@ class PrefillLeg:
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
         self._learn(backend, use, time.perf_counter() - started, turn.fmt.prompt_tokens(data), counts)
+        prompt = turn.fmt.prompt_tokens(data)
+        turn.computed = prompt - sum(counts) if prompt is not None and counts is not None else None
         return (params, counts[0] if counts is not None else None, checked if isinstance(checked, int) else None,
                 counts[1] if counts is not None else None)
 
@@ -148,6 +152,16 @@ class PrefillLeg:
             self.metrics.cost.labels("recompute", backend.name, "").set(self.costs.recompute[backend.name])
         if holder and (backend.name, holder) in self.costs.pull:
             self.metrics.cost.labels("pull", backend.name, holder).set(self.costs.pull[(backend.name, holder)])
+
+
+def count_reuse(metrics: RouterMetrics, turn: Turn, outcome: Decision) -> None:
+    """The turn's reuse outcome, once (pdserve_router_reuse_decisions_total): a hit whenever D's KV was reused;
+    otherwise a conversation's first turn (no earlier model output in its history) is FIRST, not a miss: there
+    was nothing of it to reuse."""
+    result = FIRST if outcome.result != HIT and turn.fmt.first_turn(turn.body) else outcome.result
+    metrics.reuse.labels(result, outcome.reason, turn.fmt.api).inc()
+    turn.reuse = result, outcome.reason
+    tracing.note(reuse=result, reuse_reason=outcome.reason, tokens_offered=outcome.tokens)
 
 
 def has_kv_params(data: dict[str, Any]) -> bool:

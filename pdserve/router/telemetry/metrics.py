@@ -62,8 +62,10 @@ class RouterMetrics:
                                 "X-Session-ID), history (automatic detection looked for an earlier turn), none.",
                                 ["source"], registry=r)
         self.reuse = Counter(names.REUSE_DECISIONS,
-                             "Reuse outcome per turn that continues a conversation: hit (P read D's blocks) or "
-                             "miss and why; by wire format (api).",
+                             "Reuse outcome per turn of a conversation: hit (P read D's blocks, or reason "
+                             "decode_only: served on D alone, whose prefix cache held the history), miss and why, "
+                             "or first (a conversation's first turn that reused nothing: no earlier model output in "
+                             "its history, so nothing to reuse; out of the hit rate); by wire format (api).",
                              ["result", "reason", "api"], registry=r)
         self.reuse_tokens_offered = Counter(names.REUSE_TOKENS_OFFERED,
                                             "Tokens of D's KV offered to P (D's remote_num_tokens).", registry=r)
