@@ -20,35 +20,80 @@ import tempfile
 from pathlib import Path
 
 # Bump when the build recipe changes so existing dirs are rebuilt, not reused.
-MODELGEN_VERSION = 2   # 2: the model's vocabulary is the tokenizer's (mid had 1,591 ids no token decodes to)
+# 2: the model's vocabulary is the tokenizer's (mid had 1,591 ids no token decodes to)
+# 3: positions for agent sessions (tiny 131,072, mid 65,536); the chat template renders tools as Qwen2.5's does
+MODELGEN_VERSION = 3
 MARKER = ".pdserve-model.json"
 
 # Qwen2Config keyword arguments. Head dim is 64 in both; GQA (fewer KV heads)
 # keeps KV-cache shapes realistic for transfer tests. vocab_size is the BPE's target: the model gets the
 # tokenizer's actual size (the training text gives mid 2,505), so every id it generates decodes to text.
+# max_position_embeddings bounds --max-model-len (past it vLLM's rotary kernel indexes out of bounds: D crashed at
+# position 16,384 when tiny had 16,384). Coding agents need room: Claude Code's first turn is ~11k tokens of
+# messages plus its tools (32 kB of JSON, ~20k tokens with tiny's 1,024-token vocabulary) and it asks 32,000
+# output tokens. tiny gets 131,072 (Qwen2.5's long context) for the embedded default's --max-model-len; rotary
+# positions are computed, not weights, so this costs only vLLM's cos/sin table. KV per token: layers x KV heads
+# x head dim (64) x 2 (K, V) x 2 bytes (bf16): tiny 2 x 2 x 64 x 2 x 2 = 1 KiB (131,072 tokens: 128 MiB); mid
+# 8 x 4 x 64 x 2 x 2 = 8 KiB, so 65,536 positions (512 MiB) still fit the 1 GiB KV cache the CPU configs give.
 BUILTIN_MODELS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=512, vocab_size=1024, max_position_embeddings=16384),
+                 intermediate_size=512, vocab_size=1024, max_position_embeddings=131072),
     "mid": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                intermediate_size=1536, vocab_size=4096, max_position_embeddings=32768),
+                intermediate_size=1536, vocab_size=4096, max_position_embeddings=65536),
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
                      r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
-# ChatML as in Qwen2: any role name passes through (system/user/assistant/tool).
-# content may be None for assistant turns that only carry tool_calls.
+# ChatML with tools as Qwen2.5-Instruct's template writes them (its tokenizer_config.json, followed tag for tag),
+# less Qwen's default system prompt (no system message: none, as before; with tools: the tools block alone):
+# - `tools` (what vLLM passes from chat, /v1/messages and /v1/responses) go into the system turn: "# Tools",
+#   each tool's JSON on its own line inside <tools></tools>, and how to call one;
+# - an assistant turn's tool_calls are `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, what the
+#   model is told to write and vLLM's `hermes` parser reads (plan/tools.py), so a call re-renders as generated;
+# - consecutive role "tool" messages (tool results) make one user turn of <tool_response> blocks;
+# - any other role passes through, a system message after the first included (Claude Code's reminders):
+#   vLLM's /v1/messages merges inline system messages into the first only for templates that refuse them.
+# content may be None (an assistant turn with only tool_calls).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
-    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
-    "{{ '\n<tool_call>\n' + (call.get('function', call) | tojson) + '\n</tool_call>' }}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' and messages[0].content %}"
+    "{{- messages[0].content + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' }}{%- if messages[0].content %}{{- messages[0].content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
