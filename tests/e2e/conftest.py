@@ -16,7 +16,8 @@ from tests.kits.vllm_cluster import SharedCluster
 # Module order (file stem -> rank); unknown modules run in the middle, in name order.
 ORDER = [
     # the shared cluster as it starts (every module here changes router or supervisor settings at most)
-    "test_real_hostile_inputs", "test_real_openai_stream", "test_real_short_turns", "test_real_prometheus",
+    "test_real_hostile_inputs", "test_real_openai_stream", "test_real_short_turns",
+    "test_real_long_context", "test_real_prometheus",
     "test_real_tracing", "test_real_admission", "test_real_agents",
     "test_faults",                     # kills each server once; ends with `down`
     # the servers' own settings: each starts the cluster anew (P and D side by side)
