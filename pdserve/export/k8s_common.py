@@ -135,15 +135,23 @@ def secret_env(t: Target, name: str, key: str) -> dict[str, Any]:
 
 def pod_spec(t: Target, containers: list[dict], volumes: list[dict], init: list[dict] | None = None,
              *, gpus: int = 0) -> dict[str, Any]:
-    """The supervisor's stop window as the pod's grace period; GPU pods on the platform's nodes, tolerating the
-    usual GPU-node taint."""
-    spec: dict[str, Any] = {"terminationGracePeriodSeconds": math.ceil(t.spec.supervisor.stop_timeout)}
+    """The supervisor's stop window as the pod's grace period; the runtime's default seccomp profile, and no
+    privilege escalation or capability in any container (issue 45; IPC_LOCK kept for EFA); GPU pods on the
+    platform's nodes, tolerating the usual GPU-node taint."""
+    platform = PLATFORMS.get(t.spec.platform or "")
+    spec: dict[str, Any] = {"terminationGracePeriodSeconds": math.ceil(t.spec.supervisor.stop_timeout),
+                            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}}
+    # No container escalates or keeps a capability it does not need; EFA's RDMA registration locks memory.
+    efa = bool(gpus and platform and platform.efa_devices)
+    for c in [*(init or []), *containers]:
+        locks = efa and c in containers
+        c["securityContext"] = {"allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if locks else {})}}
     if init:
         spec["initContainers"] = init
     spec["containers"] = containers
     if volumes:
         spec["volumes"] = volumes
-    platform = PLATFORMS.get(t.spec.platform or "")
     if gpus and platform and platform.instance_type:
         spec["nodeSelector"] = {"node.kubernetes.io/instance-type": platform.instance_type}
     if gpus:

@@ -16,7 +16,7 @@ from pdserve.engine.entry import own_cores
 from pdserve.errors import ConfigError
 from pdserve.export.k8s_common import LWS_API, MODELS_DIR, PYTHON, Target, command_of, container_env, pod_spec
 from pdserve.plan.records import BIND, CORES, GPUS, MARKER, MODEL, PROGRAM, SIDE_CHANNEL_HOST, ProcessPlan
-from pdserve.roles import SERVER_ROLES
+from pdserve.roles import ROUTER, SERVER_ROLES
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX
 from pdserve.spec.topology import PLATFORMS
 
@@ -179,8 +179,30 @@ def leaderworkerset(t: Target, proc: ProcessPlan) -> dict[str, Any]:
         "replicas": 1, "startupPolicy": "LeaderCreated", "leaderWorkerTemplate": template}, process=proc.name)
 
 
+# Pods of this label in any namespace may scrape the servers' /metrics: the Prometheus Operator's and the
+# community Helm chart's server pods carry it (docs/kubernetes.md: another scraper needs a rule of its own).
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}
+
+
+def servers_network_policy(t: Target) -> dict[str, Any]:
+    """Clients reach the router only (issue 45): the servers admit the router pods and each other (the NIXL
+    side channel and transfers, a server group's ranks: any port), and Prometheus on each server's HTTP port.
+    Their OpenAI routes and D's held-KV control routes are then no client's to call."""
+    servers = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": t.base},
+                               "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                                     "values": list(SERVER_ROLES)}]}}
+    return t.obj("networking.k8s.io/v1", "NetworkPolicy", t.name("servers"), "servers", {
+        **servers, "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [{"podSelector": {"matchLabels": t.selector(ROUTER)}}, servers]},
+            {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": PROMETHEUS_POD}}],
+             "ports": [{"port": "http", "protocol": "TCP"}]},
+        ]})
+
+
 def server_objects(t: Target) -> list[dict[str, Any]]:
     servers = [p for p in t.plan.processes if p.role in SERVER_ROLES]
     if t.fmt == "lws":
-        return [leaderworkerset(t, p) for p in servers]
-    return [*(role_service(t, r) for r in SERVER_ROLES), *(statefulset(t, p) for p in servers)]
+        return [*(leaderworkerset(t, p) for p in servers), servers_network_policy(t)]
+    return [*(role_service(t, r) for r in SERVER_ROLES), *(statefulset(t, p) for p in servers),
+            servers_network_policy(t)]

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import quote
 
+from pdserve.engine.names import CONTROL_TOKEN_ENV
 from pdserve.plan.records import (BIND, LOOPBACK_ONLY, MARKER, MARKER_ENV, PROGRAM, REPLICA, SECRET, STATE,
                                   ProcessPlan, argv_slot, connect_host, env_slot)
 from pdserve.roles import ROUTER, STORE
@@ -56,6 +57,8 @@ def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> li
     # The key's value comes from the environment of whoever starts the router (`up` hands it to a running
     # supervisor: orchestrate/secrets.py), under its own name, which router.json names.
     key = {r.api_key_env: r.api_key_env} if r.api_key_env else {}
+    if spec.kv_transfer.bidirectional_kv_xfer:    # D's held-KV routes answer only it (the supervisor's token)
+        key[CONTROL_TOKEN_ENV] = CONTROL_TOKEN_ENV
     if r.replicas == 1:
         return [ProcessPlan(name="router", role=ROUTER, argv=base, env={MARKER_ENV: marker("router")},
                             host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health",

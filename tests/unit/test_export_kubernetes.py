@@ -333,7 +333,7 @@ def test_managed_store_replicas_and_api_key(tmp_path):
                                            "state": "/data", "secret": secret})[0]
     assert command[command.index("--maxmemory") + 1] == "256mb" and command[-2:] == ["--include", secret]
     service = next(d for d in kinds(docs, "Service") if d["metadata"]["name"] == "p5en-2p2d-redis")
-    policy = kinds(docs, "NetworkPolicy")[0]
+    policy = next(d for d in kinds(docs, "NetworkPolicy") if d["metadata"]["name"] == "p5en-2p2d-redis")
     assert policy["spec"]["podSelector"]["matchLabels"] == service["spec"]["selector"]
     assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
     cm = next(d for d in kinds(docs, "ConfigMap") if "router.json" in d["data"])
@@ -473,3 +473,4 @@ def test_cli_prints_the_documents_and_the_rules_it_applied_and_writes_a_folder(t
     assert [yaml.safe_load(Path(p).read_text()) for p in written] == exported(config)
     assert written == sorted(written)                  # numbered in apply order
     assert "mine.yaml" in result.stderr                # another file there would be applied too: said
+
