@@ -38,7 +38,7 @@ def cluster(shared_cluster):
 
 def turn(cluster: dict, url: str, history: list) -> tuple[str, float]:
     """One non-streamed chat turn through `url`: (the replica that answered, tokens P read from D)."""
-    # a third of long_user_turn's rows: six turns stay well inside --max-model-len 8192
+    # a third of long_user_turn's rows: six turns of ~0.6k tokens each keep the test short
     history.append({"role": "user", "content": f"Turn {len(history) // 2}. " + " ".join(
         f"row {i}: value {i * 17 % 101} status ok;" for i in range(40))})
     before = external_tokens(cluster)
