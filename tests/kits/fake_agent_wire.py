@@ -34,6 +34,11 @@ from aiohttp import web
 
 from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
 
+try:
+    from tests.kits import fake_context
+except ModuleNotFoundError:      # run as a script: its folder is on the path
+    import fake_context  # type: ignore[no-redef]
+
 SKIPPED = ("thinking", "redacted_thinking", "reasoning")
 TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -173,7 +178,9 @@ class AgentWire:
     # -- Anthropic Messages -----------------------------------------------------------------------
     async def messages(self, request: web.Request) -> web.StreamResponse:
         raw, body = await self._read(request)
-        error, got = await self._generate(request, raw, body, body.get("max_tokens"))
+        error = fake_context.thinking_refusal(body)
+        if error is None:
+            error, got = await self._generate(request, raw, body, body.get("max_tokens"))
         if error is not None:
             return _anthropic_error(error)
         params = got["params"] if not self.fake.args.no_kv_params else None

@@ -35,9 +35,10 @@ from aiohttp import web
 from pdserve.engine.patches import cut_offer
 from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PULLED_KEY
 try:
-    from tests.kits import hostile
+    from tests.kits import fake_context, hostile
     from tests.kits.fake_agent_wire import AgentWire
 except ModuleNotFoundError:      # run as a script (python tests/kits/fake_vllm.py): its folder is on the path
+    import fake_context  # type: ignore[no-redef]
     import hostile  # type: ignore[no-redef]
     from fake_agent_wire import AgentWire  # type: ignore[no-redef]
 
@@ -238,6 +239,9 @@ class FakeVLLM:
                                                 "param": None, "code": self.args.status}}, status=self.args.status)
         kv = body.get("kv_transfer_params") or {}
         prompt = self.prompt_ids(request.path, body)
+        refused = fake_context.refusal(request.path, body, len(prompt), self.args.max_model_len)
+        if refused is not None:
+            return refused          # vLLM's validation: nothing computed, nothing read
         pulled = 0
         checked = cut_offer(kv, prompt, BLOCK)    # pdserve's entry patch: an engine-checked offer is cut here
         if kv.get("remote_block_ids") and kv.get("do_remote_decode"):   # P pulling D's blocks
@@ -258,7 +262,7 @@ class FakeVLLM:
         if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
             self.computed_tokens += len(prompt) - pulled
             await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
-        n = int(body.get("max_tokens") or 8)
+        n = fake_context.output_tokens(body, len(prompt), self.args.max_model_len, 8)
         if kv and not kv.get("do_remote_decode") and self.args.bidirectional:
             await self.wait_for_room(len(prompt) + n)
         generated = [50000 + i for i in range(n)]
@@ -352,7 +356,11 @@ class FakeVLLM:
         body = await request.json()
         self.tokenize_bodies.append(body)
         tokens = self.prompt_ids("", body)
-        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 8192})
+        return web.json_response({"tokens": tokens, "count": len(tokens),
+                                  "max_model_len": self.args.max_model_len or 8192})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(fake_context.models("fake", self.args.max_model_len))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -404,6 +412,7 @@ def build_app(args: argparse.Namespace) -> web.Application:
     app.router.add_post("/tokenize", fake.tokenize)
     AgentWire(fake).add_routes(app)   # /v1/messages (+ count_tokens, render), /v1/responses (+ render)
     app.router.add_get("/health", fake.health)
+    app.router.add_get("/v1/models", fake.models)
     app.router.add_get("/metrics", fake.metrics)
     app.router.add_get("/fake/received", fake.received_endpoint)
     app.router.add_post("/fake/set", fake.set_endpoint)
@@ -442,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-delay", type=float, default=0.0, help="prefill seconds per computed token")
     p.add_argument("--pull-delay", type=float, default=0.0, help="prefill seconds per token pulled from D")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before listening")
+    p.add_argument("--max-model-len", type=int, default=0, help="refuse and cap as vLLM 0.32 does (0: no limit)")
     p.add_argument("--kv-capacity", type=int, default=1_000_000, help="KV tokens its /metrics says it has")
     p.add_argument("--held-ttl", type=float, default=480.0, help="as D: seconds a finished turn is held")
     p.add_argument("--read-margin", type=float, default=5.0, help="as P: decline a read this close to its deadline")

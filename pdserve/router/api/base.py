@@ -179,6 +179,8 @@ class WireFormat:
     # Where P's /tokenize-equivalent is (None: /tokenize, which reads chat and completions bodies).
     render_path: str | None = None
     max_tokens_field = "max_tokens"  # the output cap set to 1 on the P leg
+    # Every output-token cap the format has (chat has two): fitted on D's request to what the context leaves.
+    output_fields: tuple[str, ...] = ("max_tokens",)
     # D's sequence from vLLM's return_token_ids (chat, completions) or from the entry's patch (the others).
     native_token_ids = False
 
@@ -230,6 +232,13 @@ class WireFormat:
             elif params is not None:
                 out["kv_transfer_params"] = {**params, WANT_TOKENS_KEY: True}
         return out
+
+    def fit_output(self, body: dict[str, Any], room: int) -> dict[str, Any] | None:
+        """`body` with each output-token cap over `room` (>= 1) lowered to it; None when every cap fits. Only
+        fields that are no part of the prompt change: P's KV stays D's prompt."""
+        over = {f: room for f in self.output_fields
+                if isinstance(body.get(f), int) and not isinstance(body[f], bool) and body[f] > room}
+        return {**body, **over} if over else None
 
     def whole_body(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """A request served whole on one server (degraded): the client's as it is."""

@@ -17,6 +17,7 @@ from pdserve.router.api.inputs import BadInput, check_common, objects
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error", 529: "overloaded_error"}
+MIN_THINKING_BUDGET = 1024    # thinking.budget_tokens' least (Anthropic's and vLLM's)
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")   # clients drop or keep them; templates mostly drop them
 
 
@@ -159,6 +160,21 @@ class MessagesFormat(WireFormat):
         usage = data.get("usage")
         value = usage.get("input_tokens") if isinstance(usage, dict) else None
         return value if isinstance(value, int) else None
+
+    def fit_output(self, body: dict[str, Any], room: int) -> dict[str, Any] | None:
+        """max_tokens fitted, and an extended-thinking budget with it: vLLM (as Anthropic) wants
+        `thinking.budget_tokens` below `max_tokens` and at least 1024. A budget that no longer fits is lowered
+        below the new max_tokens, or dropped where that leaves less than 1024 (max_tokens still bounds the
+        thinking). Neither is part of the prompt vLLM renders."""
+        out = super().fit_output(body, room)
+        thinking = out.get("thinking") if out is not None else None
+        if out is not None and isinstance(thinking, dict) and thinking.get("type") == "enabled" \
+                and isinstance(thinking.get("budget_tokens"), int) and thinking["budget_tokens"] >= room:
+            if room - 1 >= MIN_THINKING_BUDGET:
+                out["thinking"] = {**thinking, "budget_tokens": room - 1}
+            else:
+                del out["thinking"]
+        return out
 
     def error(self, status: int, message: str, err_type: str = "invalid_request_error",
               param: str | None = None) -> dict[str, Any]:

@@ -92,6 +92,7 @@ class ResponsesFormat(WireFormat):
     collector_class = ResponsesCollector
     render_path = "/v1/responses/render"
     max_tokens_field = "max_output_tokens"
+    output_fields = ("max_output_tokens",)
 
     def validate(self, body: dict[str, Any]) -> None:
         if "input" not in body:

@@ -18,6 +18,7 @@ from aiohttp import web
 from pdserve.router.api.base import Collector
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.legs.book import Finished
+from pdserve.router.legs.context import ContextFit
 from pdserve.router.legs.relay import StreamRelay
 from pdserve.router.legs.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
 from pdserve.router.legs.client import read_bounded
@@ -36,6 +37,7 @@ class DecodeLeg:
         self.upstream = upstream
         self.costs = costs
         self.metrics = metrics
+        self.context = ContextFit(upstream, metrics)    # output caps fitted to each server's context
 
     async def on_a_server(self, turn: Turn, pool: Pool, prefer: str | None,
                            attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -61,6 +63,7 @@ class DecodeLeg:
     async def whole(self, turn: Turn, pool: Pool, backend: Backend, body: dict[str, Any],
                     collector: Collector, track: bool) -> tuple[web.Response, Finished | None]:
         """D's whole answer for the client, and Finished when D answered it (the flow keeps the turn)."""
+        body = await self.context.fit(turn, backend, body)
         d_started = time.perf_counter()
         status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
                                                      suspects=turn.suspects)
@@ -84,6 +87,7 @@ class DecodeLeg:
         format's end marker), before the client gets the end of the stream: a client may hang up as soon as it
         has it (the openai client does), which cancels this handler while D's body is still ending.
         CLIENT_GONE or FAILED come when the client left or D broke the stream."""
+        body = await self.context.fit(turn, backend, body)
         trial = pool.acquire(backend)
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None

@@ -119,7 +119,7 @@ class Flow:
         if isinstance(plan, DecodeOnly):
             # D computes the new tokens on top of its prefix cache; the params make it publish the turn's
             # blocks for the next turn's pull (policy.LOCAL_PARAMS). No P leg, nothing pulled.
-            turn.local_tokens = plan.new_tokens
+            turn.local_tokens, turn.prompt_tokens = plan.new_tokens, plan.prompt_tokens
             d_params = dict(LOCAL_PARAMS)
             prefer = plan.holder
         else:

@@ -117,7 +117,8 @@ class PrefillLeg:
             raise UpstreamError(502, error_body(
                 f"prefill server {backend.name} returned no kv_transfer_params; is it running with "
                 "NixlConnector?", "server_error", 502), backend.name)
-        self._learn(backend, use, time.perf_counter() - started, turn.fmt.prompt_tokens(data), counts)
+        turn.prompt_tokens = turn.fmt.prompt_tokens(data)     # what D's output cap is fitted to (context.py)
+        self._learn(backend, use, time.perf_counter() - started, turn.prompt_tokens, counts)
         prompt = turn.fmt.prompt_tokens(data)
         turn.computed = prompt - sum(counts) if prompt is not None and counts is not None else None
         return (params, counts[0] if counts is not None else None, checked if isinstance(checked, int) else None,

@@ -30,6 +30,7 @@ class Turn:
     degraded: bool = False             # served whole by one role
     plan: str = ""                     # the route plan's name (wire.PLANS), as PLAN_HEADER
     local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
+    prompt_tokens: int | None = None   # the prompt's tokens (P's usage; on D alone a bound from above)
     computed: int | None = None        # prompt tokens P computed itself (not pulled, not in its own cache)
     reuse: tuple[str, str] | None = None   # (result, reason) counted in pdserve_router_reuse_decisions_total
     outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)

@@ -51,6 +51,7 @@ class DecodeOnly:
     holder: str                        # the decode server holding the conversation
     new_tokens: int                    # tokens D computes: the prompt beyond the block-aligned prefix it holds
     held_tokens: int                   # the verified common prefix D holds
+    prompt_tokens: int | None = None   # the new prompt's tokens (exact, or a bound from above when unverified)
     name = DECODE_ONLY
 
 
@@ -195,10 +196,10 @@ class ShortTurns:
         costs, k = self.costs, inputs.holder_load
         rate, saved, p_rate = costs.local_rate(d.holder), costs.handover(d.holder, d.tokens), costs.prefill_rate()
         if rate is None or saved is None or p_rate is None:
-            return DecodeOnly(d.holder, n, d.tokens) if k == 0 else DECODE_BUSY
+            return DecodeOnly(d.holder, n, d.tokens, d.prompt_tokens) if k == 0 else DECODE_BUSY
         if rate * n * (1 + k) > saved + p_rate * max(1, d.prompt_tokens - d.tokens):
             return DECODE_BUSY if k else PREFILL_FASTER
-        return DecodeOnly(d.holder, n, d.tokens)
+        return DecodeOnly(d.holder, n, d.tokens, d.prompt_tokens)
 
 
 PrefillPick = Callable[[Pool, "str | None", set[str]], "Backend | None"]

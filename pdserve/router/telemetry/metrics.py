@@ -57,6 +57,11 @@ class RouterMetrics:
                              "answer was complete), failed (an error answer or a broken stream); by wire format "
                              "(api: chat, completions, messages, responses).",
                              ["outcome", "api"], registry=r)
+        self.output_fitted = Counter("pdserve_router_output_tokens_fitted",
+                                     "Requests whose output-token cap (max_tokens, max_completion_tokens, "
+                                     "max_output_tokens) could not fit the decode server's context and was "
+                                     "lowered to what the prompt leaves of max_model_len; by wire format (api).",
+                                     ["api"], registry=r)
         self.identity = Counter("pdserve_router_conversation_identity",
                                 "How requests were tied to a conversation: explicit (conversation_id or "
                                 "X-Session-ID), history (automatic detection looked for an earlier turn), none.",
