@@ -123,18 +123,15 @@ def test_inline_system_messages_render_so_vllm_does_not_merge_them():
         {"role": "system", "content": "t"}, {"role": "user", "content": "t"}], add_generation_prompt=False)
 
 
-@pytest.mark.slow   # imports vLLM (~15 s)
 def test_vllms_hermes_parser_reads_what_the_template_writes():
     """The model is told to answer in the format its history renders with; the configs' parser (hermes, added by
     the planner for built-in models) turns that text back into the same calls."""
-    pytest.importorskip("vllm")
-    from vllm.tool_parsers import ToolParserManager
-
+    manager = pytest.importorskip("vllm.tool_parsers").ToolParserManager     # importing vLLM: ~15 s on 2 cores
     from pdserve.plan.tools import BUILTIN_TOOL_CALL_PARSER
     history = render([{"role": "user", "content": "go"}, {"role": "assistant", "content": "Sure.", "tool_calls": CALLS}],
                      TOOLS, add_generation_prompt=False)
     reply = history.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
-    parser = ToolParserManager.get_tool_parser(BUILTIN_TOOL_CALL_PARSER)(tokenizer=object())
+    parser = manager.get_tool_parser(BUILTIN_TOOL_CALL_PARSER)(tokenizer=object())
     found = parser.extract_tool_calls(reply, request=None)
     assert found.tools_called and found.content == "Sure.\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in found.tool_calls] == \
