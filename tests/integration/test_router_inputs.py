@@ -125,6 +125,25 @@ async def test_a_lone_surrogate_is_a_400_that_never_reaches_a_backend_and_a_fail
             assert status == 200
 
 
+async def test_a_surrogate_sent_as_raw_utf8_bytes_is_a_400_too_streamed_or_not():
+    """Issue 45: Python's JSON parser decodes bytes with surrogatepass, so a surrogate sent as its UTF-8 bytes
+    (ED A0 80, no backslash escape for the raw scan to find) passed the check; in a conversation id the router
+    then failed storing the turn (UnicodeEncodeError: a 500, or a stream cut and counted against D)."""
+    json_ct = {"Content-Type": "application/json"}
+    async with deployment() as dep:
+        for field, value in (("conversation_id", b'"a\xed\xa0\x80b"'), ("prompt_cache_key", b'"\xed\xbf\xbf"'),
+                             ("messages", b'[{"role": "user", "content": "x\xed\xa0\xbd\xed\xb8\x80"}]')):
+            for stream in (b"false", b"true"):
+                body = (b'{"model": "fake", "max_tokens": 4, "stream": ' + stream + b', "messages": '
+                        b'[{"role": "user", "content": "hi"}], "' + field.encode() + b'": ' + value + b'}')
+                status, data = await _raw(dep, CHAT, body, json_ct)
+                assert _is_openai_4xx(status, data) and data["error"]["param"] == field, (field, status, data)
+        assert not dep.prefill[0][FAKE].received and not dep.decode[0][FAKE].received
+        m = await dep.metrics()
+        assert 'pdserve_router_turns_total{api="chat",outcome="failed"} 6.0' in m
+        assert "pdserve_router_internal_errors_total 0.0" in m
+
+
 async def test_a_huge_body_is_parsed_checked_and_hashed_off_the_event_loop(monkeypatch):
     """Issue 25, point 4: the pure-Python passes over a 13 MB body stalled every other client for seconds."""
     import threading

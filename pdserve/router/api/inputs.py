@@ -22,6 +22,9 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # C-speed scan); a hit is confirmed on the parsed strings, since an escaped backslash can fake one.
 LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# A surrogate sent as its UTF-8 bytes (ED A0-BF xx: no valid UTF-8 holds them): json.loads decodes bytes with
+# surrogatepass, so it parses into the same unencodable string with no escape for the scan above to find.
+RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 class WireFormatLike(Protocol):
@@ -81,8 +84,8 @@ def checked(raw: bytes, validate: Callable[[dict[str, Any]], None]) -> dict[str,
     # Fewer brackets than MAX_DEPTH cannot nest deeper (two C-speed counts save the walk on most bodies).
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         raise BadInput(400, f"request body nests deeper than {MAX_DEPTH} levels")
-    if SURROGATE_ESCAPE.search(raw) and LONE_SURROGATE.search(raw):   # the first is a fast literal scan
-        _no_lone_surrogates(body)
+    if (SURROGATE_ESCAPE.search(raw) and LONE_SURROGATE.search(raw)) or RAW_SURROGATE.search(raw):
+        _no_lone_surrogates(body)                  # the scans are C-speed; the walk runs on a hit only
     validate(body)
     return body
 
@@ -98,7 +101,7 @@ def _no_lone_surrogates(body: dict[str, Any]) -> None:
                     item.encode("utf-8")
                 except UnicodeEncodeError:
                     raise BadInput(400, f"'{name}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
-                                   "escape), which is not valid Unicode", name) from None
+                                   "escape, or its UTF-8 bytes), which is not valid Unicode", name) from None
             elif isinstance(item, dict):
                 stack.extend(item.keys())
                 stack.extend(item.values())
