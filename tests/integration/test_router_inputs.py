@@ -166,3 +166,24 @@ async def test_a_huge_body_is_parsed_checked_and_hashed_off_the_event_loop(monke
         threads.clear()
         assert (await dep.post(CHAT, {"model": "fake", "messages": MSG, "max_tokens": 1}))[0] == 200
         assert threads == {"checked": True, "history": True}      # small ones stay on the loop: no hop
+
+
+async def test_a_client_s_kv_transfer_params_inside_vllm_xargs_never_reach_a_backend():
+    """Issue 45: vLLM copies vllm_xargs into the request's extra args, where its connector reads
+    kv_transfer_params when the body has none at top level (a degraded turn, count_tokens): a client's then
+    steered the engine's KV transfer (another tenant's block ids) or failed it (a non-object: a 500)."""
+    forged = {"do_remote_prefill": True, "remote_block_ids": [[0, 1]], "remote_engine_id": "someone-else"}
+    body = {"model": "fake", "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 40}],
+            "vllm_xargs": {"kv_transfer_params": forged, "session_id": "xargs-conv", "other": 1}}
+    async with deployment() as dep:
+        assert (await dep.post(CHAT, body))[0] == 200                         # P then D
+        dep.prefill[0][FAKE].args.status = 503                              # then degraded: D alone
+        for _ in range(4):
+            assert (await dep.post(CHAT, {**body, "vllm_xargs": {**body["vllm_xargs"], "kv_transfer_params": "x"}}
+                                   ))[0] == 200
+        dep.prefill[0][FAKE].args.status = 200
+        await dep.post("/v1/messages/count_tokens", {"model": "fake", "messages": body["messages"],
+                                                     "vllm_xargs": body["vllm_xargs"]})
+        sent = [r["body"] for app in dep.prefill + dep.decode for r in app[FAKE].received]
+        assert len(sent) >= 6 and all(r.get("vllm_xargs") == {"session_id": "xargs-conv", "other": 1} for r in sent)
+        assert sample(await dep.metrics(), 'pdserve_router_turn_plans_total{plan="degraded"}') >= 1

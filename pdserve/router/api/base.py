@@ -22,6 +22,18 @@ from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 # Fields only the router sets on a backend request; taken out of every client body.
 ROUTER_ONLY = ("kv_transfer_params", "conversation_id")
+
+
+def strip_router_only(body: dict[str, Any]) -> None:
+    """Take the router's fields out of a client body, `vllm_xargs.kv_transfer_params` too: vLLM copies
+    vllm_xargs into the request's extra args, where its connector reads kv_transfer_params whenever the body
+    has none at top level (a degraded turn, a request that is no turn), so a client's would reach the engine:
+    a block id of another tenant's turn read, or a non-object one failing the server."""
+    for field in ROUTER_ONLY:
+        body.pop(field, None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
 HistoryItem = dict[str, Any]     # {"role", "content", "tool_calls"?}: what identity.py hashes
 # vLLM's Responses events before the last each carry the response so far with a null kv_transfer_params
 # (pydantic's compact JSON): taken out as bytes, no parse.

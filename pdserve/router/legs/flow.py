@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pdserve.router import identity
 from pdserve.router.api import WireFormat
-from pdserve.router.api.base import ROUTER_ONLY, Collector
+from pdserve.router.api.base import Collector, strip_router_only
 from pdserve.router.config import RouterConfig
 from pdserve.router.conversation import Conversation
 from pdserve.router.errors import UpstreamError, error_body
@@ -55,8 +55,7 @@ class Flow:
 
     def _turn(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body, fmt.fingerprint(body))
-        for f in ROUTER_ONLY:
-            body.pop(f, None)
+        strip_router_only(body)
         request_id = f"pdserve-{uuid.uuid4().hex}"
         client_id = request.headers.get("X-Request-Id", "")
         reply_id = client_id if CLIENT_REQUEST_ID.fullmatch(client_id) else request_id
@@ -86,6 +85,7 @@ class Flow:
     async def forward(self, fmt: WireFormat, path: str, body: dict[str, Any]) -> web.Response:
         """A request that is no turn (Anthropic's count_tokens): whole on a prefill server, else a decode one."""
         headers = {"X-Request-Id": f"pdserve-{uuid.uuid4().hex}"}
+        strip_router_only(body)
         for pool in (self.prefill.pool, self.decode):
             backend = pool.least_loaded()
             if backend is None:
