@@ -140,3 +140,65 @@ def test_chat_with_tools_and_auto_tool_choice_is_served(cluster):
                                                   "messages": [{"role": "user", "content": "call f"}]}).encode())
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
+
+
+def context_length(cluster: dict) -> int:
+    """The decode server's --max-model-len as the cluster's config gives it, else what the server says."""
+    args = cluster["cfg"]["decode"]["vllm_args"]
+    if "--max-model-len" in args:
+        return int(args[args.index("--max-model-len") + 1])
+    with urllib.request.urlopen(cluster["decode"][0] + "/v1/models", timeout=30) as resp:
+        return json.load(resp)["data"][0]["max_model_len"]
+
+
+def test_claude_codes_32000_output_tokens_fit_the_context_and_a_prompt_over_it_is_refused_before_p_computes(cluster):
+    """Issue 42. Claude Code asks max_tokens 32000 every turn: D (vLLM 0.32) refused a cap over its
+    max_model_len after P had computed the prompt, and Claude Code retried six times. The router fits D's cap to
+    what the prompt leaves, so the turn is served (streamed, and left after its first tokens: the fitted cap is
+    thousands of tokens of a random model). A prompt longer than the context is refused by P's validation before
+    P computes anything, in Anthropic's shape, and D never sees it."""
+    import anthropic
+    from tests.kits.vllm_cluster import LOCAL, metric
+    router, limit = cluster["router"], context_length(cluster)
+    cap = max(32_000, limit)     # Claude Code's, or the whole context where it is larger: no prompt leaves room for it
+    fitted0 = router_metric(cluster, "pdserve_router_output_tokens_fitted_total", api="messages")
+    body = {"model": "tiny", "max_tokens": cap, "stream": True, "system": SYSTEM,
+            "messages": [{"role": "user", "content": "Find the bug in calc.py."}]}
+
+    def p_computed() -> float:
+        return sum(metric(u, "vllm:prompt_tokens_by_source_total", **LOCAL) for u in cluster["prefill"])
+    seen, started, p_computed0 = b"", time.monotonic(), p_computed()
+    with httpx.stream("POST", router + "/v1/messages", json=body, timeout=120) as resp:
+        print(f"context {limit}, max_tokens {cap}: HTTP {resp.status_code} in {time.monotonic() - started:.2f} s, "
+              f"P computed {p_computed() - p_computed0:.0f} tokens")
+        assert resp.status_code == 200, resp.read()[-500:]
+        for chunk in resp.iter_bytes():
+            seen += chunk
+            if b"content_block_delta" in seen or b"message_stop" in seen:
+                break                      # served: hang up after the first tokens
+    start = next(json.loads(line[5:]) for line in seen.splitlines() if line.startswith(b"data:")
+                 and b"message_start" in line)
+    prompt = start["message"]["usage"]["input_tokens"]
+    assert prompt + cap > limit
+    assert router_metric(cluster, "pdserve_router_output_tokens_fitted_total", api="messages") == fitted0 + 1
+
+    client = anthropic.Anthropic(base_url=router, api_key="unused", max_retries=0)
+    row = "row 17: value 42 status ok; "
+    per_row = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": row * 100}]
+                                           ).input_tokens / 100
+    text = row * int(1.02 * limit / per_row + 50)     # just over: P's tokenizer's time grows with it
+    servers = cluster["prefill"] + cluster["decode"]
+    computed0 = [metric(u, "vllm:prompt_tokens_by_source_total", **LOCAL) for u in servers]
+    failed0 = router_metric(cluster, "pdserve_router_turns_total", outcome="failed", api="messages")
+    degraded0 = router_metric(cluster, "pdserve_router_degraded_requests_total")
+    started = time.monotonic()     # streamed, as Claude Code asks (the SDK wants a stream for such a cap)
+    refused = httpx.post(router + "/v1/messages", timeout=120, json={
+        "model": "tiny", "max_tokens": 32_000, "stream": True, "messages": [{"role": "user", "content": text}]})
+    print(f"context {limit}: a prompt of ~{len(text) / len(row) * per_row:.0f} tokens refused in "
+          f"{1000 * (time.monotonic() - started):.0f} ms")
+    assert refused.status_code == 400, refused.text[-500:]
+    answer = refused.json()
+    assert answer["type"] == "error" and "context length" in answer["error"]["message"], answer
+    assert [metric(u, "vllm:prompt_tokens_by_source_total", **LOCAL) for u in servers] == computed0
+    assert router_metric(cluster, "pdserve_router_turns_total", outcome="failed", api="messages") == failed0 + 1
+    assert router_metric(cluster, "pdserve_router_degraded_requests_total") == degraded0
