@@ -378,3 +378,30 @@ def test_entries_stored_before_the_block_size_was_known_are_counted_again_in_who
     assert ledger.decode("d0").tokens == 33
     ledger.learned("d0", 1024, BLOCK)
     assert ledger.decode("d0").tokens == 48 and ledger.by_id["ra"].tokens == 48
+
+
+@pytest.mark.parametrize("answer", [{"now": 100.0, "results": ["ra"]}, {"now": 100.0, "results": {"ra": "renewed"}},
+                                    {"now": "x", "results": {"ra": {"status": "renewed", "deadline": 580.0}}},
+                                    {"results": 7}, [1, 2]])
+async def test_a_malformed_renew_answer_is_a_counted_failure_said_once_and_the_other_decode_still_renews(answer, caplog):
+    """Issue 45: a malformed renew answer raised in the lease round (a traceback every ~0.4 s) and aborted the
+    renewals of every other decode server too."""
+    held, table, control, clock, metrics = await rig(decoder_kv_blocks_ttl=480.0)
+    put(table, control, clock, "a", "ra", 100, decode="d0")
+    put(table, control, clock, "b", "rb", 100, decode="d1")
+    real = control.call
+
+    async def call(decode, method, path, body=None):
+        if decode == "d0" and path.endswith("/renew"):
+            control.calls.append((decode, method, path, body))
+            return 200, answer
+        return await real(decode, method, path, body)
+    control.call = call
+    clock.t += 432 - held.lease.lead + 2
+    for _ in range(3):
+        assert await held.renew_due() == 1                 # d1's entry; d0's answer could not be read
+        clock.t += 432                                      # due again
+    assert ("t", "a") in table._entries                     # not withdrawn: the router's own expiry stands
+    assert sample(metrics, "pdserve_router_held_kv_control_failures_total", op="renew") == 3
+    assert not [r for r in caplog.records if r.exc_info]
+    assert len([r for r in caplog.records if "renew" in r.getMessage() and "d0" in r.getMessage()]) == 1

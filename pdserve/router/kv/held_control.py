@@ -84,15 +84,21 @@ class DecodeCalls:
                                                      {"request_ids": part, "grace": grace})
             if not self.answered(decode, "release", status):
                 return
-            results = (answer or {}).get("results") or {}
+            results = answer.get("results") if isinstance(answer, dict) else None
             self.metrics.held_releases.labels(reason).inc(len(part))
             log.debug("released %d held turns on %s (%s, grace %g s): %s", len(part), decode, reason, grace,
-                      {rid: (r or {}).get("status") for rid, r in results.items()})
+                      results)
 
     async def renew(self, decode: str, ids: list[str], ttl: float) -> dict[str, Any] | None:
         """D's answer to renewing these entries ({"now": D's clock, "results": per id}); None when it gave none."""
         status, answer = await self.control.call(decode, "POST", CONTROL + "/renew", {"request_ids": ids, "ttl": ttl})
-        if not self.answered(decode, "renew", status) or not isinstance(answer, dict):
+        if not self.answered(decode, "renew", status):
+            return None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(answer.get("now") if isinstance(answer, dict) else None, int | float) \
+                or not isinstance(results, dict) or not all(isinstance(r, dict) for r in results.values()):
+            # Unreadable: nothing is renewed and nothing withdrawn (the router's own expiry stands).
+            self.failed(decode, "renew", "an answer it could not read")
             return None
         return answer
 
@@ -128,12 +134,15 @@ class DecodeCalls:
         if status in (404, 405, 501):
             self.no_control(decode, f"HTTP {status} on {CONTROL}")
         else:
-            self.metrics.held_failures.labels(op).inc()
-            if (decode, op) not in self.said:
-                self.said.add((decode, op))
-                log.warning("held KV %s on %s failed (%s): D frees those blocks at its own timer",
-                            op, decode, f"HTTP {status}" if status else "no answer")
+            self.failed(decode, op, f"HTTP {status}" if status else "no answer")
         return False
+
+    def failed(self, decode: str, op: str, why: str) -> None:
+        """A control call that did not do its work: counted, and said once per server and call."""
+        self.metrics.held_failures.labels(op).inc()
+        if (decode, op) not in self.said:
+            self.said.add((decode, op))
+            log.warning("held KV %s on %s failed (%s): D frees those blocks at its own timer", op, decode, why)
 
     def no_control(self, decode: str, why: str) -> None:
         d = self.ledger.decode(decode)
@@ -174,8 +183,13 @@ class Lease:
         by_decode: dict[str, list[Held]] = {}
         for held in self.ledger.due(self.lead):
             by_decode.setdefault(held.decode, []).append(held)
-        done = await asyncio.gather(*(self._renew(table, d, hs) for d, hs in by_decode.items()))
-        return sum(done)
+        # One decode server's trouble never stops another's renewals.
+        done = await asyncio.gather(*(self._renew(table, d, hs) for d, hs in by_decode.items()),
+                                    return_exceptions=True)
+        for decode, result in zip(by_decode, done):
+            if isinstance(result, BaseException):
+                self.calls.failed(decode, "renew", repr(result))
+        return sum(r for r in done if isinstance(r, int))
 
     async def _renew(self, table: Any, decode: str, entries: list[Held]) -> int:
         sent = self.clock()
