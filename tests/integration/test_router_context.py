@@ -180,3 +180,22 @@ async def test_a_turn_served_on_d_alone_is_fitted_to_the_routers_bound_of_its_pr
         fitted = completions_of(d)[-1]["max_tokens"]
         assert fitted == 1024 - usage["prompt_tokens"] and usage["completion_tokens"] == fitted
         assert await metric(dep, "pdserve_router_output_tokens_fitted_total", api="chat") == 1
+
+
+async def test_a_turn_on_d_alone_unverified_is_fitted_to_the_bound_of_its_new_messages():
+    """Matched by its history, a short follow-up goes to D alone without P's /tokenize: the prompt's count is
+    the short-turn bound (what D holds, plus a byte a token and the template's per message), from above, so
+    the cap leaves room whatever the new messages take; the turn is served."""
+    async with deployment(decode_only=True, **limits(1024)) as dep:
+        p, d = dep.prefill[0][FAKE], dep.decode[0][FAKE]
+        history: list = []
+        for content, cap in (("alpha " * 400, 8), ("yes go on", CLAUDE_CODE_MAX_TOKENS)):
+            req = {"model": "fake", "messages": [*history, {"role": "user", "content": content}], "max_tokens": cap}
+            async with dep.session.post(dep.url + CHAT, json=req) as resp:   # no conversation id: by history
+                assert resp.status == 200, await resp.text()
+                plan, answer = resp.headers["X-PDServe-Plan"], await resp.json()
+            history = [*req["messages"], answer["choices"][0]["message"]]
+        assert plan == "decode_only" and p.tokenized == 0 and len(completions_of(p)) == 1
+        fitted, prompt = completions_of(d)[-1]["max_tokens"], answer["usage"]["prompt_tokens"]
+        assert 1 <= fitted < 1024 - prompt and answer["usage"]["completion_tokens"] == fitted
+        assert await metric(dep, "pdserve_router_output_tokens_fitted_total", api="chat") == 1
