@@ -34,7 +34,8 @@ def post(url: str, body: dict, timeout: float = 300) -> tuple[dict, dict]:
 
 def counters(cluster: dict) -> dict:
     p, d = cluster["prefill"][0], cluster["decode"][0]
-    return {"p_pulled": metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL),
+    return {"p_prefill_s": metric(p, "vllm:request_prefill_time_seconds_sum"),
+            "p_pulled": metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL),
             "d_hits": metric(d, "vllm:prefix_cache_hits_total"),
             "d_generated": metric(d, "vllm:generation_tokens_total")}
 
@@ -50,7 +51,7 @@ def test_a_sequence_past_the_old_crash_point_is_served_and_reused(cluster):
         after = counters(cluster)
         rows.append({"turn": turn + 1, "seconds": round(time.monotonic() - started, 1),
                      "prompt": data["usage"]["prompt_tokens"], "completion": data["usage"]["completion_tokens"],
-                     "plan": headers.get("X-PDServe-Plan"), **{k: after[k] - before[k] for k in after}})
+                     "plan": headers.get("X-PDServe-Plan"), **{k: round(after[k] - before[k], 2) for k in after}})
         history += [{"role": "assistant", "content": data["choices"][0]["message"]["content"]},
                     {"role": "user", "content": "And the next row?"}]
     print(json.dumps(rows, indent=1))
