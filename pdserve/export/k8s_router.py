@@ -79,8 +79,10 @@ def router_objects(t: Target) -> list[dict[str, Any]]:
     text = json.dumps(router_json(t), indent=2) + "\n"
     # A changed config changes the pod template, so `kubectl apply` rolls the routers onto it.
     annotations = {**t.scrape_annotations(r.port), "pdserve/config-sha256": hashlib.sha256(text.encode()).hexdigest()}
-    template = {"metadata": {"labels": t.labels(ROUTER), "annotations": annotations},
-                "spec": pod_spec(t, [container], volumes)}
+    spec = pod_spec(t, [container], volumes)
+    # the router's drain (router.drain_timeout) and its margin, as the supervisor gives it (plan/routers.py)
+    spec["terminationGracePeriodSeconds"] = max(spec["terminationGracePeriodSeconds"], math.ceil(proc.stop_grace))
+    template = {"metadata": {"labels": t.labels(ROUTER), "annotations": annotations}, "spec": spec}
     config = t.obj("v1", "ConfigMap", t.name(ROUTER), ROUTER, data={ROUTER_JSON: text})
     deployment = t.obj("apps/v1", "Deployment", t.name(ROUTER), ROUTER, {
         "replicas": r.replicas, "selector": {"matchLabels": t.selector(ROUTER)}, "template": template})

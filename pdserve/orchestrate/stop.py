@@ -30,20 +30,26 @@ def stop_cluster(cdir: ClusterDir, timeout: float) -> StopReport:
     if sup is not None:
         write_json_atomic(cdir.requests_dir / f"{time.time_ns()}.json", {"stop_timeout": timeout})
         sup.send_signal(signal.SIGTERM)
+        graces = stored_plan(cdir)
         try:
-            sup.wait(timeout=timeout * (len(state.processes) + 1) + 15)
+            sup.wait(timeout=sum(max(timeout, p.stop_grace) for p in graces.processes) + timeout + 15 if graces
+                     else timeout * (len(state.processes) + 1) + 15)
         except psutil.TimeoutExpired:
             sup.kill()
         state = cdir.read_state() or state
     if state is None:
         return StopReport([], [], [])
     plan = stored_plan(cdir)
+    grace = {p.name: p.stop_grace for p in plan.processes} if plan else {}
+
     order = [p.name for p in plan.stop_order()] if plan else []
     killed = []
     for name in sorted(state.processes, key=lambda n: order.index(n) if n in order else len(order)):
         rec = state.processes[name]
         try:
-            if rec.handle is not None and stop_tree(launcher_for_handle(plan, rec.handle), rec.handle, timeout):
+            if rec.handle is not None and stop_tree(launcher_for_handle(plan, rec.handle), rec.handle,
+                                                    max(timeout, grace.get(name, 0.0))):
+
                 killed.append(name)
         except HostUnreachable as err:      # reported below as left: `down` again once the host is back
             rec.message = f"{err.message}: may still run there"

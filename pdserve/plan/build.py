@@ -13,7 +13,8 @@ from typing import Any
 from pdserve.engine.names import (CONTROL_TOKEN_ENV, CORES_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV,
                                   VLLM_SERVER_MODULE)
 from pdserve.spec.load import SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
-from pdserve.plan.routers import router_plans, store_plans, store_url
+from pdserve.plan.routers import reuse_file, router_plans, store_plans, store_url
+
 from pdserve.engine.entry import own_cores
 from pdserve.plan.records import (BIND, CORES, GPUS, LOCAL_HOST, MARKER, MARKER_ENV, MEMORY, MODEL, PROGRAM,
                                   SIDE_CHANNEL_HOST, ClusterPlan, HostPlan, ProcessPlan, argv_slot, connect_host,
@@ -181,10 +182,12 @@ def cpu_memory_shares(servers: list[ProcessPlan], spec: ClusterSpec, memory_gib:
     return out
 
 
-def router_config(spec: ClusterSpec, servers: list[ProcessPlan], store: str) -> dict[str, Any]:
+def router_config(spec: ClusterSpec, servers: list[ProcessPlan], store: str,
+                  reuse_file: str | None = None) -> dict[str, Any]:
     """What the router reads (router.json; pdserve/router/config.py): every server by name at its URL, the
     router's settings and the ones it shares with the servers. `store` is router.store as the router reaches
-    it (routers.store_url)."""
+    it (routers.store_url); `reuse_file` where a drained stop keeps the memory store (routers.reuse_file)."""
+
     return {
         "cluster": spec.name,
         "model": spec.model_name,
@@ -193,6 +196,8 @@ def router_config(spec: ClusterSpec, servers: list[ProcessPlan], store: str) -> 
         # every router: field passes by its own name, but the two given in MiB and the computed TTL
         **spec.router.model_dump(exclude={"max_body_mb", "reuse_max_mb", "reuse_ttl", "store_port"}),
         "store": store,
+        "reuse_file": reuse_file,
+
         "reuse_ttl": spec.reuse_ttl,
         "reuse_max_bytes": int(spec.router.reuse_max_mb * MIB),
         "max_body_bytes": int(spec.router.max_body_mb * MIB),
@@ -200,8 +205,7 @@ def router_config(spec: ClusterSpec, servers: list[ProcessPlan], store: str) -> 
         "decoder_kv_blocks_ttl": spec.kv_transfer.decoder_kv_blocks_ttl,
         "bidirectional_kv_xfer": spec.kv_transfer.bidirectional_kv_xfer,
         "health_interval": spec.supervisor.health_interval,
-        # finish in-flight requests on SIGTERM, inside the supervisor's SIGTERM -> SIGKILL window
-        "drain_timeout": max(1.0, spec.supervisor.stop_timeout - 2.0),
+
         **spec.observability.model_dump(),
     }
 
@@ -226,7 +230,9 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
                       identity_file=h.identity_file, ssh_options=list(h.ssh_options), python=h.python or python)
              for h in spec.hosts or []]
     return ClusterPlan(name=spec.name, processes=[*servers, *stores, *routers],
-                       router_config=router_config(spec, servers, store_url(spec, cluster_dir)),
+                       router_config=router_config(spec, servers, store_url(spec, cluster_dir),
+                                                   reuse_file=reuse_file(spec, cluster_dir)),
+
                        router_config_path=router_cfg_path, builtin_model=builtin, model_path=model,
                        supervisor=spec.supervisor.model_dump(), launcher=spec.launcher, hosts=hosts,
                        launcher_settings=launcher_settings(spec),

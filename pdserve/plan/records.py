@@ -64,9 +64,12 @@ class ProcessPlan:
     defaults: dict[str, str] = field(default_factory=dict)
     # Host-specific values, kind (PROGRAM, BIND, ...) -> where: argv_slot(i) or env_slot(NAME).
     host_specific: dict[str, str] = field(default_factory=dict)
+    # SIGTERM -> SIGKILL at least this long, whatever supervisor.stop_timeout says (a router's drain + margin)
+    stop_grace: float = 0.0
 
     @property
     def url(self) -> str:
+
         """Where the process answers, in its health check's scheme (http, or redis for the managed store)."""
         scheme = self.health_url.split("://", 1)[0] if "://" in (self.health_url or "") else "http"
         return f"{scheme}://{connect_host(self.host)}:{self.port}"

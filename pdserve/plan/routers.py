@@ -26,6 +26,9 @@ MEMORY_STORE = "memory"
 # The cluster's store secret in its state folder (`up` makes it: state/secret.py), a Redis config line
 # (`requirepass ...`): the managed Redis includes it, the routers read it (router/kv/store_redis.py).
 SECRET_FILE = "store-secret.conf"
+REUSE_FILE = "reuse-store.json"       # the memory store a drained router left (router/kv/store_file.py)
+ROUTER_STOP_MARGIN_S = 10.0           # a router's SIGKILL comes this long after its drain limit at the earliest
+
 
 
 def store_url(spec: ClusterSpec, cluster_dir: Path | None = None) -> str:
@@ -47,9 +50,18 @@ def store_url(spec: ClusterSpec, cluster_dir: Path | None = None) -> str:
     return url + ("&" if "?" in url else "?") + f"deployment_file={secret}"
 
 
+def reuse_file(spec: ClusterSpec, cluster_dir) -> str | None:
+    """Where a drained router keeps the memory store for the next one (router/kv/store_file.py): the cluster
+    folder (routers run on this machine). A shared store keeps its entries itself."""
+    return str(Path(cluster_dir) / REUSE_FILE) if spec.router.store == MEMORY_STORE else None
+
+
 def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> list[ProcessPlan]:
     """`marker(name)`: the environment marker that finds the process's tree again (plan/records.py)."""
     r = spec.router
+    # SIGTERM -> SIGKILL: the drain, then what the router does after it (the memory store written)
+    grace = r.drain_timeout + ROUTER_STOP_MARGIN_S
+
     rhost = connect_host(r.host)
     base = [python, "-m", "pdserve.router", "--config", config_path]
     # the router's bind address is in its config (router.json), not in argv
@@ -62,13 +74,15 @@ def router_plans(spec: ClusterSpec, python: str, config_path: str, marker) -> li
     if r.replicas == 1:
         return [ProcessPlan(name="router", role=ROUTER, argv=base, env={MARKER_ENV: marker("router")},
                             host=r.host, port=r.port, health_url=f"http://{rhost}:{r.port}/health",
-                            env_from=key, host_specific=where)]
+                            env_from=key, host_specific=where, stop_grace=grace)]
+
     out = []
     for i in range(r.replicas):
         name, own = f"router-{i}", r.replica_port(i)
         out.append(ProcessPlan(name=name, role=ROUTER, argv=[*base, "--replica", name, "--own-port", str(own)],
                                env={MARKER_ENV: marker(name)}, host=r.host, port=own,
-                               health_url=f"http://{rhost}:{own}/health", env_from=key,
+                               health_url=f"http://{rhost}:{own}/health", env_from=key, stop_grace=grace,
+
                                host_specific={**where, REPLICA: argv_slot(len(base) + 1)}))
     return out
 

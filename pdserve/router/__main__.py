@@ -13,7 +13,9 @@ import sys
 from aiohttp import web
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.front.app import DRAINING, METRICS, build_app, server_limits
+from pdserve.router.front import drain
+from pdserve.router.front.app import DRAINING, FLOW, METRICS, build_app, server_limits
+
 from pdserve.router.front.limits import GuardedRunner, fd_budget, raise_fd_limit
 from pdserve.router.telemetry import logs
 
@@ -61,7 +63,8 @@ async def serve(cfg: RouterConfig, host: str, port: int, own_port: int | None = 
     # handler_cancellation: a client that disconnects cancels the handler, which closes the upstream requests.
     runner = GuardedRunner(app, max_connections=cfg.max_connections, header_timeout=cfg.header_timeout,
                            metrics=app[METRICS], handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.drain_timeout, **server_limits(cfg))
+                           shutdown_timeout=cfg.drain_timeout + drain.CUT_GRACE_S, **server_limits(cfg))
+
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=own_port is not None).start()
     if own_port is not None:
@@ -73,7 +76,10 @@ async def serve(cfg: RouterConfig, host: str, port: int, own_port: int | None = 
         loop.add_signal_handler(sig, stop.set)
     log.info("listening on %s:%d%s", host, port, f" (shared) and {own_port}" if own_port is not None else "")
     await stop.wait()
-    log.info("draining (up to %gs)", cfg.drain_timeout)
+    stopping = loop.time()
+    log.info("draining: %d turn(s) in flight, waiting up to %gs for them (router.drain_timeout)",
+             len(app[drain.IN_FLIGHT]), cfg.drain_timeout)
+
     if own_port is not None:
         # A replica: it stops listening (new connections go to its siblings), then for a moment still answers
         # on the connections it has, each answer with Connection: close (app.DRAINING), so that clients on
@@ -83,7 +89,15 @@ async def serve(cfg: RouterConfig, host: str, port: int, own_port: int | None = 
             await site.stop()
         app[DRAINING].set()
         await asyncio.sleep(min(REPLICA_DRAIN_GRACE_S, cfg.drain_timeout / 2))
-    await runner.cleanup()
+    # Past the limit the cutter logs, counts and cancels each turn left, just before aiohttp's own shutdown
+    # timeout (the runner's, CUT_GRACE_S later) would cancel it without a word.
+    cutter = asyncio.create_task(drain.finish_or_cut(app, app.get(FLOW), app[METRICS], cfg.drain_timeout))
+    await runner.cleanup()       # stops listening, closes idle connections, waits for the turns, then app cleanup
+    cut = cutter.result() if cutter.done() and not cutter.cancelled() and cutter.exception() is None else 0
+    cutter.cancel()
+
+    log.info("drained in %.1fs: %d turn(s) cut", loop.time() - stopping, cut)
+
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,11 @@ class RouterConfig:
     upstream_pool_timeout: float = 30.0    # waiting this long for a pooled connection is the router's fault: 503
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
-    drain_timeout: float = 15.0        # on SIGTERM: stop accepting, let in-flight requests finish this long
+    drain_timeout: float = 120.0       # on SIGTERM: stop accepting, let turns in flight finish this long (drain.py)
+    # A drained stop writes the memory store here and the next router reads it back (kv/store_file.py);
+    # the cluster folder's REUSE_FILE, set by the planner; None: nothing kept across restarts
+    reuse_file: str | None = None
+
     otlp_endpoint: str | None = None   # OTLP/HTTP traces URL (e.g. http://127.0.0.1:4318/v1/traces); None: no tracing
     trace_sample_ratio: float = 1.0    # share of requests traced (a client's sampled traceparent is followed)
     json_logs: bool = False            # one JSON line per completion request (request id, trace id, outcome...)

@@ -202,7 +202,12 @@ class RouterSpec(Strict):
     store_timeout: float = router_field("store_timeout", "Seconds a reuse-store call may take; a slower or "
                                         "failed one serves the turn by recomputing (miss reason "
                                         "store_unavailable).", gt=0)
+    drain_timeout: float = router_field(
+        "drain_timeout", "Seconds a stopping router (down, restart, up applying a change) lets the turns in flight "
+        "finish after it stops accepting connections; then it cuts each one left with a log line (turn outcome "
+        "cut). The router gets this plus 10 s before SIGKILL, whatever supervisor.stop_timeout says.", ge=0)
     replicas: int = router_field("replicas", "Router processes, each supervised, all on router.port (SO_REUSEPORT: "
+
 
                                  "the kernel spreads connections over them) and each on its own port too "
                                  "(router.port + 1 + i: health, /metrics). More than one needs a shared store.",

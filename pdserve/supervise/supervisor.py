@@ -210,7 +210,10 @@ class Supervisor:
     def _begin_stop(self, proc: ManagedProcess, then: ProcState, message: str, restart: bool = False,
                     grace: float | None = None) -> None:
         now = self.clock.monotonic()
-        proc.begin_stop(now, then, message, restart, self.stop_timeout if grace is None else grace)
+        # a router's drain (router.drain_timeout) gets its time whatever stop_timeout or `down --timeout` say
+        grace = max(self.stop_timeout, proc.plan.stop_grace) if grace is None else grace
+        proc.begin_stop(now, then, message, restart, grace)
+
         self._step_stopping(proc, now)
 
     def _step_stopping(self, proc: ManagedProcess, now: float) -> None:

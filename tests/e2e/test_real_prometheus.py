@@ -144,3 +144,19 @@ def test_restart_panel_counts_a_restart_and_the_target_stays_current(rig):
     canary_settled(rig["cluster"])
     rows = converse(rig["cluster"], "prom-after-restart", 2, [])
     assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(rig["cluster"]))
+
+
+def test_a_router_restart_keeps_a_conversation_whose_next_turn_pulls_from_d(rig):
+    """Issue 42: the drained router writes its memory store to the cluster folder and the next one reads it back
+    (D still holds the turn, from the same engine): the conversation's next turn pulls from D (P's own count of
+    tokens loaded from D moves) instead of recomputing everything."""
+    cluster = rig["cluster"]
+    canary_settled(cluster)                      # the decode-0 restart above: its canary's turns are over
+    history: list = []
+    converse(cluster, None, 1, history)
+    res = pdserve("restart", NAME, "router")
+    assert res.returncode == 0 and "router ready again" in res.stderr, res.stderr
+    log = (cluster["home"] / "clusters" / NAME / "logs" / "router.log").read_text(errors="replace")
+    assert "conversation(s) written to" in log and "reuse store: restored" in log, log[-3000:]
+    row = converse(cluster, None, 1, history)[0]
+    assert row["tokens_from_d"] > 0, reuse_diagnosis(cluster) + log[-3000:]

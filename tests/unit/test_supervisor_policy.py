@@ -309,6 +309,25 @@ def test_down_timeout_reaches_the_supervisor(tmp_path):
     assert rig.clock.now - start < 5.0
 
 
+def test_the_router_gets_its_drain_whatever_stop_timeout_and_down_timeout_say(tmp_path):
+    """Issue 42: a router turn longer than stop_timeout was killed at stop_timeout (20 s) without a word. The
+    router's plan asks for router.drain_timeout + its margin, and neither stop_timeout nor `down --timeout`
+    cuts that short; the servers keep the shorter window."""
+    from pdserve.plan.routers import ROUTER_STOP_MARGIN_S
+    from pdserve.state.folder import write_json_atomic
+    rig = Rig(tmp_path, stop_timeout=20.0).running()
+    grace = rig.plan.by_name("router").stop_grace
+    assert grace == 120.0 + ROUTER_STOP_MARGIN_S         # router.drain_timeout's default, and the margin
+    for name in ("router", "decode-0"):
+        rig.launcher.live(name).stubborn = True          # still draining / not yet gone
+    write_json_atomic(rig.sup.cdir.requests_dir / "1.json", {"stop_timeout": 2.0})
+    start = rig.clock.now
+    rig.sup.shutdown()
+    assert rig.launcher.live("router").signals == [signal.SIGTERM, signal.SIGKILL]
+    assert rig.launcher.live("decode-0").signals == [signal.SIGTERM, signal.SIGKILL]
+    assert grace <= rig.clock.now - start < grace + 2.0 + 1.0     # the router's window, then decode's 2 s
+
+
 def test_adopts_live_processes_of_a_dead_supervisor(tmp_path):
     first = Rig(tmp_path).running()
     first.sup.write_state()

@@ -18,7 +18,8 @@ from pdserve.router.api.inputs import BadInput, read_json
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_body
 from pdserve.router.front import observe
-from pdserve.router.front import admission
+from pdserve.router.front import admission, drain
+
 from pdserve.router.front.compose import compose
 from pdserve.router.kv.reuse import FIRST, HIT, HIT_REASONS, MISS, NO_ENTRY
 from pdserve.router.legs.flow import Flow
@@ -186,11 +187,14 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     admit = [admission.middleware(admission.Admission(limits, metrics), api.BY_ROUTE,
                                   lambda fmt: metrics.turns.labels(FAILED, fmt.api).inc())] if limits.enabled else []
     app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[*observers, count_requests, openai_errors, *([require_api_key] if key else []),
+                          middlewares=[*observers, drain.track, count_requests, openai_errors,
+ *([require_api_key] if key else []),
                                        *admit])
     app[CONFIG] = cfg
     app[METRICS] = metrics
     app[API_KEY] = key
+    app[drain.IN_FLIGHT] = {}
+
     for route in COMPLETION_ROUTES:
         app.router.add_post(route, completions)
     app.router.add_post(COUNT_TOKENS, count_tokens)
@@ -202,6 +206,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     async def lifecycle(app: web.Application):
         router = compose(cfg, metrics, app[API_KEY], spans)
         app[FLOW] = router.flow
+        await router.restore()         # a drained predecessor's reuse entries (kv/store_file.py), before listening
         router.start()
         yield
         await router.close()

@@ -13,8 +13,10 @@ import aiohttp
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv.held import HeldKV
-from pdserve.router.kv.held_control import HttpControl
+from pdserve.router.kv import store_file
+from pdserve.router.kv.held_control import CONTROL, HttpControl
 from pdserve.router.kv.store import ReuseStore, open_store, scheme
+from pdserve.router.kv.store_memory import MemoryTable
 from pdserve.router.legs import http1 as lean_http
 from pdserve.router.legs.book import TurnBook
 from pdserve.router.legs.client import AiohttpClient, BackendClient, Traced
@@ -38,12 +40,49 @@ class Router:
     """The composed router: its flow (what the routes call) and what runs beside it until close()."""
 
     def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, flow: Flow, session: aiohttp.ClientSession,
-                 client: BackendClient, prober: HealthProber, store: ReuseStore, held: HeldKV, spans: Any):
+                 client: BackendClient, prober: HealthProber, store: ReuseStore, held: HeldKV, spans: Any,
+                 control: HttpControl | None = None, decode: Pool | None = None):
         self.cfg, self.metrics, self.flow = cfg, metrics, flow
         self.session, self.client, self.prober, self.store, self.held, self.spans = \
             session, client, prober, store, held, spans
+        self.control, self.decode = control, decode
         self.tasks: list[asyncio.Task] = []
         self.drops: set[asyncio.Task] = set()
+
+    def _kept_table(self) -> MemoryTable | None:
+        """The memory table a drained stop keeps in router.reuse_file (None: no file, or a shared store)."""
+        table = getattr(self.store, "table", None)
+        return table if self.cfg.reuse_file and isinstance(table, MemoryTable) else None
+
+    async def restore(self) -> None:
+        """Before listening: the entries a drained predecessor left that their decode servers still hold."""
+        table = self._kept_table()
+        if table is None:
+            return
+        names = [d.name for d in self.cfg.decode]
+        saved, expired = await asyncio.to_thread(store_file.load, self.cfg.reuse_file, self.cfg.cluster,
+                                                 self.cfg.reuse_max_bytes, names)
+        if not saved and not expired:
+            return
+        held = await store_file.still_held(saved, lambda d: self.control.call(d, "GET", CONTROL)) \
+            if self.control is not None else []
+        n = store_file.restore(table, held, lambda d: self.decode.by_name(d).generation if self.decode else 0)
+        self.metrics.entries_live.set(len(self.store))
+        self.metrics.entries_bytes.set(self.store.bytes)
+        log.info("reuse store: restored %d conversation(s) from %s (%d expired, %d no longer held by their "
+                 "decode server)", n, self.cfg.reuse_file, expired, len(saved) - n)
+
+    async def _keep(self) -> None:
+        """A drained stop: write the memory table for the next router (store_file.py)."""
+        table = self._kept_table()
+        if table is None:
+            return
+        try:
+            n = await asyncio.to_thread(store_file.save, table, self.cfg.reuse_file, self.cfg.cluster)
+            log.info("reuse store: %d conversation(s) written to %s for the next router", n, self.cfg.reuse_file)
+        except OSError as err:
+            log.warning("reuse store: could not write %s (%s): the next router starts empty", self.cfg.reuse_file,
+                        err)
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.prober.forever()),
@@ -74,6 +113,7 @@ class Router:
             self.metrics.entries_bytes.set(store.bytes)
 
     async def close(self) -> None:
+        await self._keep()
         for task in self.tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -130,8 +170,8 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     # Learned always (short turns on D use its rates); it guards pulls only with cost_aware (policy.py).
     costs = CostModel(probe_every=cfg.cost_probe_every, probe_interval=cfg.cost_probe_interval)
     # D's held KV: released when no longer needed, under a budget, renewed while used (held.py)
-    held = HeldKV(cfg, [d.name for d in cfg.decode], metrics,
-                  HttpControl(session, lambda name: getattr(decode.by_name(name), "url", None), upstream.auth))
+    control = HttpControl(session, lambda name: getattr(decode.by_name(name), "url", None), upstream.auth)
+    held = HeldKV(cfg, [d.name for d in cfg.decode], metrics, control)
     held.attach(store)
     policy = RoutePolicy(cfg, costs)
     offers = Offers(cfg, upstream, prefill, decode)
@@ -139,5 +179,5 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     prober = HealthProber([prefill, decode], session, cfg.health_interval, lambda backend: router.on_down(backend))
     flow = Flow(cfg, upstream, Planner(cfg, policy, offers, book, metrics, prober.recheck),
                 PrefillLeg(upstream, offers, costs, metrics, policy), DecodeLeg(upstream, metrics, costs), book, metrics)
-    router = Router(cfg, metrics, flow, session, client, prober, store, held, spans)
+    router = Router(cfg, metrics, flow, session, client, prober, store, held, spans, control, decode)
     return router

@@ -2,7 +2,9 @@
 
 Entries are single-use (P's read releases D's blocks) and expire on the router's own monotonic clock,
 safely before D's decoder_kv_blocks_ttl: D's `remote_blocks_expiry_time` is a perf_counter value of D's
-process and is never compared with anything here. A router restart loses them (a shared store does not).
+process and is never compared with anything here. A drained router writes them to a file the next one reads
+back (store_file.py); a killed one loses them (a shared store does not).
+
 """
 
 from __future__ import annotations
@@ -54,18 +56,27 @@ class MemoryTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[tuple[tuple[str, str], ReuseEntry]]:
+        """Every entry, in the table's order (store_file.py writes them on a drained stop)."""
+        return list(self._entries.items())
+
     def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
-            sequence: list[int] | None = None, alias: tuple[str, str] | None = None) -> ReuseEntry:
+            sequence: list[int] | None = None, alias: tuple[str, str] | None = None,
+            expires: float | None = None) -> ReuseEntry:
         """Store D's handles under `key`, and `alias` (the prompt's key) pointing at it: one entry, taken once
         by either. A new engine id from the same decode server means it restarted (perhaps between two health
-        probes): handles from its previous engine are dropped."""
+        probes): handles from its previous engine are dropped. `expires`: an entry read back from a drained
+        router's file keeps its own (store_file.py); else now + ttl."""
+
         self.purge_expired()
         engine = params.get("remote_engine_id")
         if decode in self._engine and self._engine[decode] != engine:
             self.drop_decode(decode)
         self._engine[decode] = engine
         self._dropped(key, self._remove(key), "replaced")
-        entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl, _compact(sequence), alias=alias)
+        entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl if expires is None else expires,
+                           _compact(sequence), alias=alias)
+
         entry.size = _entry_bytes(entry)
         self._entries[key] = entry
         if alias is not None:

@@ -56,8 +56,9 @@ DEGRADED = "degraded"          # answered whole by one role, no KV transfer
 NOT_STORED = "not_stored"      # answered; D's handles could not be kept (the shared store was unavailable)
 CLIENT_GONE = "client_gone"    # the client left before the answer was complete; D's request was dropped
 FAILED = "failed"              # an error answer, or a stream a backend broke
+CUT = "cut"                    # still in flight when a stopping router's drain limit passed (front/drain.py)
 ANSWERED = (STORED, UNAVAILABLE, UNTRACKED, DEGRADED, NOT_STORED)
-TURN_OUTCOMES = (*ANSWERED, CLIENT_GONE, FAILED)
+TURN_OUTCOMES = (*ANSWERED, CLIENT_GONE, FAILED, CUT)
 TURN = web.RequestKey("turn", Turn)
 
 
