@@ -81,9 +81,9 @@ def free_port_pair() -> int:
                 continue
 
 
-def spawn(argv: list[str], cores: set[int], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+def spawn(argv: list[str], cores: set[int], env: dict | None = None, log=subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log, stderr=log,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
 async def wait_up(url: str, timeout: float = 30) -> None:
@@ -187,7 +187,7 @@ async def measure(name: str, target: str, proc: psutil.Process | None, stream: b
     return r
 
 
-ARMS = ("direct", "pdserve", "pdserve-admission", "pdserve-redis", "baseline", "vllm-router")
+ARMS = ("direct", "pdserve", "pdserve-admission", "pdserve-redis", "pdserve-no-access-log", "baseline", "vllm-router")
 # Every admission check on (per-tenant rate and in-flight cap, global cap with a queue), none binding:
 # what admission costs a request that it lets through.
 ADMISSION_ON = {"tenant_rate": 1e9, "tenant_max_in_flight": 100_000, "max_in_flight": 100_000, "queue_size": 100}
@@ -201,7 +201,9 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict, he
         return backend_url, None, None
     port = free_port()
     if name.startswith("pdserve"):
-        extra = ADMISSION_ON if name == "pdserve-admission" else {}
+        # pdserve-no-access-log: the access log's cost, the arms interleaved against `pdserve` (it is on there)
+        extra = ADMISSION_ON if name == "pdserve-admission" else {"access_log": False} \
+            if name == "pdserve-no-access-log" else {}
         if name == "pdserve-redis":
             redis_port = free_port()
             # Debian's redis-server, no persistence, on the load side's core (the router keeps core 0 alone)
@@ -213,8 +215,11 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict, he
                    "decode": [{"name": "decode-0", "url": decode_url}], "model": "m", "port": port,
                    **router_cfg, **extra}, cfg_file)
         cfg_file.close()
-        return (f"http://127.0.0.1:{port}",
-                spawn([sys.executable, "-m", "pdserve.router", "--config", cfg_file.name], PROXY_CORE), cfg_file.name)
+        # its log in a file opened for appending, as `pdserve up` gives it (the access log writes there)
+        with tempfile.NamedTemporaryFile("ab", suffix=".log", delete=False) as log:
+            router = spawn([sys.executable, "-m", "pdserve.router", "--config", cfg_file.name], PROXY_CORE, log=log)
+        os.unlink(log.name)
+        return f"http://127.0.0.1:{port}", router, cfg_file.name
     if name == "baseline":
         me = [sys.executable, str(Path(__file__).resolve())]
         return f"http://127.0.0.1:{port}", spawn([*me, "--serve-baseline", str(port), backend_url], PROXY_CORE), None

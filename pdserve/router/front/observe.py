@@ -71,7 +71,8 @@ def middleware(spans: Spans | None, json_logs: bool, access: bool = True):
         turn_route = request.path in ROUTES
         if not turn_route and (not lines or request.path in QUIET_PATHS):
             return await handler(request)
-        notes: dict[str, Any] | None = {} if turn_route else None
+        # The flow's notes feed spans and JSON lines only: the text line reads the turn record.
+        notes: dict[str, Any] | None = {} if turn_route and (json_logs or spans is not None) else None
         token = NOTES.set(notes) if notes is not None else None
         handle = spans.start(request) if spans is not None and turn_route else None
         started = time.perf_counter()
