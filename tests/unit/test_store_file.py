@@ -34,7 +34,9 @@ def written(tmp_path, ttl: float = 100.0) -> tuple:
     mono.t += 50                                       # "a" expires 50 s after the write, "b" 100 s after
     table.put(("t", "b"), params("rb"), "decode-1", 1, None)
     path = tmp_path / "reuse-store.json"
-    assert store_file.save(table, path, "c1", clock=mono, wall=wall) == 2
+    used = {"ra": mono.t - 45}                         # "a" last used 45 s before the write ("b": not known)
+    assert store_file.save(table, path, "c1", lambda e: used.get(e.params["remote_request_id"]),
+                           clock=mono, wall=wall) == 2
     return path, wall
 
 
@@ -58,7 +60,10 @@ def test_a_drained_table_comes_back_with_its_expiry_and_the_file_is_consumed(tmp
 
     fresh = MemoryTable(432.0, clock=Clock(5.0))
     fresh.watcher = Watcher()                          # held.py's ledger learns restored entries as new ones
-    assert store_file.restore(fresh, saved, lambda d: 7, clock=Clock(5.0), wall=wall) == 2
+    last_use = {}
+    assert store_file.restore(fresh, saved, lambda d: 7, lambda e, t: last_use.update({e.decode: t}),
+                              clock=Clock(5.0), wall=wall) == 2
+    assert last_use == {"decode-0": 5.0 - 45 - 10}     # its last use kept (the lease counts from it), not now
     assert [k for k, _ in seen] == [("t", "a"), ("t", "b")]                  # soonest expiry first
     assert dict(seen) == {("t", "a"): 5.0 + 40, ("t", "b"): 5.0 + 90}       # 50 and 100 s, less the 10 s down
     entry, why = fresh.take_first([("t", "pa")])                            # the alias came back too

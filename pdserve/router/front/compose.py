@@ -16,6 +16,7 @@ from pdserve.router.kv.held import HeldKV
 from pdserve.router.kv import store_file
 from pdserve.router.kv.held_control import CONTROL, HttpControl
 from pdserve.router.kv.store import ReuseStore, open_store, scheme
+from pdserve.router.kv.reuse import ReuseEntry
 from pdserve.router.kv.store_memory import MemoryTable
 from pdserve.router.legs import http1 as lean_http
 from pdserve.router.legs.book import TurnBook
@@ -66,11 +67,22 @@ class Router:
             return
         held = await store_file.still_held(saved, lambda d: self.control.call(d, "GET", CONTROL)) \
             if self.control is not None else []
-        n = store_file.restore(table, held, lambda d: self.decode.by_name(d).generation if self.decode else 0)
+        n = store_file.restore(table, held, lambda d: self.decode.by_name(d).generation if self.decode else 0,
+                               used=self._set_used)
         self.metrics.entries_live.set(len(self.store))
         self.metrics.entries_bytes.set(self.store.bytes)
         log.info("reuse store: restored %d conversation(s) from %s (%d expired, %d no longer held by their "
                  "decode server)", n, self.cfg.reuse_file, expired, len(saved) - n)
+
+    def _used(self, entry: ReuseEntry) -> float | None:
+        """An entry's last use, as the held-KV ledger knows it (its lease renews what was used lately)."""
+        held = self.held.ledger.by_id.get(entry.params.get("remote_request_id"))
+        return held.used if held is not None else None
+
+    def _set_used(self, entry: ReuseEntry, used: float) -> None:
+        held = self.held.ledger.by_id.get(entry.params.get("remote_request_id"))
+        if held is not None:
+            held.used = used
 
     async def _keep(self) -> None:
         """A drained stop: write the memory table for the next router (store_file.py)."""
@@ -78,7 +90,7 @@ class Router:
         if table is None:
             return
         try:
-            n = await asyncio.to_thread(store_file.save, table, self.cfg.reuse_file, self.cfg.cluster)
+            n = await asyncio.to_thread(store_file.save, table, self.cfg.reuse_file, self.cfg.cluster, self._used)
             log.info("reuse store: %d conversation(s) written to %s for the next router", n, self.cfg.reuse_file)
         except OSError as err:
             log.warning("reuse store: could not write %s (%s): the next router starts empty", self.cfg.reuse_file,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.router.kv.reuse import ReuseEntry
 from pdserve.router.kv.store_entry import readable
 from pdserve.router.kv.store_memory import MemoryTable
 
@@ -57,15 +59,20 @@ class Saved:
     sequence: list[int] | None
     alias: Key | None
     expires_wall: float
+    used_wall: float | None = None       # its last use (held.py's lease renews what was used within held_kv_lease)
 
 
-def save(table: MemoryTable, path: str | Path, cluster: str, clock: Callable[[], float] = time.monotonic,
-         wall: Callable[[], float] = time.time) -> int:
-    """Write the table's live entries; returns how many. Raises OSError when the file cannot be written."""
+def save(table: MemoryTable, path: str | Path, cluster: str, used: Callable[[ReuseEntry], float | None] = lambda e: None,
+         clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> int:
+    """Write the table's live entries (`used`: an entry's last use on `clock`, where known); returns how many.
+    Raises OSError when the file cannot be written."""
     now, now_wall = clock(), wall()
+
+    def when(t: float | None) -> float | None:
+        return None if t is None else now_wall + (t - now)
     entries = [{"key": list(key), "decode": e.decode, "params": e.params, "alias": list(e.alias) if e.alias else None,
                 "sequence": list(e.sequence) if e.sequence is not None else None,
-                "expires": now_wall + (e.expires - now)}
+                "expires": when(e.expires), "used": when(used(e))}
                for key, e in table.entries() if e.expires > now]
     data = {"format": FORMAT, "version": VERSION, "cluster": cluster, "written": now_wall, "entries": entries}
     path = Path(path)
@@ -125,12 +132,17 @@ def _entry(raw: Any, decodes: list[str]) -> Saved | None:
     """One entry of the file, or None when it is not one (or names a decode server this router lacks)."""
     if not isinstance(raw, dict):
         return None
-    key, alias, seq, expires = raw.get("key"), raw.get("alias"), raw.get("sequence"), raw.get("expires")
+    key, alias, seq, expires, used = (raw.get(f) for f in ("key", "alias", "sequence", "expires", "used"))
     if not (_key(key) and (alias is None or _key(alias)) and raw.get("decode") in decodes
-            and readable(raw.get("params")) and isinstance(expires, (int, float)) and not isinstance(expires, bool)
+            and readable(raw.get("params")) and _time(expires) and (used is None or _time(used))
             and (seq is None or (isinstance(seq, list) and all(type(t) is int for t in seq)))):
         return None
-    return Saved(tuple(key), raw["decode"], raw["params"], seq, tuple(alias) if alias else None, float(expires))
+    return Saved(tuple(key), raw["decode"], raw["params"], seq, tuple(alias) if alias else None, float(expires),
+                 None if used is None else float(used))
+
+
+def _time(t: Any) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
 
 
 def _key(k: Any) -> bool:
@@ -158,11 +170,15 @@ async def still_held(saved: list[Saved], ask: Callable[[str], Awaitable[tuple[in
 
 
 def restore(table: MemoryTable, saved: list[Saved], generation: Callable[[str], int],
+            used: Callable[[ReuseEntry, float], None] = lambda e, t: None,
             clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> int:
     """Put the entries back, soonest expiry first (the table's order), each with its own expiry on this
-    process's clock and its decode server's generation now."""
+    process's clock and its decode server's generation now; `used(entry, t)` is told each one's last use
+    (the held-KV ledger's, else a restored entry would count as used at the restart)."""
     now, now_wall = clock(), wall()
     for s in sorted(saved, key=lambda s: s.expires_wall):
-        table.put(s.key, s.params, s.decode, generation(s.decode), s.sequence, s.alias,
-                  expires=now + (s.expires_wall - now_wall))
+        entry = table.put(s.key, s.params, s.decode, generation(s.decode), s.sequence, s.alias,
+                          expires=now + (s.expires_wall - now_wall))
+        if s.used_wall is not None:
+            used(entry, now + (min(s.used_wall, now_wall) - now_wall))
     return len(saved)
