@@ -13,6 +13,7 @@ still decides what P may read.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 from typing import Any
 
@@ -32,9 +33,34 @@ def credential(request: web.Request) -> str:
 
 
 def tenant(request: web.Request) -> str:
+    """The caller's credential, hashed ("" for a caller without one): admission's tenant."""
     auth = credential(request)
     # Non-UTF-8 header bytes arrive as surrogate escapes: hash the original bytes.
     return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:16] if auth else ""
+
+
+def reuse_scope(request: web.Request) -> str:
+    """Whose conversations a request may continue (the first half of every reuse key): its caller's
+    credential, or for a caller without one its network address (client_address), so that anonymous clients
+    on different hosts never continue each other's conversations: a guessed conversation id or a common
+    history prefix would otherwise let one read (and time) another's KV. Behind a proxy every anonymous
+    client has the proxy's address: give them keys (router.api_key_env) to keep them apart."""
+    return tenant(request) or "anon-" + hashlib.sha256(client_address(request).encode()).hexdigest()[:16]
+
+
+def client_address(request: web.Request) -> str:
+    """Who is asking, by network address, for per-client limits: an IPv4 address, or an IPv6 address's /64
+    (what one host or subscriber is usually given: its addresses are one client)."""
+    peer = request.remote or ""
+    if ":" not in peer:
+        return peer
+    try:
+        address = ipaddress.IPv6Address(peer.split("%", 1)[0])
+    except ValueError:
+        return peer
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.IPv6Network((address, 64), strict=False))
 
 
 # (where, name) in precedence order; "body" fields are top-level keys, "xargs" is vLLM's `vllm_xargs`.
@@ -83,7 +109,7 @@ def explicit_key(request: web.Request, body: dict[str, Any], fingerprint: str = 
         return None
     if fingerprint:
         conv += "#" + hashlib.sha256(fingerprint.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return tenant(request), "id:" + conv
+    return reuse_scope(request), "id:" + conv
 
 
 def _content(content: Any) -> str:

@@ -187,3 +187,25 @@ async def test_a_client_s_kv_transfer_params_inside_vllm_xargs_never_reach_a_bac
         sent = [r["body"] for app in dep.prefill + dep.decode for r in app[FAKE].received]
         assert len(sent) >= 6 and all(r.get("vllm_xargs") == {"session_id": "xargs-conv", "other": 1} for r in sent)
         assert sample(await dep.metrics(), 'pdserve_router_turn_plans_total{plan="degraded"}') >= 1
+
+
+async def test_anonymous_clients_on_different_hosts_never_continue_each_other_s_conversations():
+    """Issue 45: clients that send no credentials shared one tenant, so one could name another's conversation
+    (or send its history) and have P read that conversation's blocks (131 tokens pulled in the fuzz round)."""
+    import aiohttp
+    from tests.kits.metric_text import reuse_hits
+    first = {"model": "fake", "max_tokens": 4, "conversation_id": "guessable",
+             "messages": [{"role": "user", "content": "alpha " * 60}]}
+    async with deployment() as dep:
+        status, data = await dep.post(CHAT, first)
+        assert status == 200
+        follow = {**first, "messages": [*first["messages"], data["choices"][0]["message"],
+                                        {"role": "user", "content": "beta " * 5}]}
+        other = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))      # another host, no key
+        async with aiohttp.ClientSession(connector=other) as elsewhere:
+            async with elsewhere.post(dep.url + CHAT, json=follow) as resp:
+                assert resp.status == 200 and int(resp.headers.get("X-PDServe-Pulled-Tokens") or 0) == 0
+        assert reuse_hits(await dep.metrics()) == 0
+        async with dep.session.post(dep.url + CHAT, json=follow) as resp:     # its own client still reuses
+            assert resp.status == 200 and int(resp.headers["X-PDServe-Pulled-Tokens"]) > 0
+        assert reuse_hits(await dep.metrics()) == 1

@@ -281,7 +281,7 @@ def test_a_client_address_cannot_escape_its_limits_by_rotating_credentials():
 
 def test_client_address_is_the_ipv4_address_or_the_ipv6_slash_64():
     from types import SimpleNamespace
-    address = adm.client_address
+    from pdserve.router.identity import client_address as address
     assert address(SimpleNamespace(remote="10.1.2.3")) == "10.1.2.3"
     assert address(SimpleNamespace(remote="::ffff:10.1.2.3")) == "10.1.2.3"
     assert address(SimpleNamespace(remote="2001:db8:1:2:aaaa::1")) == address(SimpleNamespace(remote="2001:db8:1:2::9"))

@@ -16,7 +16,6 @@ of the completion routes only (/health, /metrics and /v1/models are never limite
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import math
 import time
 from collections import deque
@@ -297,21 +296,6 @@ class Admission:
             fut.set_result(True)
 
 
-def client_address(request: web.Request) -> str:
-    """Who is asking, by network address, for per-client limits: an IPv4 address, or an IPv6 address's /64
-    (what one host or subscriber is usually given: its addresses are one client)."""
-    peer = request.remote or ""
-    if ":" not in peer:
-        return peer
-    try:
-        address = ipaddress.IPv6Address(peer.split("%", 1)[0])
-    except ValueError:
-        return peer
-    if address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(ipaddress.IPv6Network((address, 64), strict=False))
-
-
 def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[WireFormat], None]):
     """Admission in front of the completion routes (`formats`: route -> wire format); every other path goes
     straight through."""
@@ -323,7 +307,7 @@ def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused:
         if fmt is None:
             return await handler(request)
         tenant = identity.tenant(request)
-        client = client_address(request) if per_client else ""
+        client = identity.client_address(request) if per_client else ""
         try:
             await admission.enter(tenant, client)
         except Refusal as refusal:

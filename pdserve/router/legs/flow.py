@@ -60,7 +60,7 @@ class Flow:
         client_id = request.headers.get("X-Request-Id", "")
         reply_id = client_id if CLIENT_REQUEST_ID.fullmatch(client_id) else request_id
         return Turn(request.path, fmt, body, request_id, reply_id,
-                    Conversation(identity.tenant(request), explicit, fmt.history(body)))
+                    Conversation(identity.reuse_scope(request), explicit, fmt.history(body)))
 
     # -- entry -------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> web.StreamResponse:
