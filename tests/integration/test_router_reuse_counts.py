@@ -22,7 +22,7 @@ KEY = "sk-client-secret-0123456789"
 
 async def test_a_claude_code_session_of_three_turns_shows_both_follow_ups_reused():
     """Turn 1 of a session has no earlier model output: counted first (no_entry), not a miss; the two
-    follow-ups pulled from D: 2/2 reused, hit rate 100% (was "1/2 reused"... 2/3: the first turn a miss)."""
+    follow-ups pulled from D: 2/2 reused, hit rate 100% (before: 2/3, turn 1 a no_entry miss)."""
     session = {"X-Claude-Code-Session-Id": "cc-session-1"}
     async with deployment() as dep:
         body = {"model": "fake", "max_tokens": 6, "system": [{"type": "text", "text": "You are an agent."}],
