@@ -7,11 +7,13 @@ its id. Per turn: exit 0 and some output; exactly one main request (the agent's 
 side requests are allowed and printed); P served exactly the model requests the agent sent; no handle byte
 reached the agent. Every follow-up reuses: P pulled tokens from D and computed at most what lies beyond the
 previous turn's prompt plus one block (P's own counters). Each turn prints its figures and the CPU seconds of
-the agent, P and D: the turns are one chain, so their sum is about the wall time on an idle box.
+the agent, P and D.
 
-Cost (this module alone, 2-core box shared with a load of 8-20): 459 s of turns; 188 CPU-seconds (first turns:
-31k and 25k tokens of prompt, P 19 s and 11 s; the rest D decoding the random model's replies, 200-11k
-characters, whose length only the model's end token bounds: the agents' max_tokens is left as installed)."""
+Cost (this module alone at 181f3e4, a 2-core box at load 8-15): 297 s of turns plus 74 s to start the cluster
+(in the suite: a router restart). First turns are 31k and 25k tokens of prompt (P's prefill 56 s and 39 s here);
+the rest is D decoding the random model's replies (200-11k characters; only its end token stops them, the
+agents' max_tokens being left as installed). CPU seconds of the turns: agents 7, P 40, D 105 (D's tracks wall
+time, about a third of a core, even while it waits)."""
 
 from __future__ import annotations
 
