@@ -102,9 +102,9 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
                 and t.name not in role.env and t.name not in (host.env if host else {})}
     env[MARKER_ENV] = marker(cluster_dir, name)
     env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}
-    util, after = gpu_share(spec, role_name, i)
     if role_name == DECODE and spec.kv_transfer.bidirectional_kv_xfer:    # its held-KV control routes' token
         env_from[CONTROL_TOKEN_ENV] = CONTROL_TOKEN_ENV
+    util, after = gpu_share(spec, role_name, i)
     if util is not None and not any(a.startswith("--gpu-memory-utilization") for a in role.vllm_args):
         argv += ["--gpu-memory-utilization", f"{util:.3g}"]
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=bind, port=http_port,

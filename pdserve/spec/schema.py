@@ -208,7 +208,6 @@ class RouterSpec(Strict):
         "cut). The router gets this plus 10 s before SIGKILL, whatever supervisor.stop_timeout says.", ge=0)
     replicas: int = router_field("replicas", "Router processes, each supervised, all on router.port (SO_REUSEPORT: "
 
-
                                  "the kernel spreads connections over them) and each on its own port too "
                                  "(router.port + 1 + i: health, /metrics). More than one needs a shared store.",
                                  ge=1, le=64)

@@ -30,9 +30,9 @@ class Turn:
     degraded: bool = False             # served whole by one role
     plan: str = ""                     # the route plan's name (wire.PLANS), as PLAN_HEADER
     local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
-    prompt_tokens: int | None = None   # the prompt's tokens (P's usage; on D alone a bound from above)
     computed: int | None = None        # prompt tokens P computed itself (not pulled, not in its own cache)
     reuse: tuple[str, str] | None = None   # (result, reason) counted in pdserve_router_reuse_decisions_total
+    prompt_tokens: int | None = None   # the prompt's tokens (P's usage; on D alone a bound from above)
     outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
     template: str | None = None        # policy.template_digest of the body, once computed
