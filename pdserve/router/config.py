@@ -50,6 +50,7 @@ class RouterConfig:
     prefill_policy: str = LEAST_LOADED    # one of PREFILL_POLICIES
     decode_only: bool = True           # short turns served on the holder D alone (policy.ShortTurns)
     decode_only_max_tokens: int = 256  # ... when their new tokens are at most this many
+    max_output_tokens: int = 0         # every request's output tokens at most this many (0: what the context leaves)
     cost_probe_every: int = 8          # while a pull is predicted slower, pull anyway every Nth turn ...
     cost_probe_interval: float = 60.0  # ... or when the last pull is this old
     upstream_max_connections: int = 1024   # connections to all backends together (pooled, kept alive)

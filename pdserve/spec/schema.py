@@ -140,6 +140,10 @@ class RouterSpec(Strict):
         "decode_only", "Serve a short follow-up turn on the decode server that holds the conversation, alone: it "
         "computes the few new tokens on top of its prefix cache, with no prefill leg and no KV hand-over, and "
         "still keeps the turn's blocks for the next long turn's pull (docs/router.md, 'Short turns on D').")
+    max_output_tokens: int = router_field(
+        "max_output_tokens", "Output tokens any request gets at most, whatever it asks (its cap lowered, or set "
+        "where it sends none): an operator's bound on every reply's length and decode time. 0: only the "
+        "context bounds it (what the prompt leaves of the server's max_model_len).", ge=0)
     decode_only_max_tokens: int = router_field(
         "decode_only_max_tokens", "Most new tokens (beyond the whole blocks the decode server holds) a turn may "
         "have to be served on D alone; a busy D takes fewer, as measured (docs/router.md).", ge=1)

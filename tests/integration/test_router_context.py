@@ -199,3 +199,24 @@ async def test_a_turn_on_d_alone_unverified_is_fitted_to_the_bound_of_its_new_me
         fitted, prompt = completions_of(d)[-1]["max_tokens"], answer["usage"]["prompt_tokens"]
         assert 1 <= fitted < 1024 - prompt and answer["usage"]["completion_tokens"] == fitted
         assert await metric(dep, "pdserve_router_output_tokens_fitted_total", api="chat") == 1
+
+
+@pytest.mark.parametrize("path", [MESSAGES, CHAT, COMPLETIONS, RESPONSES])
+async def test_router_max_output_tokens_bounds_every_reply_asked_or_not(path):
+    """router.max_output_tokens: an operator's bound on every reply, whatever the client asks; set where it
+    asks none (Codex sends no max_output_tokens: a random model then decodes until its context is full)."""
+    async with deployment(max_output_tokens=24, **limits(4096)) as dep:
+        d = dep.decode[0][FAKE]
+        first = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", MESSAGES: "max_tokens",
+                 RESPONSES: "max_output_tokens"}[path]
+        assert (await call(dep, path, body(path, 50)))[0] == 200              # asks 32,000
+        asked_none = {k: v for k, v in body(path, 50).items() if k not in ("max_tokens", "max_completion_tokens",
+                                                                           "max_output_tokens")}
+        if path != MESSAGES:                                                     # Anthropic requires one
+            assert (await call(dep, path, asked_none))[0] == 200
+        assert (await call(dep, path, body(path, 50, cap=8)))[0] == 200        # a smaller ask is kept
+        got = [b[first] for b in completions_of(d)]
+        assert got == ([24, 8] if path == MESSAGES else [24, 24, 8]), got
+    async with deployment(**limits(4096)) as dep:                              # 0, the default: no bound
+        assert (await call(dep, RESPONSES, {"model": "fake", "store": False, "input": "w1 w2"}))[0] == 200
+        assert "max_output_tokens" not in completions_of(dep.decode[0][FAKE])[0]

@@ -245,11 +245,14 @@ class WireFormat:
                 out["kv_transfer_params"] = {**params, WANT_TOKENS_KEY: True}
         return out
 
-    def fit_output(self, body: dict[str, Any], room: int) -> dict[str, Any] | None:
-        """`body` with each output-token cap over `room` (>= 1) lowered to it; None when every cap fits. Only
-        fields that are no part of the prompt change: P's KV stays D's prompt."""
+    def fit_output(self, body: dict[str, Any], room: int, fill: bool = False) -> dict[str, Any] | None:
+        """`body` with each output-token cap over `room` (>= 1) lowered to it, and with `fill` the format's
+        first cap set to `room` where the body sends none; None when nothing changes. Only fields that are no
+        part of the prompt change: P's KV stays D's prompt."""
         over = {f: room for f in self.output_fields
                 if isinstance(body.get(f), int) and not isinstance(body[f], bool) and body[f] > room}
+        if fill and not any(body.get(f) is not None for f in self.output_fields):
+            over[self.output_fields[0]] = room
         return {**body, **over} if over else None
 
     def whole_body(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:

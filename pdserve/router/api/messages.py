@@ -161,12 +161,12 @@ class MessagesFormat(WireFormat):
         value = usage.get("input_tokens") if isinstance(usage, dict) else None
         return value if isinstance(value, int) else None
 
-    def fit_output(self, body: dict[str, Any], room: int) -> dict[str, Any] | None:
+    def fit_output(self, body: dict[str, Any], room: int, fill: bool = False) -> dict[str, Any] | None:
         """max_tokens fitted, and an extended-thinking budget with it: vLLM (as Anthropic) wants
         `thinking.budget_tokens` below `max_tokens` and at least 1024. A budget that no longer fits is lowered
         below the new max_tokens, or dropped where that leaves less than 1024 (max_tokens still bounds the
         thinking). Neither is part of the prompt vLLM renders."""
-        out = super().fit_output(body, room)
+        out = super().fit_output(body, room, fill)
         thinking = out.get("thinking") if out is not None else None
         if out is not None and isinstance(thinking, dict) and thinking.get("type") == "enabled" \
                 and isinstance(thinking.get("budget_tokens"), int) and thinking["budget_tokens"] >= room:

@@ -47,9 +47,11 @@ def max_model_len(text: str | None) -> int | None:
 
 
 class ContextFit:
-    def __init__(self, upstream: Upstream, metrics: RouterMetrics, clock: Any = time.monotonic):
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, clock: Any = time.monotonic,
+                 max_output_tokens: int = 0):
         self.upstream = upstream
         self.metrics = metrics
+        self.cap = max_output_tokens     # router.max_output_tokens: the operator's bound (0: none)
         self.clock = clock
         # server name -> (its generation, max_model_len or None, when asked)
         self.known: dict[str, tuple[int, int | None, float]] = {}
@@ -86,22 +88,23 @@ class ContextFit:
         """`body` for `backend` with its output caps fitted to what the context leaves after the prompt
         (turn.prompt_tokens: exact, or a bound from above). With no count of the prompt, a cap that could fit
         goes unchanged and one that cannot (max_model_len or more: the prompt has a token at least) is
-        fitted to max_model_len - 1. Counted per API and noted on the request's trace and log line."""
-        if not any(f in body for f in turn.fmt.output_fields):
+        fitted to max_model_len - 1. router.max_output_tokens bounds it too, set where the body sends no cap.
+        Counted per API and noted on the request's trace and log line."""
+        if not self.cap and not any(f in body for f in turn.fmt.output_fields):
             return body
         limit = await self.max_model_len(backend)
-        if limit is None:
-            return body
         prompt = turn.prompt_tokens
-        room = limit - prompt if prompt is not None and prompt < limit else limit - 1
-        if room < 1:
+        room = None if limit is None else limit - prompt if prompt is not None and prompt < limit else limit - 1
+        if self.cap:
+            room = self.cap if room is None else min(room, self.cap)
+        if room is None or room < 1:
             return body
-        fitted = turn.fmt.fit_output(body, room)
+        fitted = turn.fmt.fit_output(body, room, fill=bool(self.cap))
         if fitted is None:
             return body
-        asked = max(body[f] for f in turn.fmt.output_fields if isinstance(body.get(f), int))
+        asked = max((body[f] for f in turn.fmt.output_fields if isinstance(body.get(f), int)), default=0)
         self.metrics.output_fitted.labels(turn.fmt.api).inc()
         tracing.note(output_tokens_asked=asked, output_tokens_fitted=room)
-        log.debug("%s: output cap %d fitted to %d (max_model_len %d of %s, prompt %s tokens)", turn.request_id,
+        log.debug("%s: output cap %d fitted to %d (max_model_len %s of %s, prompt %s tokens)", turn.request_id,
                   asked, room, limit, backend.name, prompt)
         return fitted

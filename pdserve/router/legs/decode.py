@@ -33,11 +33,12 @@ log = logging.getLogger("pdserve.router")
 
 
 class DecodeLeg:
-    def __init__(self, upstream: Upstream, metrics: RouterMetrics, costs: CostModel):
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, costs: CostModel, max_output_tokens: int = 0):
         self.upstream = upstream
         self.costs = costs
         self.metrics = metrics
-        self.context = ContextFit(upstream, metrics)    # output caps fitted to each server's context
+        # output caps fitted to each server's context, and to router.max_output_tokens
+        self.context = ContextFit(upstream, metrics, max_output_tokens=max_output_tokens)
 
     async def on_a_server(self, turn: Turn, pool: Pool, prefer: str | None,
                            attempt: Callable[[Backend], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
