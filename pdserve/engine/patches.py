@@ -33,6 +33,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from pdserve.engine.held import nixl_part
 from pdserve.router.kv.reuse import common_prefix_len
 from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
 
@@ -278,11 +279,33 @@ def wrap_connector(connector: Any) -> Any:
         return result
 
     connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+    allocated = getattr(connector, "update_state_after_alloc", None)
+    if allocated is not None:
+        connector.update_state_after_alloc = _tracking_turns_on_d_alone(connector, allocated)
     for name in ("request_finished", "request_finished_all_groups"):
         finished = getattr(connector, name, None)
         if finished is not None:
             setattr(connector, name, _finished_with_counts(finished, counts, checks))
     return connector
+
+
+def _tracking_turns_on_d_alone(connector: Any, allocated):
+    """vLLM's NIXL scheduler hands its workers, for expiry, only requests that pull (do_remote_prefill) or are
+    pulled from (do_remote_decode). A turn the router serves on D alone (LOCAL_PARAMS, {"do_remote_prefill":
+    false}) is held at its end like any D turn (request_finished puts it in _reqs_need_send) but no worker
+    tracks it, so nothing lists, expires, releases or renews its blocks: they leaked (issue 45: 60 such turns
+    left 43.8% of D's KV cache used, none listed). Mark it for the workers as vLLM marks the others."""
+    def update_state_after_alloc(request, *args, **kwargs):
+        result = allocated(request, *args, **kwargs)
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get("do_remote_prefill") is False \
+                and not params.get("do_remote_decode") and not params.get("_remote_blocks_processed"):
+            part = nixl_part(connector, "connector_scheduler")
+            batch = getattr(part, "_reqs_in_batch", None)
+            if isinstance(batch, set) and getattr(part, "is_bidirectional_kv_xfer_enabled", False):
+                batch.add(request.request_id)
+        return result
+    return update_state_after_alloc
 
 
 def _finished_with_counts(finished, counts: dict[str, tuple[int, int]], checks: dict[str, int]):

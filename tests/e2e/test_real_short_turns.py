@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.kits.vllm_cluster import SHARED, EXTERNAL, long_user_turn, metric
+from tests.kits.vllm_cluster import SHARED, EXTERNAL, held_on_d, long_user_turn, metric
 from tests.kits.vllm_cluster import status as status_of
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +70,12 @@ def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cl
         data, text, headers = chat(cluster, history, stream, conversation)
         after = counters(cluster)
         history.append({"role": "assistant", "content": text})
+        request_id = next(v for k, v in headers.items() if k.lower() == "x-request-id")
+        # D's own list: a turn served on D alone is held like any other (issue 45: it was held, never listed,
+        # never freed), so the router can release and renew it
+        listed = any(request_id in h["request_id"] for h in held_on_d(cluster))
         rows.append({"turn": turn + 1, "plan": headers.get(PLAN), "pulled_header": headers.get(PULLED),
+                     "listed_on_d": listed,
                      "prompt_tokens": (data.get("usage") or {}).get("prompt_tokens"),
                      **{k: after[k] - before[k] for k in after}})
     print(json.dumps(rows, indent=1))
@@ -83,6 +88,7 @@ def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cl
     for s in (short1, short2):
         if s["plan"] == "decode_only":
             assert s["p_prompt"] == 0 and s["p_pulled"] == 0, rows    # P computed and pulled nothing (P's counters)
+            assert s["listed_on_d"], rows
             assert s["d_hits"] > 0 and s["d_computed"] > 0, rows      # D's prefix cache held the conversation
             assert s["d_hits"] > s["d_computed"], rows                # ... and D computed only the short rest
         else:

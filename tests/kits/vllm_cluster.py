@@ -197,6 +197,17 @@ def external_tokens(cluster: dict) -> float:
     return sum(metric(p, "vllm:prompt_tokens_by_source_total", **EXTERNAL) for p in cluster["prefill"])
 
 
+def held_on_d(cluster: dict, i: int = 0) -> list[dict]:
+    """What decode server `i` itself lists as held (GET /pdserve/held), asked with the cluster's control token,
+    which only pdserve's supervisor, its decode servers and its routers have (anything else gets 401)."""
+    from pdserve.state.secret import control_token
+    token = control_token(cluster["home"] / "clusters" / cluster["name"])
+    request = urllib.request.Request(cluster["decode"][i] + "/pdserve/held",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())["held"]
+
+
 def long_user_turn(turn: int) -> dict:
     return {"role": "user", "content": f"Turn {turn}. " + " ".join(
         f"row {i}: value {i * 17 % 101} status ok;" for i in range(120))}

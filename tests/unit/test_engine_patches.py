@@ -390,3 +390,45 @@ def test_installed_vllm_responses_completed_event_carries_kv_transfer_params():
     stream = inspect.getsource(Responses.responses_stream_generator)
     assert "response.completed" in stream and "self.responses_full_generator(" in stream
     assert "kv_transfer_params=context.kv_transfer_params" in inspect.getsource(Responses.responses_full_generator)
+
+
+class FakeDecodeSide:
+    """A decode server's NIXL connector as vLLM 0.32's pull scheduler marks requests for its workers' expiry
+    (update_state_after_alloc): only those that pull (do_remote_prefill, bidirectional) or are pulled from."""
+
+    def __init__(self, bidirectional: bool = True):
+        self.connector_scheduler = SimpleNamespace(_reqs_in_batch=set(),
+                                                   is_bidirectional_kv_xfer_enabled=bidirectional)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = request.kv_transfer_params
+        part = self.connector_scheduler
+        if params and (params.get("do_remote_decode") or (params.get("do_remote_prefill")
+                                                           and part.is_bidirectional_kv_xfer_enabled)):
+            part._reqs_in_batch.add(request.request_id)
+        if params and params.get("do_remote_prefill"):
+            params.update(do_remote_prefill=False, _remote_blocks_processed=True)
+
+    def request_finished(self, request, block_ids):
+        return True, {}
+
+
+def test_a_turn_served_on_d_alone_is_marked_for_the_workers_expiry_like_a_pulled_one():
+    """Issue 45: vLLM held a D-alone turn's blocks at its end (request_finished) but never handed it to its
+    workers' expiry, so nothing listed, expired, released or renewed them: 43.8% of D's KV leaked."""
+    conn = patches.wrap_connector(FakeDecodeSide())
+    batch = conn.connector_scheduler._reqs_in_batch
+    for rid, params in (("alone", {"do_remote_prefill": False}),
+                        ("pulled", {"do_remote_prefill": True, "remote_block_ids": [[1]]}),
+                        ("plain", None), ("p-side", {"do_remote_decode": True, "do_remote_prefill": False})):
+        conn.update_state_after_alloc(SimpleNamespace(request_id=rid, kv_transfer_params=params), None, 0)
+    assert batch == {"alone", "pulled", "p-side"}
+    conn.update_state_after_alloc(SimpleNamespace(request_id="pulled", kv_transfer_params={
+        "do_remote_prefill": False, "_remote_blocks_processed": True}), None, 0)   # rescheduled: vLLM's own
+    one_way = patches.wrap_connector(FakeDecodeSide(bidirectional=False))
+    one_way.update_state_after_alloc(SimpleNamespace(request_id="alone", kv_transfer_params={
+        "do_remote_prefill": False}), None, 0)
+    assert one_way.connector_scheduler._reqs_in_batch == set()     # without bidirectional D holds nothing
