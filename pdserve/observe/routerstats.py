@@ -40,7 +40,7 @@ def read_routers(replicas: dict[str, str], api_key: str | None = None, timeout: 
         for key in ADDED_BY_LABEL:
             out[key] = dict(Counter(out[key]) + Counter(other[key]))
         out["degraded_missing"] = sorted(set(out["degraded_missing"]) | set(other["degraded_missing"]))
-        out["by_api"] = {api: dict(Counter(out["by_api"].get(api, {})) + Counter(other["by_api"].get(api, {})))
+        out["by_api"] = {api: _added(out["by_api"].get(api, {}), other["by_api"].get(api, {}))
                          for api in sorted({*out["by_api"], *other["by_api"]})}
         out["held_kv"] = add_held(out["held_kv"], other["held_kv"])
         if other.get("store") and not other["store"]["up"]:
@@ -151,3 +151,8 @@ def add_held(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "releases": dict(Counter(a["releases"]) + Counter(b["releases"])),
             "renewals": a["renewals"] + b["renewals"],
             "failures": dict(Counter(a["failures"]) + Counter(b["failures"]))}
+
+
+def _added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two replicas' counts summed, zeros kept (Counter's + drops them, and status reads every key)."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
