@@ -99,3 +99,51 @@ def test_codex_exec_resume_last_and_by_id_reuse_every_turn(rig):
     turns.append(turn("resume", "--last", "Now explain the fix."))
     turns.append(turn("resume", turns[0].session(), "Summarise what we changed."))
     check(turns)
+
+
+def test_a_wrong_key_ends_each_agent_at_once_with_its_own_message(rig, tmp_path):
+    """Beside the cluster, a router that wants a key (router.api_key_env) over the same servers; each agent
+    with a wrong key. The router says 401 with `x-should-retry: false`: before it, Claude Code retried for
+    ~187 s (11 requests) before "Not logged in"."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.kits.ports import free_ports
+    from tests.kits.waits import wait_for
+    cluster, _, tmp, _ = rig
+    port = free_ports(1)[0]
+    config = {"cluster": "keyed", "model": "tiny", "host": "127.0.0.1", "port": port, "api_key_env": "KEYED_KEY",
+              "prefill": [{"name": "prefill-0", "url": cluster["prefill"][0]}],
+              "decode": [{"name": "decode-0", "url": cluster["decode"][0]}]}
+    (tmp_path / "router.json").write_text(json.dumps(config))
+    router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(tmp_path / "router.json")],
+                              env={**os.environ, "KEYED_KEY": "the-right-key"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    bridge = loopback_bridge.Bridge(tmp_path, port).start()
+    try:
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"), 60, "the keyed router")
+        for agent, args, env, says in (
+                ("claude", ["-p", "hello"], ca.claude_env(tmp_path / "c", bridge.url, key="wrong"), "Not logged in"),
+                ("codex", ["exec", "--skip-git-repo-check", "hello"],
+                 ca.codex_env(tmp_path / "x", bridge.url, key="wrong"), "401 Unauthorized")):
+            (tmp_path / agent).mkdir()
+            turn = ca.run_turn(bridge, agent, args, env, tmp_path / agent, cluster["prefill"], timeout=120)
+            print(f"{agent} with a wrong key: exit {turn.rc} after {turn.seconds:.1f} s, {len(turn.sent)} "
+                  f"requests: {(turn.stdout + turn.stderr).strip()[-300:]}")
+            assert turn.rc != 0 and turn.p_requests == 0 and says in turn.stdout + turn.stderr, (agent, turn.rc)
+            assert turn.seconds < 30 and len(turn.sent) <= 8, (agent, turn.seconds, len(turn.sent))
+    finally:
+        bridge.stop()
+        router.terminate()
+        router.wait(30)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

@@ -433,3 +433,16 @@ async def test_a_rewritten_or_missing_reply_still_reuses_the_previous_prompt(pat
         else:
             assert pulled == prompt1
         assert await outcomes(dep, 2) == {("stored", api): 2.0}
+
+
+async def test_a_wrong_key_says_do_not_retry_so_agents_stop_at_once():
+    """Claude Code retried the router's 401 for ~187 s (11 requests) before saying "Not logged in"; with
+    `x-should-retry: false`, which the Anthropic and OpenAI SDKs honour, it stops after one request."""
+    async with deployment(api_key="sekrit") as dep:
+        for path, headers in ((MESSAGES, {"x-api-key": "wrong"}), (RESPONSES, {}),
+                              ("/v1/chat/completions", {"Authorization": "Bearer wrong"})):
+            async with dep.session.post(dep.url + path, json=first(MESSAGES, "hi"), headers=headers) as resp:
+                assert resp.status == 401 and resp.headers.get("x-should-retry") == "false", path
+        async with dep.session.post(dep.url + MESSAGES, json=first(MESSAGES, "hi"),
+                                    headers={"x-api-key": "sekrit"}) as resp:
+            assert resp.status == 200 and "x-should-retry" not in resp.headers

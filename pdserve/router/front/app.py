@@ -143,7 +143,9 @@ async def require_api_key(request: web.Request, handler):
             fmt = api.for_path(request.path)
             message = "invalid or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             body = fmt.client_error(error_body(message, "invalid_request_error", "invalid_api_key"), 401)
-            return web.json_response(body, status=401)
+            # A wrong key stays wrong: the Anthropic and OpenAI SDKs honour this header (Claude Code retried
+            # a 401 for ~3 minutes without it).
+            return web.json_response(body, status=401, headers={"x-should-retry": "false"})
     return await handler(request)
 
 
