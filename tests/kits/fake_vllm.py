@@ -388,6 +388,12 @@ class FakeVLLM:
         return web.json_response(vars(self.args))
 
 
+def held_authorized(request: web.Request) -> bool:
+    """As pdserve/engine/held_http.py: the cluster's control token when the server has one, else its API key."""
+    key = os.environ.get(CONTROL_TOKEN_ENV) or os.environ.get("VLLM_API_KEY")
+    return not key or request.headers.get("Authorization") == f"Bearer {key}"
+
+
 @web.middleware
 async def vllm_api_key(request: web.Request, handler):
     """Like vLLM with VLLM_API_KEY set: /v1 paths want the bearer key."""
@@ -395,12 +401,6 @@ async def vllm_api_key(request: web.Request, handler):
     if key and request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
         return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
-
-def held_authorized(request: web.Request) -> bool:
-    """As pdserve/engine/held_http.py: the cluster's control token when the server has one, else its API key."""
-    key = os.environ.get(CONTROL_TOKEN_ENV) or os.environ.get("VLLM_API_KEY")
-    return not key or request.headers.get("Authorization") == f"Bearer {key}"
-
 
 
 def build_app(args: argparse.Namespace) -> web.Application:
