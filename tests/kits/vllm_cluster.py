@@ -123,8 +123,9 @@ def canary_settled(cluster: dict, timeout: float = 180) -> None:
 class SharedCluster:
     """One real cluster the e2e modules share. Each module asks for its settings (`use`). A change of router or
     supervisor settings is applied with `pdserve up` on the running cluster (only the router restarts: what
-    users of `up` get too); the router is restarted whatever changed, so no module sees another's
-    conversations. A change of the servers' settings or of the processes, a stopped cluster or `fresh`
+    users of `up` get too); the router is restarted whatever changed, a drained restart, so it keeps the
+    conversations of the modules before (the memory store's file): each module uses ids and histories of its
+    own, and counts in deltas. A change of the servers' settings or of the processes, a stopped cluster or `fresh`
     starts it anew in a fresh PDSERVE_HOME: P and D then start side by side, each on its own core, where
     `up` on a running cluster restarts them one after the other (to keep serving), twice the wait.
     `extra`: settings every use starts from (the package's OTLP receiver)."""
