@@ -165,3 +165,20 @@ async def test_a_flooder_rotating_credentials_does_not_starve_a_client_at_anothe
         assert 429 in flood_statuses and flood_statuses.count(200) > 12
         stats = parse_metrics(await dep.metrics())["admission"]
         assert stats["rejected_client_in_flight"] == flood_statuses.count(429)
+
+
+async def test_count_tokens_goes_through_admission_and_counts_no_turn():
+    """Issue 45: /v1/messages/count_tokens was never admission-checked: 300 of 300 reached P (each tokenized
+    there), and 8 bodies of 15 MB took the router to 552 MB."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi " * 20}]}
+    async with deployment(tenant_rate=0.2, tenant_burst=2) as dep:
+        statuses = []
+        for _ in range(4):
+            async with dep.session.post(dep.url + "/v1/messages/count_tokens", json=body, headers=ALICE) as resp:
+                statuses.append(resp.status)
+                if resp.status == 429:
+                    assert (await resp.json())["type"] == "error"      # Anthropic's shape on its route
+        assert statuses == [200, 200, 429, 429]
+        stats = parse_metrics(await dep.metrics())
+        assert stats["admission"] == {"admitted": 2, "rejected_tenant_rate": 2}
+        assert stats["turns"] == 0                                      # no turn: nothing generated

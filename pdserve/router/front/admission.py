@@ -296,9 +296,9 @@ class Admission:
             fut.set_result(True)
 
 
-def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[WireFormat], None]):
-    """Admission in front of the completion routes (`formats`: route -> wire format); every other path goes
-    straight through."""
+def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[str, WireFormat], None]):
+    """Admission in front of the routes that reach a server (`formats`: route -> wire format: the completion
+    routes and count_tokens); every other path goes straight through. `on_refused(path, fmt)` on a refusal."""
     per_client = admission.policy.by_client is not None
 
     @web.middleware
@@ -311,7 +311,7 @@ def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused:
         try:
             await admission.enter(tenant, client)
         except Refusal as refusal:
-            on_refused(fmt)
+            on_refused(request.path, fmt)
             return refusal.response(fmt.client_error)
         try:
             return await handler(request)
