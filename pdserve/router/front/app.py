@@ -64,9 +64,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         body = await read_json(request, request.app[CONFIG].body_timeout, fmt.validate)
     except BadInput as bad:
         return bad.response(fmt)
-    for field in api.base.ROUTER_ONLY:
-        body.pop(field, None)
-    return await request.app[FLOW].forward(fmt, COUNT_TOKENS, body)
+    return await request.app[FLOW].forward(fmt, COUNT_TOKENS, body)    # forward strips the router's fields
 
 
 async def root(request: web.Request) -> web.Response:
