@@ -99,7 +99,7 @@ async def test_circuit_breaker_opens_on_failed_requests_and_closes_after_a_good_
 
 async def test_cost_aware_reuse_stops_pulling_when_slow_and_resumes_when_fast():
     slow = ["--compute-delay", "0.0005", "--pull-delay", "0.01"]
-    async with deployment(prefill_args=(slow,), cost_probe_every=3) as dep:
+    async with deployment(prefill_args=(slow,), cost_probe_every=3, cost_aware=True) as dep:
         p = dep.prefill[0]
         history: list = []
         for turn in range(8):

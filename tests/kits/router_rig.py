@@ -63,8 +63,11 @@ async def deployment(prefill_args=([],), decode_args=([],), api_key: str = "", *
             cfgs.append({"name": f"{role}-{i}", "url": url})
     # The fakes' conversations are a few dozen tokens: with decode_only on (the shipped default) every
     # follow-up would be served on D alone. Tests of the P-then-D flow get it off; D-alone tests turn it on.
+    # The cost guard (cost_aware) prices pulls from measured times, which on fakes are scheduler noise: on a
+    # loaded machine it withdrew offers at random (pull_slower). Off here; the tests of the guard turn it on.
     cfg = RouterConfig.from_dict({"prefill": p_cfg, "decode": d_cfg, "model": "fake", "health_interval": 0.1,
-                                  "kv_recompute_threshold": 4, "decode_only": False, **router_overrides})
+                                  "kv_recompute_threshold": 4, "decode_only": False, "cost_aware": False,
+                                  **router_overrides})
     router = build_app(cfg, api_key=api_key)
     runner, url = await serve_app(router, GuardedRunner, max_connections=cfg.max_connections, metrics=router[METRICS],
                                header_timeout=cfg.header_timeout, **server_limits(cfg))
