@@ -250,3 +250,19 @@ async def test_a_take_after_a_put_returns_finds_the_entry_before_the_put_is_conf
             assert await verdict
     finally:
         await store.close()
+
+
+async def test_redis_restarted_while_the_router_is_idle_costs_no_turn(redis_server):
+    """Redis restarts between two turns (an upgrade, a failover): the pipe's connection is to the old
+    process, closed by it. The next turn reconnects instead of failing its take on the dead socket,
+    marking the store down and leaving its follow-up unstored (before: store_up 0 and a miss)."""
+    async with deployment(store=redis_server.url) as dep:
+        await _turns(dep.url, dep.session, 2, "before-restart", [])         # the pipe's connection is open
+        redis_server.kill()
+        redis_server.start()                                                 # back, same port, empty
+        pre = reuse_hits(await dep.metrics())
+        await _turns(dep.url, dep.session, 3, "after-restart", [])
+        m = await dep.metrics()
+        assert 'pdserve_router_store_up{store="redis"} 1.0' in m
+        assert "pdserve_router_store_errors_total{" not in m, [line for line in m.splitlines() if "store_errors_total{" in line]
+        assert reuse_hits(m) == pre + 2

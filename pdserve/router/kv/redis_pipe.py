@@ -124,8 +124,17 @@ class _Channel:
 
     @property
     def usable(self) -> bool:
-        # not connected: redis-py closed it on an error the reader has not seen yet
-        return not self.failed and self.conn.is_connected
+        """Not failed, and Redis has not closed the connection. An idle channel reads nothing, so a Redis that
+        restarted (or dropped the client) between turns is seen here, from the end of stream its socket
+        already got, and the channel is failed then: before, the next call went out on the dead socket,
+        failed, and took the store down for its retry window."""
+        if self.failed:
+            return False
+        reader = getattr(self.conn, "_reader", None)     # None: redis-py closed it on an error not read yet
+        if reader is None or reader.at_eof():
+            self._fail(ConnectionError("Redis closed the connection"))
+            return False
+        return True
 
     async def send(self, packed: Any, then: Callable[[Any], Any] | None,
                    otherwise: Callable[[ResponseError], Any] | None, deadline: float | None = None) -> asyncio.Future:
