@@ -17,12 +17,13 @@ EXPLICIT, HISTORY, NONE = "explicit", "history", "none"   # how it was found (pd
 class Conversation:
     """Made when the turn is (Flow); its lookup keys are hashed at most once, when the turn looks them up."""
 
-    __slots__ = ("tenant", "explicit", "messages", "digest")
+    __slots__ = ("tenant", "explicit", "messages", "digest", "root")
 
-    def __init__(self, tenant: str, explicit: Key | None, messages: list[Any] | None):
+    def __init__(self, tenant: str, explicit: Key | None, messages: list[Any] | None, root: str | None = None):
         self.tenant = tenant
         self.explicit = explicit          # conversation_id / X-Session-ID (identity.explicit_key)
         self.messages = messages          # the history as chat-like items (fmt.history), for automatic detection
+        self.root = root                  # the root session, a subagent's parent's (identity.root_session)
         self.digest: bytes | None = None  # of `messages`, once hashed for the lookup
 
     @property

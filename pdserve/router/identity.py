@@ -83,14 +83,43 @@ CHILD_HEADERS = {"X-Claude-Code-Session-Id": "X-Claude-Code-Agent-Id",
                                                            "prompt_cache_key")}}
 
 
-def session_id(request: web.Request, body: dict[str, Any]) -> str | None:
-    """The conversation id the request names, from the first source present (None if none is)."""
+# A chain's parent session, where the header family that named the chain sends one: Dynamo's canonical pair,
+# OpenCode's, Codex's. Claude Code needs none: its session id is the root of every subagent under it.
+PARENT_HEADERS = {"X-Dynamo-Session-ID": "X-Dynamo-Parent-Session-ID", "X-Session-ID": "x-parent-session-id",
+                  "x-session-affinity": "x-parent-session-id", "thread-id": "x-codex-parent-thread-id"}
+
+
+def _named(request: web.Request, body: dict[str, Any]) -> tuple[str, str] | None:
+    """(value, source name) of the first session source the request carries."""
     for where, name in SESSION_SOURCES:
         value = _source(request, body, where, name)
         if isinstance(value, str) and value:
-            child = request.headers.get(CHILD_HEADERS[name], "") if name in CHILD_HEADERS else ""
-            return f"{value}/{child}" if child else value
+            return value, name
     return None
+
+
+def session_id(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The conversation id the request names, from the first source present (None if none is)."""
+    named = _named(request, body)
+    if named is None:
+        return None
+    value, name = named
+    child = request.headers.get(CHILD_HEADERS[name], "") if name in CHILD_HEADERS else ""
+    return f"{value}/{child}" if child else value
+
+
+def root_session(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The session a request's chain belongs to, for prefill affinity: a subagent's parent session (its
+    PARENT_HEADERS value; for Claude Code and Codex's x-openai-subagent, the session id the subagent shares),
+    else the chain's own session id; None when no session is named (or it is too long to name one). Siblings
+    and their parent share it, so they share one P, whose prefix cache holds the prefix they share."""
+    named = _named(request, body)
+    if named is None:
+        return None
+    value, name = named
+    parent = request.headers.get(PARENT_HEADERS[name], "") if name in PARENT_HEADERS else ""
+    root = parent or value
+    return root if len(root) <= MAX_CONVERSATION_ID else None
 
 
 def _source(request: web.Request, body: dict[str, Any], where: str, name: str) -> Any:

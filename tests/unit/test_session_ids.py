@@ -88,3 +88,21 @@ def test_ids_stay_per_tenant_and_unusable_values_are_skipped():
     assert session_id(req({"X-Session-ID": "h"}), {"session_id": 5, "vllm_xargs": "x"}) == "h"
     assert session_id(req(), {"conversation_id": "", "session_id": "v"}) == "v"
     assert explicit_key(req(), {"session_id": "x" * (MAX_CONVERSATION_ID + 1)}) is None
+
+
+def test_a_subagents_root_session_is_its_parents():
+    """Prefill affinity's key (identity.root_session): what a subagent and its parent share, per agent."""
+    from pdserve.router.identity import root_session
+    cases = [({"X-Claude-Code-Session-Id": "s1"}, "s1"),
+             ({"X-Claude-Code-Session-Id": "s1", "X-Claude-Code-Agent-Id": "a7"}, "s1"),
+             ({"X-Dynamo-Session-ID": "s1:researcher", "X-Dynamo-Parent-Session-ID": "s1"}, "s1"),
+             ({"X-Session-ID": "child", "x-parent-session-id": "s1"}, "s1"),          # OpenCode
+             ({"thread-id": "t2", "x-codex-parent-thread-id": "s1"}, "s1"),          # Codex
+             ({"session-id": "s1", "x-openai-subagent": "review"}, "s1"),
+             ({"X-Dynamo-Session-ID": "s1"}, "s1"), ({}, None),
+             ({"X-Claude-Code-Session-Id": "x" * (MAX_CONVERSATION_ID + 1)}, None)]
+    for headers, root in cases:
+        assert root_session(req(headers), {}) == root, headers
+    assert root_session(req(), {"conversation_id": "c1"}) == "c1"
+    # a parent header of another family does not apply to the chain that won
+    assert root_session(req({"X-Claude-Code-Session-Id": "s1", "x-parent-session-id": "p"}), {}) == "s1"

@@ -55,12 +55,13 @@ class Flow:
 
     def _turn(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> Turn:
         explicit = identity.explicit_key(request, body, fmt.fingerprint(body))
+        root = identity.root_session(request, body)
         strip_router_only(body)
         request_id = f"pdserve-{uuid.uuid4().hex}"
         client_id = request.headers.get("X-Request-Id", "")
         reply_id = client_id if CLIENT_REQUEST_ID.fullmatch(client_id) else request_id
         return Turn(request.path, fmt, body, request_id, reply_id,
-                    Conversation(identity.reuse_scope(request), explicit, fmt.history(body)))
+                    Conversation(identity.reuse_scope(request), explicit, fmt.history(body), root))
 
     # -- entry -------------------------------------------------------------------------------------
     async def handle(self, request: web.Request, fmt: WireFormat, body: dict[str, Any]) -> web.StreamResponse:

@@ -78,7 +78,7 @@ class Planner:
 
     def _anchor(self, turn: Turn) -> str | None:
         conv = turn.conversation
-        return self.policy.anchor(conv.explicit, conv.tenant, conv.messages)
+        return self.policy.anchor(conv.explicit, conv.tenant, conv.messages, conv.root)
 
     def _inputs(self, turn: Turn, decision: Decision, unseen_change: bool = False) -> TurnInputs:
         holder = self.decode.by_name(decision.holder) if decision.holder else None

@@ -41,7 +41,7 @@ TOO_LONG, UNKNOWN_LENGTH, DECODE_BUSY, PREFILL_FASTER = "too_long", "unknown_len
 @dataclass(frozen=True)
 class PrefillThenDecode:
     decision: Decision | None = None   # what of D's blocks P may read (None: no conversation looked up)
-    anchor: str | None = None          # the prefill pin under the affinity pick
+    anchor: str | None = None          # the prefill pin (affinity), or preference (a root session, least_loaded)
     local_refused: str = ""            # why D alone was not chosen (empty: not a candidate)
     name = PREFILL_THEN_DECODE
 
@@ -204,7 +204,8 @@ class ShortTurns:
 
 PrefillPick = Callable[[Pool, "str | None", set[str]], "Backend | None"]
 PREFILL_PICKS: dict[str, PrefillPick] = {
-    LEAST_LOADED: lambda pool, anchor, exclude: pool.pick(exclude=exclude),
+    # a named root session's own server while within the pin slack: its prefix cache holds what siblings share
+    LEAST_LOADED: lambda pool, anchor, exclude: pool.pick(exclude=exclude, prefer=affinity.home(pool, anchor)),
     AFFINITY: affinity.pick,               # the conversation's own server while usable (affinity.py)
 }
 
@@ -216,8 +217,12 @@ class RoutePolicy:
         self.pick = PREFILL_PICKS[cfg.prefill_policy]
         self.short = ShortTurns(cfg.decode_only_max_tokens, costs) if cfg.decode_only else None
 
-    def anchor(self, explicit: Key | None, tenant: str, messages: list[Any] | None) -> str | None:
-        return affinity.anchor(explicit, tenant, messages) if self.cfg.prefill_policy == AFFINITY else None
+    def anchor(self, explicit: Key | None, tenant: str, messages: list[Any] | None,
+               root: str | None = None) -> str | None:
+        """The turn's prefill anchor: pinned under affinity; under least_loaded a named root session only."""
+        if self.cfg.prefill_policy == AFFINITY:
+            return affinity.anchor(explicit, tenant, messages, root)
+        return affinity.root_anchor(tenant, root)
 
     def plan(self, inputs: TurnInputs) -> TurnPlan:
         if inputs.missing:
