@@ -204,3 +204,36 @@ async def test_the_router_holds_the_control_token_and_nobody_else_reaches_d_s_he
         async with dep.session.post(d_url + "/pdserve/held/release", json={"request_ids": ["x"]},
                                     headers={"Authorization": "Bearer anything"}) as resp:
             assert resp.status == 401
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_client_that_leaves_before_d_s_handles_arrive_leaves_nothing_held_on_d(stream):
+    """Issue 45: a client that hung up as D was finishing (D done, its handles not yet relayed) left D holding
+    the turn for decoder_kv_blocks_ttl, unknown to the router. The router now looks for it in D's own list
+    (D names it after the router's request id) and releases it. The fake D holds a turn from its start."""
+    async with deployment(decode_args=(["--token-delay", "0.3", "--answer-delay", "0" if stream else "1",
+                                        "--stream-kv-params"],)) as dep:
+        held = dep.router[FLOW].held
+        held.sweeps_s = (0.3, 0.8)
+        d = dep.decode[0][FAKE]
+        body = {"model": "fake", "messages": [user(0, 1)], "max_tokens": 4, "conversation_id": "c0",
+                "stream": stream}
+        rid = None
+        if stream:
+            resp = await dep.session.post(dep.url + CHAT, json=body)
+            await resp.content.readline()       # the first content chunk, then away
+            rid = resp.headers.get("X-Request-Id")
+            resp.close()
+        else:                                   # away while D has it (the fake holds it from its start)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(dep.session.post(dep.url + CHAT, json=body), 0.2)
+        for _ in range(50):
+            if d.held:
+                break
+            await asyncio.sleep(0.02)
+        assert len(d.held) == 1 and (rid is None or rid in next(iter(d.held)))
+        await asyncio.sleep(0.8)
+        await held.settled()
+        stats = parse_metrics(await dep.metrics())
+        assert d.held == {} and stats["held_kv"]["releases"]["abandoned"] == 1
+        assert stats["turn_outcomes"]["client_gone"] == 1 and stats["held_kv"]["tokens"]["decode-0"] == 0

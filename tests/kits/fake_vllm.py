@@ -283,7 +283,9 @@ class FakeVLLM:
             # Decode leg, or a request served on D alone ({"do_remote_prefill": false}): as vLLM's pull
             # scheduler, any kv_transfer_params without do_remote_decode make D hand out its finished blocks.
             total = len(prompt) + n - 1
-            rid, blocks = uuid.uuid4().hex, total // BLOCK + 1
+            # as vLLM's engine names it: the caller's X-Request-Id with a random suffix
+            rid = f"cmpl-{request.headers.get('X-Request-Id', 'none')}-{uuid.uuid4().hex[:8]}"
+            blocks = total // BLOCK + 1
             params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": self.engine_id,
                       "remote_request_id": rid, "remote_block_ids": [list(range(blocks))],
                       "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": total,
@@ -308,6 +310,7 @@ class FakeVLLM:
                 choice["prompt_token_ids"] = prompt
         if params and not self.args.no_kv_params:
             resp["kv_transfer_params"] = params
+        await asyncio.sleep(self.args.answer_delay)     # finished (and held) but not yet sent
         if self.manners.any:
             return await self.manners.whole(request, resp)
         return web.json_response(resp)
@@ -447,6 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay", type=float, default=0.0)
     p.add_argument("--xfer-gbps", type=float, default=100.0, help="GB/s its NIXL reads report")
     p.add_argument("--done-delay", type=float, default=0.0, help="seconds between the last chunk and [DONE]")
+    p.add_argument("--answer-delay", type=float, default=0.0, help="seconds between a whole answer's end and "
+                   "its sending")
     p.add_argument("--tail-delay", type=float, default=0.0, help="seconds between [DONE] and the body's end")
     p.add_argument("--compute-delay", type=float, default=0.0, help="prefill seconds per computed token")
     p.add_argument("--pull-delay", type=float, default=0.0, help="prefill seconds per token pulled from D")

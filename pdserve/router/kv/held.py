@@ -60,11 +60,15 @@ EVICTED = "evicted"        # the table's size bounds (reuse_max_entries, reuse_m
 EXPIRED = "expired"        # the table's TTL (reuse_ttl, or the end of the lease)
 UNUSED = "unused"          # taken for a turn that did not pull it (a miss, D alone, a failed P leg)
 UNTRACKED = "untracked"    # a turn the router keeps no entry for (no conversation identity)
-RELEASE_REASONS = (LRU, REPLACED, EVICTED, EXPIRED, UNUSED, UNTRACKED)
+ABANDONED = "abandoned"    # the client left before D's handles reached the router (found in D's own list)
+RELEASE_REASONS = (LRU, REPLACED, EVICTED, EXPIRED, UNUSED, UNTRACKED, ABANDONED)
 # MemoryTable's reasons for an entry that left it untaken -> the release's reason ("restart": none, D is new)
 TABLE_REASONS = {"replaced": REPLACED, "capacity": EVICTED, "expired": EXPIRED}
 RELEASED = "released"      # the miss reason of a turn whose entry the budget released
 TOMBSTONES = 100_000       # keys whose entry the budget released, remembered for the miss reason
+# When D's list is searched for an abandoned turn (seconds after the client left): D finishes a turn whose last
+# tokens were under way, or aborts it, once it sees the router's connection gone (a token or two).
+ABANDONED_SWEEPS_S = (1.0, 5.0, 15.0)
 
 
 class TurnFacts(Protocol):
@@ -94,6 +98,7 @@ class HeldKV:
         self.tombstones = Tombstones(TOMBSTONES)   # keys whose entry the budget released: the miss reason
         self.tasks = Tasks()                   # the calls to D in flight
         self.learning: dict[str, asyncio.Task] = {}
+        self.sweeps_s = ABANDONED_SWEEPS_S
         for name in decodes:
             self.ledger.decode(name)
         if self.on:
@@ -150,6 +155,15 @@ class HeldKV:
     def ended(self, turn: TurnFacts) -> None:
         if self.on and self.turns:
             self.settle(turn)
+
+    def abandoned(self, turn: TurnFacts, decode: str) -> None:
+        """The turn ended (its client left) before D's handles reached the router, but D may have finished it:
+        the last tokens were generated, or were under way when the connection closed. D then holds its blocks
+        for decoder_kv_blocks_ttl with the router none the wiser. D's engine names the request after the id
+        the router sent it (vLLM: a prefix and a random suffix around it), so D's own list finds it."""
+        if self.on and self.ledger.decode(decode).control is not False:
+            self.tasks.spawn(self.calls.sweep(decode, turn.request_id.removeprefix("pdserve-"), ABANDONED,
+                                              self.sweeps_s))
 
     def settle(self, turn: TurnFacts) -> None:
         """The entry the turn took is useless now: P read it (D freed it then) or it will never be read."""
@@ -290,4 +304,7 @@ class NoHeld:
         pass
 
     def ended(self, turn: TurnFacts) -> None:
+        pass
+
+    def abandoned(self, turn: TurnFacts, decode: str) -> None:
         pass

@@ -89,6 +89,23 @@ class DecodeCalls:
             log.debug("released %d held turns on %s (%s, grace %g s): %s", len(part), decode, reason, grace,
                       results)
 
+    async def sweep(self, decode: str, marker: str, reason: str, after_s: tuple[float, ...]) -> None:
+        """Release what D lists as held under ids holding `marker`, looked for `after_s` seconds from now
+        (until found: one request holds one entry)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for at in after_s:
+            await asyncio.sleep(max(0.0, started + at - loop.time()))
+            status, answer = await self.control.call(decode, "GET", CONTROL)
+            if not self.answered(decode, "list", status):
+                return
+            listed = answer.get("held") if isinstance(answer, dict) else None
+            found = [h["request_id"] for h in (listed if isinstance(listed, list) else ()) if isinstance(h, dict)
+                     and isinstance(h.get("request_id"), str) and marker in h["request_id"]]
+            if found:
+                await self.release(decode, found, reason, 0.0)
+                return
+
     async def renew(self, decode: str, ids: list[str], ttl: float) -> dict[str, Any] | None:
         """D's answer to renewing these entries ({"now": D's clock, "results": per id}); None when it gave none."""
         status, answer = await self.control.call(decode, "POST", CONTROL + "/renew", {"request_ids": ids, "ttl": ttl})

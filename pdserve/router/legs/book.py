@@ -13,8 +13,8 @@ from pdserve.router.identity import Key
 from pdserve.router.kv.held import HeldKV, NoHeld
 from pdserve.router.kv.reuse import ReuseEntry
 from pdserve.router.kv.store import ReuseStore
-from pdserve.router.legs.turn import (ANSWERED, DEGRADED, FAILED, NOT_STORED, STORED, UNAVAILABLE, UNTRACKED, Turn,
-                                      template)
+from pdserve.router.legs.turn import (ANSWERED, CLIENT_GONE, CUT, DEGRADED, FAILED, NOT_STORED, STORED, UNAVAILABLE,
+                                      UNTRACKED, Turn, template)
 from pdserve.router.route.backends import Backend
 from pdserve.router.route.policy import TURN_STAMP
 from pdserve.router.telemetry import tracing
@@ -113,6 +113,9 @@ class TurnBook:
             self.metrics.turns.labels(outcome, turn.fmt.api).inc()
             self._settle(turn)
             self.held.ended(turn)
+            if outcome in (CLIENT_GONE, CUT) and turn.held_on is not None:
+                # D's handles never came (the client left as D was finishing): D may hold the turn anyway.
+                self.held.abandoned(turn, turn.held_on)
 
     def _settle(self, turn: Turn) -> None:
         """The 5xx answers held for this turn: answered means another server served the very request, so

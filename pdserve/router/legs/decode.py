@@ -66,6 +66,7 @@ class DecodeLeg:
         """D's whole answer for the client, and Finished when D answered it (the flow keeps the turn)."""
         body = await self.context.fit(turn, backend, body)
         d_started = time.perf_counter()
+        turn.held_on = backend.name if "kv_transfer_params" in body else None
         status, data = await self.upstream.post_json(pool, backend, turn.route, body, turn.headers,
                                                      suspects=turn.suspects)
         collector.scrub(data)   # D's kv_transfer_params never reach the client
@@ -95,6 +96,7 @@ class DecodeLeg:
         relay = StreamRelay(collector, keep_lines=track and turn.conversation.by_history,
                             max_bytes=self.upstream.max_answer_bytes)
         d_started = time.perf_counter()
+        turn.held_on = backend.name if "kv_transfer_params" in body else None
         try:
             async with self.upstream.stream(backend, turn.route, body, turn.headers) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":

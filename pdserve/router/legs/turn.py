@@ -36,6 +36,9 @@ class Turn:
     outcome: str | None = None         # set once, by Flow.end ('stored' while a shared store's reply is due)
     suspects: Suspects = field(default_factory=Suspects)   # 5xx answers not yet counted against a server
     template: str | None = None        # policy.template_digest of the body, once computed
+    # The decode server sent a request that makes it hold the turn's KV at its end (kv_transfer_params): if
+    # the turn ends before the router has D's handles, D may hold blocks the router never heard of.
+    held_on: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
