@@ -2,7 +2,8 @@
 
 pdserve runs this module instead of `vllm.entrypoints.openai.api_server` whenever a patch is needed (see
 plan/build.py): with `bidirectional_kv_xfer`, the reuse patches of engine/patches.py (streamed turns return
-D's block handles; P reports the tokens it pulled from D apart from its own prefix cache); and three fixes
+D's block handles; P reports the tokens it pulled from D apart from its own prefix cache) and engine/descs.py
+(each NIXL read in as few descriptors as its blocks allow); and three fixes
 for servers that share a host's CPU cores, when a server has its own `cpus:` or
 `kv_transfer.nixl_progress_delay_us` is above 0. Without them, servers on a few shared cores
 prefill many times slower and P's KV leases expire before D can read them (docs/operations.md):
@@ -144,11 +145,12 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     """The reuse patches; with argv (the server process's own), also the scale-out option."""
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
-    from pdserve.engine import held_http, patches
+    from pdserve.engine import descs, held_http, patches
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
     held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
     message_stop = patches.patch_message_stop_kv_params()
+    pull_order = descs.patch_pull_order()     # NIXL reads in as few descriptors as the blocks allow
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
         os.environ[REQUEST_IDS_STATE_ENV] = add_flag(argv, REQUEST_IDS_FLAG,
@@ -159,7 +161,8 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
           f"pulled-token counts: {'yes' if counted else 'no'}; "
           f"message_stop kv_transfer_params: {','.join(message_stop) or 'none'}; "
           f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}; "
-          f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}", flush=True)
+          f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}; "
+          f"reads in local order: {'yes' if pull_order else 'no'}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in

@@ -106,7 +106,8 @@ def test_server_process_gets_scale_out_and_says_so_children_repeat_it():
     assert line.startswith("pdserve-entry: streamed kv_transfer_params patched: ") and "OpenAIServingChat" in line
     assert "; pulled-token counts: yes; " in line and "AnthropicServingMessages.message_stream_converter" in line
     assert "; render endpoints: --enable-scale-out added" in line, line
-    assert line.endswith("; request ids: --enable-request-id-headers added"), line
+    assert "; request ids: --enable-request-id-headers added; " in line, line
+    assert line.endswith("; reads in local order: yes"), line      # engine/descs.py, in every process
     child = run_python(AS_SPAWNED_CHILD, **env, **{SCALE_OUT_STATE_ENV: "--enable-scale-out added",
                                                    REQUEST_IDS_STATE_ENV: "--enable-request-id-headers added"})
     assert child.split("\n")[-1] == line
