@@ -210,10 +210,11 @@ def _pulled(headers: Any) -> int | None:
 
 
 def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0,
-         extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One turn (a chat history), sent as `ep.api`'s request. `timeout` bounds the connection and every
-    read; a streamed answer also fails once `timeout` has passed since the request was sent."""
-    headers = {"Content-Type": "application/json", **auth_headers(ep.api_key)}
+         extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One turn (a chat history), sent as `ep.api`'s request (with `headers`: an agent's session headers).
+    `timeout` bounds the connection and every read; a streamed answer also fails once `timeout` has passed
+    since the request was sent."""
+    headers = {"Content-Type": "application/json", **auth_headers(ep.api_key), **(headers or {})}
     payload = request_body(ep.api, ep.model, messages, max_tokens, ep.stream, extra)
     req = urllib.request.Request(ep.router + API_PATHS[ep.api], data=json.dumps(payload).encode(), headers=headers)
     if ep.stream:

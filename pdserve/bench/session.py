@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from pdserve.bench import report, vrouter
+from pdserve.bench import agentic, report, vrouter
+from pdserve.bench.agentic_report import agentic_report
 from pdserve.bench.arms import ARMS, arm_config, deployed
 from pdserve.bench.run import API_PATHS, REQUEST_TIMEOUT_S, Endpoints, chat, run_arm, verbatim_token_ids
 from pdserve.bench.workload import WORDS, Conversation, generate, load
@@ -24,6 +25,7 @@ from pdserve.roles import DECODE, PREFILL
 from pdserve.spec.load import SHIPPED_CONFIGS, load_spec
 
 BENCH_CONFIG = SHIPPED_CONFIGS / "bench-cpu.yaml"
+AGENTIC = "agentic"     # `--workload agentic`: agentic.py's generated sessions instead of a file
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class Settings:
     system_words: int = 600
     request_timeout: float = REQUEST_TIMEOUT_S
     give_up_after: int = 0
+    scale: float = 1 / 32             # agentic: sizes of the published shape, times this
+    time_scale: float = 0.01          # agentic: gaps between turns, times this
+    max_agents: int = 16              # agentic: sub-agents per group at most
+    agent_turns: int = 3              # agentic: turns per sub-agent
+    max_gap: float = 0.0              # agentic: every gap at most this long (0: no cap)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class Workload:
     concurrency: int
     info: dict[str, Any]              # results.json's settings; arms add what they learn (token ids, timings)
     note: Callable[[str], None] = lambda message: None
+    agentic: agentic.AgenticWorkload | None = None    # `--workload agentic`: run instead of convs
+    agentic_warm: agentic.AgenticWorkload | None = None
 
 
 @dataclass
@@ -80,6 +89,8 @@ class Session:
 
     @property
     def requests_per_arm(self) -> int:
+        if self.workload.agentic is not None:
+            return self.workload.agentic.requests
         return sum(len(c.user_turns) for c in self.workload.convs)
 
 
@@ -101,12 +112,25 @@ def prepare(s: Settings) -> Session:
         raise UsageError("--verbatim-replies needs --api chat",
                          hint="vLLM's /v1/messages and /v1/responses take no allowed_token_ids")
     sizes = {"system_words": s.system_words, "user_words": s.user_words, "tool_words": s.tool_words}
-    convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns, **sizes)
+    agentic_wl = agentic_warm = None
+    if s.workload is not None and str(s.workload) == AGENTIC:
+        if s.restart_after or s.verbatim:
+            raise UsageError("--workload agentic runs without --restart-prefill-after-turn and --verbatim-replies")
+        agentic_wl = agentic.generate(s.seed, s.conversations, s.turns, s.scale, s.time_scale, s.max_agents,
+                                      s.agent_turns, s.max_gap)
+        # one short session on the same preamble: warms P as the traces' ever-present preamble would
+        agentic_warm = dataclasses.replace(agentic_wl, sessions=[
+            agentic.Chain(f"warmup-{s.seed}-{i}", f"warmup-{s.seed}-{i}", None, agentic_wl.sessions[0].turns[:2])
+            for i in range(min(1, s.warmup))])
+        convs = []
+    else:
+        convs = load(s.workload, s.seed) if s.workload else generate(s.seed, s.conversations, s.turns, **sizes)
     if s.restart_after and s.restart_after >= max(len(c.user_turns) for c in convs):
         raise UsageError(f"--restart-prefill-after-turn: {s.restart_after} leaves no turn after the restart",
                          hint="use a number below the turns per conversation")
     # The warm-up conversations have the measured ones' sizes, so they warm the same shapes.
-    warm = generate(s.seed + 1000, s.warmup, max(len(c.user_turns) for c in convs), **sizes) if s.warmup else []
+    warm = generate(s.seed + 1000, s.warmup, max(len(c.user_turns) for c in convs), **sizes) \
+        if s.warmup and convs else []
     if s.attach:
         if not ops.stored_plan(s.attach) or not ops.is_running(s.attach):
             raise NotRunningError(f"cluster {s.attach} is not running", hint="`pdserve status` lists clusters")
@@ -129,8 +153,10 @@ def prepare(s: Settings) -> Session:
     out = s.out or Path(f"bench-{base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream,
-            "api": s.api, "request_timeout_s": s.request_timeout, "give_up_after": s.give_up_after}
-    return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info), out)
+            "api": s.api, "request_timeout_s": s.request_timeout, "give_up_after": s.give_up_after,
+            **({"agentic_workload": agentic_wl.settings} if agentic_wl else {})}
+    return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info, agentic=agentic_wl,
+                                     agentic_warm=agentic_warm), out)
 
 
 def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[dict], None],
@@ -147,11 +173,13 @@ def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[d
     after_restart = report.after_pause(rows) if s.restart_after else None
     meta = {"config": str(s.config or BENCH_CONFIG) if not s.attach else s.attach,
             "arms": [a.name for a in session.arms],
-            "conversations": len(w.convs), "requests_per_arm": session.requests_per_arm,
+            "conversations": len(w.convs) if w.agentic is None else len(w.agentic.chains()),
+            "requests_per_arm": session.requests_per_arm,
             "concurrency": s.concurrency, "max_tokens": s.max_tokens, "seed": s.seed, "warmup_conversations": s.warmup,
             "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
             "by_turn_size": report.by_turn_size(rows), "per_arm": report.per_arm(session.rows),
             "host": report.host_facts(),
+            **({"agentic": agentic_report(session.rows, session.totals)} if w.agentic is not None else {}),
             **w.info, **({"after_prefill_restart": after_restart} if after_restart else {})}
     files = report.write_files(session.out, meta, session.rows, summary, session.totals)
     return Outcome(summary, meta, session.totals, after_restart, files)
@@ -186,6 +214,10 @@ def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], 
         w.info["verbatim_token_ids"] = ids
         extra = {"allowed_token_ids": ids}
     timeout = w.info["request_timeout_s"]
+    if w.agentic is not None:
+        if w.agentic_warm is not None and w.agentic_warm.sessions:
+            agentic.run_arm(f"{arm}-warmup", ep, w.agentic_warm, w.max_tokens, request_timeout=timeout)
+        return agentic.run_arm(arm, ep, w.agentic, w.max_tokens, 0, on_request, request_timeout=timeout)
     if w.warm:
         run_arm(f"{arm}-warmup", ep, w.warm, w.max_tokens, 1, extra=extra, request_timeout=timeout)
     turn = w.info["restart_prefill_after_turn"]

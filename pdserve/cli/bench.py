@@ -8,7 +8,9 @@ N` restarts the prefill servers mid-run. With no FILE it runs configs/bench-cpu.
 larger `pdserve:mid` model); configs/bench-cpu-many.yaml has more conversations than D has room for
 (`--arms timer,on`: D's fixed timer against the router's held-KV budget). `--attach NAME` measures a running
 cluster instead (one arm, as it is). `--api` sends the workload as Anthropic Messages or OpenAI Responses
-requests instead of chat completions."""
+requests instead of chat completions. `--workload agentic` runs sessions shaped like real Claude Code traces
+(pdserve/bench/agentic.py: a shared preamble, published turn sizes and gaps, sub-agent groups) and reports
+TTFT by context size, achieved against theoretical reuse and where each turn's KV came from."""
 
 from __future__ import annotations
 
@@ -38,7 +40,20 @@ def command(
                                                          "each arm: a fresh server's first requests include "
                                                          "one-time costs (kernel compilation, NIXL handshakes)."),
     workload: Path = typer.Option(None, "--workload", help="vLLM multi_turn input: a list of {id, messages} "
-                                                            "or a generate_conversations config (JSON)."),
+                                                            "or a generate_conversations config (JSON); or "
+                                                            "`agentic`: sessions shaped like Claude Code traces "
+                                                            "(--conversations sessions of --turns main turns)."),
+    scale: float = typer.Option(1 / 32, "--scale", min=1e-4, help="Agentic: the published sizes (preamble 24k, "
+                                                                   "turn p50 632 tokens) times this, in words."),
+    time_scale: float = typer.Option(0.01, "--time-scale", min=0.0, help="Agentic: the published gaps between "
+                                                                         "turns (p50 2 s, p90 24 s, p99 11.4 min) "
+                                                                         "times this."),
+    max_agents: int = typer.Option(16, "--max-agents", min=1, help="Agentic: sub-agents per group at most "
+                                                                   "(published p50 7)."),
+    agent_turns: int = typer.Option(3, "--agent-turns", min=0, help="Agentic: turns per sub-agent (0: no "
+                                                                    "sub-agents)."),
+    max_gap: float = typer.Option(0.0, "--max-gap", min=0.0, help="Agentic: every gap at most this many seconds "
+                                                                  "(0: no cap)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
     attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),
     verbatim: bool = typer.Option(False, "--verbatim-replies", help="Sample replies only from whole-word tokens "
@@ -74,7 +89,8 @@ def command(
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
         verbatim=verbatim, restart_after=restart_after, stream=stream, api=api,
         user_words=user_words, tool_words=tool_words, system_words=system_words, request_timeout=request_timeout,
-        give_up_after=give_up_after))
+        give_up_after=give_up_after, scale=scale, time_scale=time_scale, max_agents=max_agents,
+        agent_turns=agent_turns, max_gap=max_gap))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),
@@ -84,6 +100,8 @@ def command(
     _print_per_arm(outcome.meta.get("per_arm") or {}, outcome.meta.get("request_timeout_s"))
     if outcome.after_restart:
         _print_after_restart(outcome.after_restart, restart_after)
+    if outcome.meta.get("agentic"):
+        _print_agentic(outcome.meta["agentic"])
     console.info("wrote " + ", ".join(str(f) for f in outcome.files))
 
 
@@ -103,6 +121,36 @@ def _print_per_arm(arms: dict, timeout: float | None) -> None:
         table.add_row(arm, str(a["requests"]), _ms(a["ttft_p50_ms"]), _ms(a["ttft_p99_ms"]),
                       f"{a['failed']} ({errors})" if errors else "0", str(a["over_10s"]), str(a["failed_or_over_10s"]),
                       pulled, "-" if a["reuse_rate"] is None else f"{100 * a['reuse_rate']:.0f}%")
+    console.out.print(table)
+
+
+def _print_agentic(arms: dict) -> None:
+    table = Table(title="Agentic sessions: TTFT by context size (ms)", title_justify="left")
+    labels = list(dict.fromkeys(label for a in arms.values() for label in a["ttft_by_context"]))
+    table.add_column("context tokens")
+    for arm in arms:
+        table.add_column(f"{arm} p50")
+        table.add_column(f"{arm} p90")
+    for label in labels:
+        cells = [label]
+        for a in arms.values():
+            b = a["ttft_by_context"].get(label)
+            cells += [_ms(b["ttft_p50_ms"]), _ms(b["ttft_p90_ms"])] if b else ["-", "-"]
+        table.add_row(*cells)
+    console.out.print(table)
+    table = Table(title="Agentic sessions per arm: reuse achieved of what any cache could have served, and where "
+                        "each turn's KV came from (turns: P prefilled / P pulled D's / D alone)", title_justify="left")
+    for column in ("arm", "requests (sub-agents)", "failed", "over 10 s", "achieved / theoretical reuse",
+                   "turns p / d_pull / d_alone", "tokens: P cache / D pull / D alone / P computed", "gaps past D's TTL"):
+        table.add_column(column)
+    for arm, a in arms.items():
+        share = "-" if a["achieved_share"] is None else f"{100 * a['achieved_share']:.0f}%"
+        t, k = a["turns_by_kv_source"], a["reuse_tokens_by_source"]
+        table.add_row(arm, f"{a['requests']} ({a['subagent_requests']})", str(a["failed"]), str(a["over_10s"]),
+                      f"{a['achieved_reuse_tokens']:,.0f} / {a['theoretical_reuse_tokens']:,.0f} ({share})",
+                      f"{t['p']} / {t['d_pull']} / {t['d_alone']}",
+                      " / ".join(f"{k[s]:,.0f}" for s in ("p_prefix_cache", "d_pull", "d_alone", "computed_on_p")),
+                      f"{a['gaps_past_ttl']} of {a['gaps']}")
     console.out.print(table)
 
 

@@ -59,3 +59,21 @@ def test_bench_restarts_prefill_mid_run_and_counts_across_the_reset(tmp_path, ho
     assert after["prefix-cache"]["tokens_pulled"] == 0
     bad = pdserve("bench", str(path), "--turns", "3", "--restart-prefill-after-turn", "3")
     assert bad.returncode == 2 and "leaves no turn after the restart" in bad.stderr
+
+
+def test_bench_agentic_workload_reports_reuse_by_source(tmp_path, home, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    path, _ = write_config(tmp_path, "fa")
+    out = tmp_path / "out"
+    res = pdserve("bench", str(path), "--arms", "on", "--workload", "agentic", "--conversations", "2", "--turns", "3",
+                  "--max-agents", "2", "--agent-turns", "2", "--scale", "0.01", "--time-scale", "0.001",
+                  "--max-tokens", "4", "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads((out / "results.json").read_text())
+    rows = data["requests"]
+    a = data["agentic"]["on"]
+    assert len(rows) == a["requests"] == data["requests_per_arm"] == 14 and a["subagent_requests"] == 8
+    assert a["failed"] == 0 and a["theoretical_reuse_tokens"] > 0 and 0 < a["achieved_share"] <= 1
+    assert a["turns_by_kv_source"]["d_pull"] > 0 and a["preamble_tokens"] > 0
+    assert data["agentic_workload"]["agent_turns"] == 2
+    assert "Agentic sessions per arm" in res.stdout and "achieved / theoretical reuse" in res.stdout

@@ -1,0 +1,106 @@
+"""`pdserve bench --workload agentic`'s generator holds the published shape of Claude Code traces (gaps, turn
+sizes, reuse per turn, sub-agent groups), deterministically; its report adds up achieved against theoretical
+reuse per source; its runner forks sub-agents from the parent's history with Claude Code's headers."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from pdserve.bench import agentic
+from pdserve.bench.agentic_report import agentic_report, context_bucket
+from pdserve.bench.run import Endpoints
+
+
+def quantile(values: list[float], q: float) -> float:
+    return sorted(values)[int(q * len(values))]
+
+
+def test_gaps_have_the_published_quantiles_and_some_pass_ds_timer():
+    rng = random.Random(1)
+    gaps = [agentic.gap_seconds(rng.random()) for _ in range(20_000)]
+    assert quantile(gaps, 0.5) == pytest.approx(2.0, rel=0.1)
+    assert quantile(gaps, 0.9) == pytest.approx(24.0, rel=0.15)
+    assert quantile(gaps, 0.99) == pytest.approx(684.0, rel=0.25)
+    past = sum(g > agentic.DECODER_TTL_S for g in gaps) / len(gaps)
+    assert 0.005 < past < 0.03          # p99 (11.4 min) is past 480 s: about 1.5% of gaps
+
+
+def test_turns_add_the_published_median_and_nearly_all_reuse_90_percent_of_their_input():
+    wl = agentic.generate(seed=3, sessions=20, turns=40, scale=1.0, time_scale=1.0, agent_turns=0)
+    sizes, reusing = [], []
+    for s in wl.sessions:
+        context = len(wl.preamble.split())
+        for t in s.turns:
+            added = len(t.text.split()) - 3          # "Task step N:" words
+            sizes.append(added)
+            reusing.append(context / (context + added) >= 0.9)
+            context += added
+    assert statistics.median(sizes) == pytest.approx(agentic.TURN_TOKENS_P50, rel=0.1)
+    assert sum(reusing) / len(reusing) >= 0.94      # published: 96% of turns
+
+
+def test_subagent_groups_have_the_published_size_and_share_and_claude_codes_headers():
+    wl = agentic.generate(seed=5, sessions=40, turns=20, scale=0.01, max_agents=16, agent_turns=3)
+    groups = [g for s in wl.sessions for g in s.forks.values()]
+    assert statistics.median(len(g) for g in groups) == pytest.approx(agentic.AGENTS_P50, abs=1)
+    chains = wl.chains()
+    sub = sum(len(c.turns) for c in chains if c.agent)
+    assert 0.4 < sub / wl.requests < 0.6            # published: half the requests
+    for s in wl.sessions:
+        assert s.headers == {"X-Claude-Code-Session-Id": s.root}
+        assert all(k < len(s.turns) - 1 for k in s.forks)             # a fork has a parent turn after it
+        for group in s.forks.values():
+            for a in group:
+                assert a.headers == {"X-Claude-Code-Session-Id": s.root, "X-Claude-Code-Agent-Id": a.agent}
+                assert a.turns[0].gap_s == 0
+    assert len({c.id for c in chains}) == len(chains)
+    small = agentic.generate(seed=5, sessions=2, turns=4, max_agents=2, agent_turns=2)
+    assert all(len(g) <= 2 for s in small.sessions for g in s.forks.values())
+
+
+def test_the_same_seed_gives_the_same_workload_and_gaps_scale_and_cap():
+    a, b = (agentic.generate(seed=9, sessions=3, turns=6, time_scale=0.5) for _ in range(2))
+    assert [(t.text, t.gap_s) for c in a.chains() for t in c.turns] == \
+           [(t.text, t.gap_s) for c in b.chains() for t in c.turns]
+    assert agentic.generate(seed=10, sessions=3, turns=6).preamble != a.preamble
+    capped = agentic.generate(seed=9, sessions=3, turns=6, time_scale=0.5, max_gap=1.0)
+    assert max(t.gap_s for c in capped.chains() for t in c.turns) <= 1.0
+    assert [t.past_ttl for c in capped.chains() for t in c.turns] == [t.past_ttl for c in a.chains() for t in c.turns]
+
+
+def test_the_runner_forks_subagents_from_the_parents_history_and_reports_reuse(monkeypatch):
+    wl = agentic.generate(seed=2, sessions=1, turns=3, scale=0.002, max_agents=2, agent_turns=2)
+    wl.sessions[0].forks = {0: wl.sessions[0].forks.get(0) or next(iter(wl.sessions[0].forks.values()))}
+    sent: list[tuple[list, dict]] = []
+
+    def fake_chat(ep, messages, max_tokens, timeout, headers):
+        sent.append((messages, headers))
+        prompt = 100 * len(messages)
+        return {"reply": f"r{len(sent)}", "prompt_tokens": prompt, "completion_tokens": 5, "latency_s": 0.1,
+                "ttft_s": 0.05, "pulled": 50 if len(messages) > 2 else 0, "plan": "prefill_then_decode"}
+    monkeypatch.setattr(agentic, "chat", fake_chat)
+    monkeypatch.setattr(agentic, "summed_metrics", lambda urls: {})
+    monkeypatch.setattr(agentic, "preamble_tokens", lambda ep, preamble: 40)
+    rows, totals = agentic.run_arm("on", Endpoints("http://r", ["http://p"], "m"), wl, 4, sleep=lambda s: None)
+    assert len(rows) == wl.requests == 3 + 2 * 2
+    first = sent[0][0]
+    for messages, headers in sent:
+        if "X-Claude-Code-Agent-Id" in headers:
+            assert messages[:len(first) + 1] == [*first, {"role": "assistant", "content": "r1"}]   # the fork
+    sub_first = [r for r in rows if r["agent"] and r["turn"] == 1]
+    assert all(r["theoretical_tokens"] == 200 + 5 - 1 for r in sub_first)      # the parent's sequence
+    assert next(r for r in rows if not r["agent"] and r["turn"] == 1)["theoretical_tokens"] == 40   # preamble
+    report = agentic_report(rows, {"on": {**totals, "tokens_prefix_cache": 10.0}})["on"]
+    assert report["failed"] == 0 and report["subagent_requests"] == 4
+    assert report["achieved_reuse_tokens"] == 10 + 50 * sum(r["kv_source"] == "d_pull" for r in rows)
+    assert report["theoretical_reuse_tokens"] == sum(r["theoretical_tokens"] for r in rows)
+    assert report["turns_by_kv_source"]["d_pull"] == 6 and report["turns_by_kv_source"]["p"] == 1
+    assert list(report["ttft_by_context"]) == ["0-1k"]
+
+
+def test_context_buckets_double():
+    assert [context_bucket(n)[1] for n in (0, 1023, 1024, 5000, 70_000)] == ["0-1k", "0-1k", "1-2k", "4-8k",
+                                                                              "64-128k"]
