@@ -21,7 +21,10 @@ Usage: .venv/bin/python benchmarks/router/bench_router.py [--duration 5] [--out 
        [--arms pdserve vllm-router] [--runs N] [--clients 1 64] [--no-stream] [--api chat messages responses]
 
 `--runs N` repeats the measurement N times, the arms interleaved in each run (a noisy neighbour hits both
-alike), and prints every run's figures, not only a mean.
+alike), and prints every run's figures, not only a mean. Every cell prints the proxy's CPU microseconds per
+request (us/req: its CPU seconds over the cell, psutil, by the requests answered) beside req/s; with a pdserve
+arm and vllm-router, a last table puts each pdserve cell beside vllm-router's: the req/s ratio, both p50s and
+both us/req (on a loaded box the ratio swings, the CPU per request much less).
 
 `--api chat messages responses` sends the same two-leg turn as OpenAI chat completions, Anthropic Messages
 (`/v1/messages`) or OpenAI Responses (`/v1/responses`, message items, store off), each API's cells interleaved
@@ -269,6 +272,23 @@ async def main_async(args) -> dict:
         and args.clients == [1, 64] and args.stream and args.api == ["chat"] else {"rows": rows}
 
 
+def print_against(rows: list[dict], other: str = "vllm-router") -> None:
+    """Each pdserve arm beside `other` cell by cell: the req/s ratio, the p50s and both routers' CPU per request
+    (what a change to the router's hot path moves, far less with the neighbours' load than req/s)."""
+    cells = {(r["run"], r["api"], r["stream"], r["clients"], r["proxy"]): r for r in rows}
+    pairs = [(r, cells.get((r["run"], r["api"], r["stream"], r["clients"], other))) for r in rows
+             if r["proxy"].startswith("pdserve")]
+    pairs = [(ours, theirs) for ours, theirs in pairs if theirs is not None]
+    if not pairs:
+        return
+    print(f"\n{'run':>3s} {'arm':22s} {'api':9s} {'stream':6s} {'clients':>7s} {'req/s x':>8s} {'p50 ms':>13s} "
+          f"{'us/req':>11s}   (pdserve/{other})")
+    for ours, theirs in pairs:
+        print(f"{ours['run']:3d} {ours['proxy']:22s} {ours['api']:9s} {str(ours['stream']):6s} {ours['clients']:7d} "
+              f"{ours['rps'] / theirs['rps']:7.2f}x {ours['p50_ms']:6.2f}/{theirs['p50_ms']:<6.2f} "
+              f"{ours['proxy_cpu_us_per_request']:5.0f}/{theirs['proxy_cpu_us_per_request']:<5.0f}")
+
+
 def summarize(rows: list[dict]) -> dict:
     def get(proxy, stream, clients):
         return next(r for r in rows if r["proxy"] == proxy and r["stream"] == stream and r["clients"] == clients)
@@ -459,6 +479,7 @@ def main() -> None:
                   f"{r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {r['proxy_cpu_percent'] or 0:6.0f} "
                   f"{r['proxy_cpu_us_per_request'] or 0:7.0f} {r['proxy_preempted_per_s'] or 0:9.0f} "
                   f"{r['load_cpu_percent']:10.0f}  {'/'.join(map(str, r['cores_busy_percent']))}")
+        print_against(result["rows"])
         return
     print(f"{'stream':7s} {'added p50 ms':>13s} {'added p99 ms':>13s} {'rps@64':>8s} "
           f"{'baseline added p50':>19s} {'baseline rps@64':>16s} {'ratio':>6s}")
