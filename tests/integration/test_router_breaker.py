@@ -77,3 +77,27 @@ async def test_abandoned_reuse_hit_trial_on_completions_frees_the_half_open_slot
         received = len(p.received)
         status, _ = await dep.post(CHAT, HI)
         assert status == 200 and len(p.received) == received + 1
+
+
+async def test_a_router_side_failure_while_relaying_a_good_stream_never_counts_against_d():
+    """Issue 45: whatever the router raised while relaying D's stream counted as D breaking it, so a bug of the
+    router's (the fuzz round's: a conversation id it could not store) opened D's breaker in three turns, and
+    the next turns were served whole on P. Injected here: the router's own bookkeeping fails at the first
+    chunk of every stream. The client gets the format's error event; D's breaker stays closed."""
+    async with deployment() as dep:
+        flow = dep.router[FLOW]
+
+        def broken(*_args, **_kwargs):
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+        flow.d_leg.costs.observe_first_token = broken
+        d = dep.decode[0][FAKE]
+        for _ in range(4):
+            async with dep.session.post(dep.url + CHAT, json={**HI, "stream": True}) as resp:
+                text = await resp.text()
+            assert resp.status == 200 and '"error"' in text and "router" in text and "decode-0" not in text, text
+        backend = flow.decode.backends[0]
+        assert backend.breaker.state != OPEN and backend.breaker.failures == 0
+        received = len(d.received)
+        status, _ = await dep.post(CHAT, HI)
+        assert status == 200 and len(d.received) == received + 1      # D still serves: no degraded turn

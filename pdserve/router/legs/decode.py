@@ -32,6 +32,10 @@ from pdserve.router.wire import PREFILL_THEN_DECODE
 log = logging.getLogger("pdserve.router")
 
 
+class BadAnswer(Exception):
+    """D sent what the relay cannot take (its __cause__ says what): D's failure."""
+
+
 class DecodeLeg:
     def __init__(self, upstream: Upstream, metrics: RouterMetrics, costs: CostModel, max_output_tokens: int = 0):
         self.upstream = upstream
@@ -114,7 +118,10 @@ class DecodeLeg:
                 await _to_client(out.prepare(request))
                 first = True
                 async for data in resp.content.iter_any():
-                    chunk = relay.feed(data)
+                    try:
+                        chunk = relay.feed(data)
+                    except Exception as err:   # noqa: BLE001 - the relay parses D's bytes only
+                        raise BadAnswer() from err
                     if ok is None and (relay.done or collector.kv_params is not None):
                         yield self._finished(turn, backend, relay, track)
                         ok = True
@@ -133,14 +140,17 @@ class DecodeLeg:
                                 self.costs.observe_local(backend.name, d_first, turn.local_tokens)
                             elif turn.plan == PREFILL_THEN_DECODE and not turn.degraded:
                                 self.costs.observe_first_token(backend.name, d_first)
-                tail = relay.close()
+                try:
+                    tail = relay.close()
+                except Exception as err:       # noqa: BLE001 - as feed
+                    raise BadAnswer() from err
                 if ok is None and relay.done:
                     yield self._finished(turn, backend, relay, track)
                     ok = True
                 if tail:
                     await _to_client(out.write(tail))
                 if not relay.done:
-                    raise ValueError("the stream ended before the end of the answer")
+                    raise BadAnswer() from ValueError("the stream ended before the end of the answer")
             await _to_client(out.write_eof())
             yield out
         except ClientGone:
@@ -154,19 +164,31 @@ class DecodeLeg:
                 yield FAILED
             ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
             yield out
-        except Exception as err:  # noqa: BLE001 - D sent what the relay cannot handle: its fault, not a 500
+        except BadAnswer as bad:   # D sent what the relay cannot take: its fault, not a 500
             if out is None:
                 raise
             if not ok:
                 yield FAILED
-            ok = await self._broken_stream(out, backend, turn, err, ok, relay.done)
+            ok = await self._broken_stream(out, backend, turn, bad.__cause__ or bad, ok, relay.done)
+            yield out
+        except Exception as err:  # noqa: BLE001 - the router's own failure on D's good answer: never D's
+            if out is None:
+                raise
+            log.exception("%s: the router failed relaying %s server %s's stream", turn.request_id, backend.role,
+                          backend.name)
+            if not ok:
+                yield FAILED
+            ok = await self._broken_stream(out, backend, turn, err, ok, relay.done, routers_own=True) or None
             yield out
         finally:
             pool.release(backend, ok, trial)
 
     def _finished(self, turn: Turn, backend: Backend, relay: StreamRelay, track: bool) -> Finished:
         """D has finished the answer: count D's success; the turn is to be kept."""
-        relay.finish()
+        try:
+            relay.finish()      # the reply read from D's lines
+        except Exception as err:   # noqa: BLE001 - as feed
+            raise BadAnswer() from err
         self.upstream.count(backend, turn.route, True)
         turn.suspects.served()
         # A stream longer than the bound kept neither its lines nor its ids: served, not remembered.
@@ -188,19 +210,21 @@ class DecodeLeg:
         return not backend_at_fault(resp.status, data), resp.status, data
 
     async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException,
-                             finished: bool | None, done_sent: bool) -> bool | None:
+                             finished: bool | None, done_sent: bool, routers_own: bool = False) -> bool | None:
         """Bytes already reached the client: never retry or restart the stream. If D had finished its
         answer, only its last bytes were lost: end the stream as D would have. Otherwise end it with an
         error event in the client's format (and its end marker), and the turn failed. Returns the breaker
-        verdict. The turn failed unless D had finished (the caller yields FAILED first)."""
-        if not finished:
+        verdict. The turn failed unless D had finished (the caller yields FAILED first). `routers_own`: the
+        router failed, not D (the caller gives D no verdict then)."""
+        failure = "the router failed relaying the answer" if routers_own else \
+            f"{backend.role} server {backend.name} failed mid-stream"
+        if not finished and not routers_own:
             self.upstream.count(backend, turn.route, False)
             log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
                         type(err).__name__)
         with contextlib.suppress(ConnectionError, RuntimeError):
             if not finished:
-                await out.write(turn.fmt.stream_error(f"{backend.role} server {backend.name} failed mid-stream: "
-                                                      f"{type(err).__name__}"))
+                await out.write(turn.fmt.stream_error(f"{failure}: {type(err).__name__}"))
             elif not done_sent:
                 await out.write(turn.fmt.stream_end())
             await out.write_eof()
