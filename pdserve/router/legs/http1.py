@@ -21,7 +21,8 @@ answer, 101 Switching Protocols, a parse error, an answer over `max_answer_bytes
 one request's answer is not handed to another. An answer that names another request (its `X-Request-Id`, which
 vLLM echoes with --enable-request-id-headers, is not the one sent) is skipped as an interim one is, and its
 connection closed after the answer: a stray answer that comes after the next request was written, which
-nothing else in HTTP/1.1 tells apart, is caught that way. An answer larger than `max_answer_bytes` is refused
+nothing else in HTTP/1.1 tells apart, is caught that way; an answer that does not echo the id is not kept
+(its backend gets a connection per request, so a stray has no next request to reach). An answer larger than `max_answer_bytes` is refused
 (AnswerTooLarge) as soon as it is, not read to its end.
 """
 
@@ -96,6 +97,7 @@ class _Connection(asyncio.Protocol):
         self.framed = False          # Content-Length or chunked; else the body ends at the close
         self.interim = False         # the message parsed is a 1xx
         self.foreign = False         # the message parsed names another request (X-Request-Id)
+        self.echoed = False          # ... or names this one
         self.length: int | None = None   # Content-Length
         # a streamed answer, once its head came: being read, its end, its failure, the reader waiting, paused
         self.flowing = False
@@ -149,7 +151,7 @@ class _Connection(asyncio.Protocol):
             if self.streaming:
                 return               # the body read so far is still the reader's
         self.content_type, self.body, self.size, self.headers_done, self.framed = "", [], 0, False, False
-        self.foreign, self.length = False, None
+        self.foreign, self.length, self.echoed = False, None, False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -159,8 +161,11 @@ class _Connection(asyncio.Protocol):
             self.framed = True       # llhttp reads both (and refuses what is not chunked-last)
             if name == b"content-length" and value.strip().isdigit():
                 self.length = int(value)
-        elif name == b"x-request-id" and self.request_id and value.strip().lower() != self.request_id:
-            self.foreign = True
+        elif name == b"x-request-id" and self.request_id:
+            if value.strip().lower() == self.request_id:
+                self.echoed = True
+            else:
+                self.foreign = True
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -199,10 +204,17 @@ class _Connection(asyncio.Protocol):
             return
         if self.streaming:
             if self.flowing:
-                self.flowing, self.finished, self.keep = False, True, self.parser.should_keep_alive()
+                self.flowing, self.finished = False, True
+                self.keep = self.parser.should_keep_alive() and self.told_apart()
                 self._wake()
             return
         self._complete(self.parser.should_keep_alive())
+
+    def told_apart(self) -> bool:
+        """Could a stray answer on this connection be told from the next request's? Only by the request id
+        the answer echoes: a backend that echoes none gets a new connection per request (a copy of an answer
+        arriving after the next request was written would otherwise be taken for its answer)."""
+        return self.echoed or not self.request_id
 
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -217,7 +229,7 @@ class _Connection(asyncio.Protocol):
         if self.answer is not None and not self.answer.done():
             self.answers += 1
             self.answer.set_result((self.parser.get_status_code(), self.content_type, b"".join(self.body),
-                                    keep and not self.closed and not self.tainted))
+                                    keep and not self.closed and not self.tainted and self.told_apart()))
             self.body = []
 
     def _fail(self, err: Exception) -> None:
