@@ -186,7 +186,11 @@ def _held_lines(r: dict) -> list[Text]:
     held = r.get("held_kv") or {}
     if not held.get("tokens") and not held.get("control"):
         return []       # held_kv off, or no decode server seen yet
-    per = ", ".join(f"{d} {t}/{held['budget'].get(d) or '-'}" for d, t in sorted(held["tokens"].items()))
+    tenants = held.get("tenants") or {}       # more than one: the budget is shared fairly between them
+
+    def server(d: str, t: int) -> str:
+        return f"{d} {t}/{held['budget'].get(d) or '-'}" + (f" ({tenants[d]} tenants)" if tenants.get(d, 0) > 1 else "")
+    per = ", ".join(server(d, t) for d, t in sorted(held["tokens"].items()))
     released = ", ".join(f"{k} {v}" for k, v in sorted(held.get("releases", {}).items()) if v) or "none"
     failed = sum(held.get("failures", {}).values())
     out = [Text(f"held KV on decode (tokens/budget): {per or '-'}; released: {released}; renewed "

@@ -15,7 +15,7 @@ ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_first", "reuse_decode_onl
          "reuse_tokens_pulled", "prefill_tokens_local_cached", "store_errors")
 ADDED_BY_LABEL = ("misses_by_reason", "turn_outcomes", "degraded_requests")
 HELD_BY_DECODE = {names.HELD_TOKENS: "tokens", names.HELD_BUDGET: "budget", names.HELD_CAPACITY: "capacity",
-                  names.HELD_CONTROL: "control"}
+                  names.HELD_CONTROL: "control", names.HELD_TENANTS: "tenants"}
 BACKEND_GAUGES = {names.BACKEND_HEALTHY: "healthy", names.BACKEND_BREAKER_OPEN: "breaker_open",
                   names.BACKEND_IN_FLIGHT: "in_flight"}
 
@@ -71,7 +71,7 @@ def summarize(samples: Samples) -> dict[str, Any]:
     by_api: dict[str, Counter[str]] = {}     # api -> turns, hits (decode_only: on D alone), misses, first
     missing_roles: list[str] = []
     backends: dict[str, dict[str, Any]] = {}
-    held: dict[str, Any] = {"tokens": {}, "budget": {}, "capacity": {}, "control": {}, "releases": {},
+    held: dict[str, Any] = {"tokens": {}, "budget": {}, "capacity": {}, "control": {}, "tenants": {}, "releases": {},
                             "renewals": 0, "failures": {}}
     for (name, label_set), value in samples.items():
         labels = dict(label_set)
@@ -146,6 +146,9 @@ def add_held(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     capacity and budget are the same for both, its control the same unless one could not reach it."""
     return {"tokens": dict(Counter(a["tokens"]) + Counter(b["tokens"])),
             "budget": {**b["budget"], **a["budget"]}, "capacity": {**b["capacity"], **a["capacity"]},
+            # tenants may hold KV through both: the larger count is the one known for certain
+            "tenants": {d: max(a.get("tenants", {}).get(d, 0), b.get("tenants", {}).get(d, 0))
+                        for d in {*a.get("tenants", {}), *b.get("tenants", {})}},
             "control": {d: min(a["control"].get(d, 1), b["control"].get(d, 1))
                         for d in {*a["control"], *b["control"]}},
             "releases": dict(Counter(a["releases"]) + Counter(b["releases"])),

@@ -34,8 +34,10 @@ class RouterConfig:
     decoder_kv_blocks_ttl: float = 480.0   # D keeps a finished turn's blocks this long (kv_transfer's)
     # Held KV on the decode servers (held.py): released when no longer needed, a budget, a lease.
     held_kv: bool = True               # off: D frees held blocks only at its own timer (or P's read)
-    held_kv_share: float = 0.5         # held tokens per D stay under this share of its KV capacity (0: no budget)
-    held_kv_lease: float = 3600.0      # renew a conversation's blocks while it was used less than this ago (0: no lease)
+    held_kv_share: float = 0.5         # held tokens per D stay under this share of its KV capacity (0: no budget),
+                                       #   the tenant holding the most released first (held_ledger.over_budget)
+    held_kv_lease: float = 3600.0      # renew a conversation that came back until this long after its last turn
+                                       #   (0: no lease; a one-turn conversation goes at reuse_ttl)
     request_timeout: float = 600.0
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024

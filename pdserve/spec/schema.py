@@ -150,7 +150,8 @@ class RouterSpec(Strict):
     held_kv: bool = router_field(
         "held_kv", "Manage the KV blocks decode servers hold for the next turns (docs/router.md, 'Held KV on the "
         "decode servers'): release at once what the router no longer needs, keep each server's held tokens under "
-        "held_kv_share of its KV cache (least recently used released first), and renew the blocks of conversations "
+        "held_kv_share of its KV cache (the least recently used of the tenant holding the most released first: "
+        "equal shares between tenants), and renew the blocks of conversations "
         "still in use past decoder_kv_blocks_ttl. Off: decode servers free held blocks only at their timer, so a "
         "full KV cache makes new turns wait for it. Needs the decode servers run through pdserve's entry (the "
         "default with bidirectional_kv_xfer).")
@@ -158,9 +159,9 @@ class RouterSpec(Strict):
         "held_kv_share", "Share of each decode server's KV cache (its vllm:cache_config_info) the blocks held for "
         "next turns may fill; the rest stays for the requests running. 0: no budget (and no lease).", ge=0, le=1)
     held_kv_lease: float = router_field(
-        "held_kv_lease", "Seconds a conversation's held blocks are renewed after its last turn, while its decode "
-        "server is under budget (the lease); after that, or with 0, they go at decoder_kv_blocks_ttl as before.",
-        ge=0)
+        "held_kv_lease", "Seconds after a conversation's last turn its held blocks may still be renewed (the lease), "
+        "while its decode server is under budget, if the conversation came back (a turn after its first): one that "
+        "never did goes at reuse_ttl. Past it, or with 0, they are released at the router's own expiry.", ge=0)
     breaker_failures: int = router_field("breaker_failures", "Consecutive failed requests that open a "
                                          "backend's circuit breaker.", ge=1)
     breaker_cooldown: float = router_field("breaker_cooldown", "Seconds an open breaker waits before one trial "

@@ -3,7 +3,8 @@ smaller. More conversations than D's KV cache holds, two turns each, through the
 client: no request fails or takes over 10 s (before, a new turn waited for D's timer once held turns filled
 the cache), every second turn either reuses or recomputes with a counted reason, and what D itself lists as
 held (GET /pdserve/held) never stays over the router's budget. Then a conversation left idle twice
-decoder_kv_blocks_ttl still reuses: the router renewed its blocks on D and handed P the renewed deadline."""
+decoder_kv_blocks_ttl after its second turn still reuses: the router renewed its blocks on D and handed P the
+renewed deadline."""
 
 from __future__ import annotations
 
@@ -118,11 +119,14 @@ def test_more_conversations_than_d_holds_never_wait_and_an_idle_one_still_reuses
     assert sum(misses.values()) == len(turn2) - hits, misses
     assert hits >= 1 and misses.get("released", 0) >= 1 and after["held_kv"]["releases"]["lru"] >= 1
 
-    # idle twice decoder_kv_blocks_ttl: the lease keeps its blocks while D has room
+    # idle twice decoder_kv_blocks_ttl after it came back: the lease keeps its blocks while D has room (a
+    # conversation of one turn is not leased: it goes at reuse_ttl)
     history = [message(100, 1)]
     chat(client, 100, history)
-    time.sleep(2 * TTL + 5)
     history.append(message(100, 2))
+    chat(client, 100, history)
+    time.sleep(2 * TTL + 5)
+    history.append(message(100, 3))
     pulled_before = external_tokens(cluster)
     took, pulled = chat(client, 100, history)
     last = read_router(cluster["router"])["held_kv"]

@@ -5,103 +5,15 @@ P, a restarted server's)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import pytest
 
-from pdserve.router.config import RouterConfig
 from pdserve.router.kv.held import LRU, RELEASED, HeldKV
-from pdserve.router.kv.held_control import CONTROL, P_READ_MARGIN_S
+from pdserve.router.kv.held_control import P_READ_MARGIN_S
 from pdserve.router.kv.held_ledger import Ledger, capacity_of, held_tokens
 from pdserve.router.kv.store_memory import MemoryTable
 from pdserve.router.telemetry.metrics import RouterMetrics
-
-BLOCK = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def params(rid: str, tokens: int, engine: str = "e1", deadline: float = 5000.0) -> dict:
-    return {"remote_request_id": rid, "remote_engine_id": engine, "remote_num_tokens": tokens,
-            "remote_block_ids": [list(range(-(-tokens // BLOCK)))], "remote_blocks_expiry_time": deadline,
-            "do_remote_decode": True}
-
-
-@dataclass
-class FakeTurn:
-    request_id: str
-    plan: str = "prefill_then_decode"
-    prefill_ms: float | None = None
-    pulled: int | None = None
-
-
-class FakeControl:
-    """D's control routes and /metrics: answers what a real D would, records every call."""
-
-    def __init__(self, capacity: int = 1024, status: int = 200):
-        self.capacity = capacity
-        self.status = status
-        self.calls: list[tuple[str, str, str, dict | None]] = []
-        self.held: set[str] = set()      # what D still holds (renew answers "unknown" for the rest)
-        self.now = 100.0                 # D's clock
-
-    async def call(self, decode, method, path, body=None):
-        self.calls.append((decode, method, path, body))
-        if path == "/metrics":
-            return 200, (f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0",'
-                         f'num_gpu_blocks="{self.capacity // BLOCK}"}} 1.0\n')
-        if self.status != 200:
-            return self.status, None
-        if path == CONTROL:
-            return 200, {"now": self.now, "held": []}
-        ids = body["request_ids"]
-        if path.endswith("/release"):
-            self.held -= set(ids)
-            return 200, {"now": self.now, "results": {rid: {"status": "released"} for rid in ids}}
-        return 200, {"now": self.now, "results": {
-            rid: {"status": "renewed", "deadline": self.now + body["ttl"]} if rid in self.held
-            else {"status": "unknown"} for rid in ids}}
-
-    def released(self) -> list[tuple[list[str], float]]:
-        return [(body["request_ids"], body["grace"]) for _, _, path, body in self.calls if path.endswith("/release")]
-
-
-def cfg(**kw) -> RouterConfig:
-    base = {"prefill": [], "decode": [{"name": "d0", "url": "http://x"}], "model": "m", "reuse_ttl": 432.0}
-    return RouterConfig.from_dict({**base, **kw})
-
-
-async def rig(capacity: int = 1024, **kw) -> tuple[HeldKV, MemoryTable, FakeControl, Clock, RouterMetrics]:
-    clock, control, metrics = Clock(), FakeControl(capacity), RouterMetrics()
-    c = cfg(**kw)
-    table = MemoryTable(c.reuse_ttl, clock)
-    held = HeldKV(c, ["d0", "d1"], metrics, control, clock)
-
-    class Store:        # what attach looks for: a memory store's table
-        pass
-    store = Store()
-    store.table = table
-    assert held.attach(store)
-    await held.learn("d0")
-    await held.learn("d1")
-    return held, table, control, clock, metrics
-
-
-def put(table: MemoryTable, control: FakeControl, clock: Clock, conv: str, rid: str, tokens: int,
-        decode: str = "d0", engine: str = "e1") -> None:
-    clock.t += 1
-    control.held.add(rid)
-    table.put(("t", conv), params(rid, tokens, engine), decode, 0, None, alias=("t", "prompt-" + conv))
-
-
-def sample(metrics: RouterMetrics, name: str, **labels) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
+from tests.kits.held_fakes import BLOCK, Clock, FakeControl, FakeTurn, cfg, params, put, rig, sample
 
 
 # -- reading D -----------------------------------------------------------------------------------------
@@ -163,15 +75,15 @@ def test_the_lease_renews_table_entries_near_their_expiry_under_budget_and_withi
     clock = Clock()
     ledger = Ledger(0.5, 100, clock)
     ledger.decode("d0").capacity, ledger.decode("d0").control = 1000, True
-    ledger.add(("t", "a"), params("ra", 100), "d0", expires=clock.t + 10)
-    ledger.add(("t", "b"), params("rb", 100), "d0", expires=clock.t + 60)
-    ledger.add(("t", "c"), params("rc", 100), "d0", expires=clock.t + 10)
+    ledger.add(("t", "a"), params("ra", 100), "d0", expires=clock.t + 10, continued=True)
+    ledger.add(("t", "b"), params("rb", 100), "d0", expires=clock.t + 60, continued=True)
+    ledger.add(("t", "c"), params("rc", 100), "d0", expires=clock.t + 10, continued=True)
     ledger.take("rc")
     assert [h.request_id for h in ledger.due(lead=15)] == ["ra"]
     clock.t += 100                                  # used longer ago than the lease
     assert ledger.due(lead=1000) == []
     ledger.lease = 1000
-    ledger.add(("t", "d"), params("rd", 400), "d0", expires=clock.t + 1)    # now over budget
+    ledger.add(("t", "d"), params("rd", 400), "d0", expires=clock.t + 1, continued=True)    # now over budget
     assert ledger.due(lead=1000) == []
     assert Ledger(0.5, 0, clock).due(lead=1000) == []
 
@@ -247,8 +159,8 @@ async def test_a_turn_the_router_keeps_nothing_of_is_released_at_once():
 
 async def test_the_lease_renews_before_the_routers_expiry_and_hands_p_the_new_deadline():
     held, table, control, clock, metrics = await rig(decoder_kv_blocks_ttl=480.0)
-    put(table, control, clock, "a", "ra", 100)
-    put(table, control, clock, "b", "rb", 100)
+    put(table, control, clock, "a", "ra", 100, continued=True)
+    put(table, control, clock, "b", "rb", 100, continued=True)
     control.held.discard("rb")                          # D let rb go (its timer)
     assert await held.renew_due() == 0                  # not due yet
     clock.t += 432 - held.lease.lead + 1
@@ -265,7 +177,7 @@ async def test_the_lease_renews_before_the_routers_expiry_and_hands_p_the_new_de
 
 async def test_pressure_wins_over_the_lease_a_renewed_idle_conversation_is_released_first():
     held, table, control, clock, metrics = await rig(capacity=1024, decoder_kv_blocks_ttl=480.0)   # budget 512
-    put(table, control, clock, "idle", "r-idle", 200)
+    put(table, control, clock, "idle", "r-idle", 200, continued=True)
     clock.t += 432 - held.lease.lead + 1
     assert await held.renew_due() == 1                  # renewed: alive past D's timer, as old as its last turn
     for i in range(2):
@@ -387,8 +299,8 @@ async def test_a_malformed_renew_answer_is_a_counted_failure_said_once_and_the_o
     """Issue 45: a malformed renew answer raised in the lease round (a traceback every ~0.4 s) and aborted the
     renewals of every other decode server too."""
     held, table, control, clock, metrics = await rig(decoder_kv_blocks_ttl=480.0)
-    put(table, control, clock, "a", "ra", 100, decode="d0")
-    put(table, control, clock, "b", "rb", 100, decode="d1")
+    put(table, control, clock, "a", "ra", 100, decode="d0", continued=True)
+    put(table, control, clock, "b", "rb", 100, decode="d1", continued=True)
     real = control.call
 
     async def call(decode, method, path, body=None):

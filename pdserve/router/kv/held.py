@@ -10,16 +10,21 @@ D's control routes (pdserve/engine/held.py, installed by pdserve's entry: `GET /
 decides when:
 
 - **Budget.** Per D, the tokens held by the entries this router stored stay under `held_kv_share` of D's KV
-  capacity (its `vllm:cache_config_info`). A stored turn that crosses it releases that D's least recently used
-  entries (`lru`); their conversations' next turns recompute (miss reason `released`).
+  capacity (its `vllm:cache_config_info`). A stored turn that crosses it releases entries of the tenant
+  (identity.reuse_scope) holding the most on that D, least recently used first, while it holds more than its
+  equal share (the budget over the tenants holding anything there): its own (`lru`), or another's
+  (`over_share`); a tenant within its share keeps its conversations whoever floods. Their next turns
+  recompute (miss reason `released`).
 - **At once, what the router no longer needs:** an entry replaced by a newer one under the same key
   (`replaced`), evicted from the table by its size bounds (`evicted`) or its TTL (`expired`), taken for a turn
   that did not pull it (`unused`: a miss, or a turn served on D alone), and the handles of a turn the router
   keeps no entry for (`untracked`: no conversation identity).
 - **Lease.** Entries still in the table are renewed on D (`ttl` decoder_kv_blocks_ttl) before the router's own
-  expiry while their D is under budget and they were used less than `held_kv_lease` ago; the renewed deadline
-  (D's clock) replaces `remote_blocks_expiry_time` in the stored params (P declines a read within 5 s of the
-  deadline it is handed) and the entry's expiry in the table follows it.
+  expiry while their D is under budget, their conversation came back (a turn after its first stored them: a
+  one-turn conversation goes at reuse_ttl) and the renewal keeps them no longer than `held_kv_lease` after
+  their last use (that, or reuse_ttl if longer, is the most a conversation's blocks outlive it); the renewed
+  deadline (D's clock) replaces `remote_blocks_expiry_time` in the stored params (P declines a read within 5 s
+  of the deadline it is handed) and the entry's expiry in the table follows it.
 
 Safety: P can read an entry it was handed until D frees it, so nothing handed to P is released under it. An LRU
 victim leaves the table before its release is sent (no turn can take it after); an entry a turn took is
@@ -47,21 +52,22 @@ from typing import Any, Protocol
 
 from pdserve.router.identity import Key
 from pdserve.router.kv.held_control import P_READ_MARGIN_S, Control, DecodeCalls, Lease, Tasks
-from pdserve.router.kv.held_ledger import Held, Ledger, Tombstones, held_tokens
-from pdserve.router.kv.reuse import ReuseEntry
+from pdserve.router.kv.held_ledger import DecodeHeld, Held, Ledger, Tombstones, held_tokens
+from pdserve.router.kv.reuse import FIRST, ReuseEntry
 from pdserve.router.wire import DECODE_ONLY
 
 log = logging.getLogger("pdserve.router")
 
 # Why the router released held blocks (pdserve_router_held_kv_releases_total{reason}).
-LRU = "lru"                # the budget: least recently used first
+LRU = "lru"                # the budget: the least recently used of the tenant whose turn crossed it
+OVER_SHARE = "over_share"  # the budget: another tenant's least recently used, that tenant over its fair share
 REPLACED = "replaced"      # a newer entry was stored under the same key
 EVICTED = "evicted"        # the table's size bounds (reuse_max_entries, reuse_max_mb)
 EXPIRED = "expired"        # the table's TTL (reuse_ttl, or the end of the lease)
 UNUSED = "unused"          # taken for a turn that did not pull it (a miss, D alone, a failed P leg)
 UNTRACKED = "untracked"    # a turn the router keeps no entry for (no conversation identity)
 ABANDONED = "abandoned"    # the client left before D's handles reached the router (found in D's own list)
-RELEASE_REASONS = (LRU, REPLACED, EVICTED, EXPIRED, UNUSED, UNTRACKED, ABANDONED)
+RELEASE_REASONS = (LRU, OVER_SHARE, REPLACED, EVICTED, EXPIRED, UNUSED, UNTRACKED, ABANDONED)
 # MemoryTable's reasons for an entry that left it untaken -> the release's reason ("restart": none, D is new)
 TABLE_REASONS = {"replaced": REPLACED, "capacity": EVICTED, "expired": EXPIRED}
 RELEASED = "released"      # the miss reason of a turn whose entry the budget released
@@ -77,7 +83,40 @@ class TurnFacts(Protocol):
     plan: str
     prefill_ms: float | None
     pulled: int | None
+    reuse: tuple[str, str] | None          # (result, reason) of its reuse decision
+    conversation: Any                      # its Conversation (messages: the history, None without one)
 
+
+
+def withdrawn(table: Any, tombstones: Tombstones, victims: list[Held], tenant: str | None) -> dict[str, list[str]]:
+    """The budget's victims taken out of the table, their keys remembered (the miss reason `released`); their
+    ids by release reason: the crossing `tenant`'s own `lru`, another tenant's `over_share`."""
+    released: dict[str, list[str]] = {}
+    for held in victims:
+        # Out of the table first: no turn can take it (and hand it to P) once its release is sent.
+        entry = table.withdraw(held.key, held.request_id) if held.key is not None else None
+        if entry is not None:
+            tombstones.add(held.key)
+            if entry.alias is not None:      # its prompt's key: a client that rewrote the reply looks there
+                tombstones.add(entry.alias)
+            reason = OVER_SHARE if tenant is not None and held.tenant != tenant else LRU
+            released.setdefault(reason, []).append(held.request_id)
+    return released
+
+
+def show(metrics: Any, d: DecodeHeld) -> None:
+    """A decode server's held tokens and its tenants, on the gauges."""
+    metrics.held_tokens.labels(d.name).set(d.tokens)
+    metrics.held_tenants.labels(d.name).set(len(d.tenant_tokens))
+
+
+def came_back(turn: TurnFacts, took: bool) -> bool:
+    """The turn continues a conversation: it `took` its entry, or the budget had released it, or its history
+    holds earlier model output (chat, Messages, Responses; completions have no history to tell)."""
+    if took:
+        return True
+    result, reason = turn.reuse or (FIRST, "")
+    return reason == RELEASED or (result != FIRST and getattr(turn.conversation, "messages", None) is not None)
 
 
 class HeldKV:
@@ -145,12 +184,17 @@ class HeldKV:
                 and params.get("remote_block_ids"):
             self._release(decode, [params["remote_request_id"]], UNTRACKED, 0.0)
 
-    def stored(self, turn: TurnFacts, decode: str) -> None:
-        """The turn's handles were kept: its previous entry is done with, and D's budget is checked."""
+    def stored(self, turn: TurnFacts, decode: str, params: Any = None) -> None:
+        """The turn's handles (`params`) were kept (leased if it came back); D's budget is checked."""
         if not self.on:
             return
+        rid = params.get("remote_request_id") if isinstance(params, dict) else None
+        held = self.ledger.by_id.get(rid) if isinstance(rid, str) else None
+        if held is not None and self.table is not None and came_back(turn, turn.request_id in self.turns):
+            held.continued = True
+            self.table.continued(held.key, rid)     # kept across a drained restart (store_file.py)
         self.settle(turn)
-        self._enforce(decode)
+        self._enforce(decode, held.tenant if held is not None else None)
 
     def ended(self, turn: TurnFacts) -> None:
         if self.on and self.turns:
@@ -186,7 +230,7 @@ class HeldKV:
             self._restarted(entry.decode)
         d.engine = engine
         self.tombstones.discard(key)
-        self.ledger.add(key, entry.params, entry.decode, entry.expires)
+        self.ledger.add(key, entry.params, entry.decode, entry.expires, entry.continued)
         self._show(entry.decode)
         if d.capacity is None or d.control is None:
             self._learn_soon(entry.decode)
@@ -202,36 +246,24 @@ class HeldKV:
             self._release(entry.decode, [rid], release, 0.0)
 
     # -- budget --------------------------------------------------------------------------------------
-    def _enforce(self, decode: str) -> None:
-        if not self.budgeted:
-            return
-        victims = self.ledger.over_budget(decode)
-        released = []
-        for held in victims:
-            # Out of the table first: no turn can take it (and hand it to P) once its release is sent.
-            entry = self.table.withdraw(held.key, held.request_id) if held.key is not None else None
-            if entry is not None:
-                self.tombstones.add(held.key)
-                if entry.alias is not None:      # its prompt's key: a client that rewrote the reply looks there
-                    self.tombstones.add(entry.alias)
-                released.append(held.request_id)
-        self._show(decode)
-        if released:
-            self._release(decode, released, LRU, 0.0)
+    def _enforce(self, decode: str, tenant: str | None = None) -> None:
+        """Release what passes D's budget (`tenant`: whose turn crossed it)."""
+        if self.budgeted:
+            released = withdrawn(self.table, self.tombstones, self.ledger.over_budget(decode), tenant)
+            self._show(decode)
+            for reason, ids in released.items():
+                self._release(decode, ids, reason, 0.0)
 
     def _restarted(self, decode: str) -> None:
         """A new engine on this server: what the ledger knew of it is gone (the table drops the entries)."""
-        self.ledger.forget_decode(decode)
-        d = self.ledger.decode(decode)
-        d.capacity = d.block_size = d.control = None
+        self.ledger.restarted(decode)
         self.calls.forget(decode)
         self._show(decode)
 
     # -- calls to D ----------------------------------------------------------------------------------
     def _release(self, decode: str, ids: list[str], reason: str, grace: float) -> None:
-        if self.ledger.decode(decode).control is False:
-            return
-        self.tasks.spawn(self.calls.release(decode, ids, reason, grace))
+        if self.ledger.decode(decode).control is not False:
+            self.tasks.spawn(self.calls.release(decode, ids, reason, grace))
 
     def _learn_soon(self, decode: str) -> None:
         task = self.learning.get(decode)
@@ -245,9 +277,8 @@ class HeldKV:
             learned = await self.calls.capacity(decode)
             if learned is None:
                 return          # not up yet (the next tick asks again), or no capacity in its /metrics
-            capacity, block_size = learned
-            self.ledger.learned(decode, capacity, block_size)
-            self.metrics.held_capacity.labels(decode).set(capacity)
+            self.ledger.learned(decode, *learned)
+            self.metrics.held_capacity.labels(decode).set(learned[0])
             self._show(decode)
         if d.control is None:
             await self.calls.probe(decode)
@@ -260,9 +291,7 @@ class HeldKV:
 
     async def renew_due(self) -> int:
         """Renew the entries the lease keeps (one call per D); the renewed deadline goes to P from now on."""
-        if not self.budgeted:
-            return 0
-        return await self.lease.renew_due(self.table)
+        return await self.lease.renew_due(self.table) if self.budgeted else 0
 
     # -- background ----------------------------------------------------------------------------------
     async def forever(self) -> None:
@@ -288,7 +317,7 @@ class HeldKV:
 
     def _show(self, decode: str) -> None:
         if self.on:
-            self.metrics.held_tokens.labels(decode).set(self.ledger.decode(decode).tokens)
+            show(self.metrics, self.ledger.decode(decode))
 
 
 class NoHeld:
@@ -300,7 +329,7 @@ class NoHeld:
     def untracked(self, turn: TurnFacts, decode: str, params: Any) -> None:
         pass
 
-    def stored(self, turn: TurnFacts, decode: str) -> None:
+    def stored(self, turn: TurnFacts, decode: str, params: Any = None) -> None:
         pass
 
     def ended(self, turn: TurnFacts) -> None:

@@ -198,7 +198,9 @@ class Lease:
     async def renew_due(self, table: Any) -> int:
         """Renew the entries the lease keeps (one call per D); the renewed deadline goes to P from now on."""
         by_decode: dict[str, list[Held]] = {}
-        for held in self.ledger.due(self.lead):
+        # A renewal keeps an entry this much longer in the table: the lease ends before it passes held_kv_lease.
+        span = self.cfg.decoder_kv_blocks_ttl - self.margin
+        for held in self.ledger.due(self.lead, span):
             by_decode.setdefault(held.decode, []).append(held)
         # One decode server's trouble never stops another's renewals.
         done = await asyncio.gather(*(self._renew(table, d, hs) for d, hs in by_decode.items()),

@@ -1,6 +1,6 @@
 """The held-KV bookkeeping, without I/O (held.py wires it to the router): D's KV capacity read from its
-/metrics, the blocks each decode server holds for this router's entries, the budget's victims and the lease's
-due entries."""
+/metrics, the blocks each decode server holds for this router's entries (per tenant), the budget's victims
+(fair shares between tenants) and the lease's due entries (conversations that came back, within the lease)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ class Held:
     deadline: float | None = None       # D's clock: remote_blocks_expiry_time (as renewed)
     num_tokens: int = 0                 # remote_num_tokens
     blocks: int | None = None           # blocks of its first KV-cache group
+    tenant: str = ""                    # its key's reuse scope (identity.reuse_scope): whose share it counts in
+    continued: bool = False             # its conversation came back (a turn after its first): the lease keeps it
 
     @property
     def in_table(self) -> bool:
@@ -91,6 +93,29 @@ class DecodeHeld:
     engine: Any = None                  # engine id its entries came from
     tokens: int = 0
     entries: OrderedDict[str, Held] = field(default_factory=OrderedDict)
+    tenants: dict[str, OrderedDict[str, Held]] = field(default_factory=dict)   # the same, per tenant (LRU first)
+    tenant_tokens: dict[str, int] = field(default_factory=dict)
+
+    def enter(self, held: Held) -> None:
+        self.entries[held.request_id] = held
+        self.tenants.setdefault(held.tenant, OrderedDict())[held.request_id] = held
+        self.count(held, held.tokens)
+
+    def leave(self, held: Held) -> bool:
+        if self.entries.pop(held.request_id, None) is None:
+            return False
+        mine = self.tenants.get(held.tenant)
+        if mine is not None:
+            mine.pop(held.request_id, None)
+        self.count(held, -held.tokens)
+        if not self.tenant_tokens.get(held.tenant) and not mine:
+            self.tenants.pop(held.tenant, None)
+            self.tenant_tokens.pop(held.tenant, None)
+        return True
+
+    def count(self, held: Held, tokens: int) -> None:
+        self.tokens += tokens
+        self.tenant_tokens[held.tenant] = self.tenant_tokens.get(held.tenant, 0) + tokens
 
 
 class Ledger:
@@ -117,7 +142,8 @@ class Ledger:
             return None
         return int(d.capacity * self.share)
 
-    def add(self, key: Key | None, params: dict[str, Any], decode: str, expires: float = math.inf) -> Held | None:
+    def add(self, key: Key | None, params: dict[str, Any], decode: str, expires: float = math.inf,
+            continued: bool = False) -> Held | None:
         rid = params.get("remote_request_id")
         if not isinstance(rid, str) or not rid:
             return None
@@ -126,9 +152,9 @@ class Ledger:
         deadline = params.get("remote_blocks_expiry_time")
         held = Held(rid, decode, held_tokens(params, d.block_size), self.clock(), expires, key,
                     float(deadline) if isinstance(deadline, int | float) else None,
-                    int(params.get("remote_num_tokens") or 0), _blocks(params))
-        d.entries[rid] = held
-        d.tokens += held.tokens
+                    int(params.get("remote_num_tokens") or 0), _blocks(params),
+                    key[0] if key is not None else "", continued)
+        d.enter(held)
         self.by_id[rid] = held
         return held
 
@@ -137,16 +163,14 @@ class Ledger:
         d = self.decode(name)
         d.capacity, d.block_size = capacity, block_size
         for held in d.entries.values():
-            d.tokens -= held.tokens
+            d.count(held, -held.tokens)
             held.tokens = _tokens(held.num_tokens, held.blocks, block_size)
-            d.tokens += held.tokens
+            d.count(held, held.tokens)
 
     def remove(self, request_id: str) -> Held | None:
         held = self.by_id.pop(request_id, None)
         if held is not None:
-            d = self.decode(held.decode)
-            if d.entries.pop(request_id, None) is not None:
-                d.tokens -= held.tokens
+            self.decode(held.decode).leave(held)
         return held
 
     def take(self, request_id: str) -> Held | None:
@@ -162,32 +186,54 @@ class Ledger:
         for held in gone:
             self.by_id.pop(held.request_id, None)
         d.entries.clear()
+        d.tenants.clear()
+        d.tenant_tokens.clear()
         d.tokens = 0
         return gone
 
+    def restarted(self, name: str) -> None:
+        """A new engine on this server: what the ledger knew of it is gone, its capacity asked again."""
+        self.forget_decode(name)
+        d = self.decode(name)
+        d.capacity = d.block_size = d.control = None
+
     def over_budget(self, name: str) -> list[Held]:
-        """The entries to release so that D's held tokens fit its budget: in the table, least recently used
-        first (the newest last: a turn larger than the whole budget goes too). Removed from the ledger."""
+        """The entries to release so that D's held tokens fit its budget, removed from the ledger. Fair shares:
+        each victim is the least recently used entry in the table of the tenant holding the most (so over its
+        equal share of the budget, budget / tenants holding anything on this D); a tenant at or under its share
+        is never a victim, whoever's turn crossed the budget. One tenant alone is plain LRU (the newest last: a
+        turn larger than the whole budget goes too). Entries taken for a turn count but are never victims: D's
+        held tokens can pass the budget by turns in flight only."""
         budget = self.budget(name)
         d = self.decode(name)
-        if budget is None or d.tokens <= budget:
-            return []
-        victims = []
-        for held in list(d.entries.values()):
-            if d.tokens <= budget:
+        victims: list[Held] = []
+        while budget is not None and d.tokens > budget:
+            held = self._victim(d, budget / len(d.tenant_tokens))
+            if held is None:
                 break
-            if held.in_table:
-                victims.append(held)
-                self.remove(held.request_id)
+            victims.append(held)
+            self.remove(held.request_id)
         return victims
+
+    @staticmethod
+    def _victim(d: DecodeHeld, share: float) -> Held | None:
+        for tenant in sorted(d.tenant_tokens, key=d.tenant_tokens.__getitem__, reverse=True):
+            if d.tenant_tokens[tenant] <= share:
+                return None         # this one and every one after it are within their share
+            for held in d.tenants.get(tenant, {}).values():
+                if held.in_table:
+                    return held
+        return None
 
     def under_budget(self, name: str) -> bool:
         budget = self.budget(name)
         return budget is not None and self.decode(name).tokens <= budget
 
-    def due(self, lead: float) -> list[Held]:
-        """Entries to renew now: in the table, the router's expiry within `lead`, used less than `lease` ago,
-        their D able to renew and under its budget (pressure wins over leases)."""
+    def due(self, lead: float, span: float = 0.0) -> list[Held]:
+        """Entries to renew now: in the table, the router's expiry within `lead`, their conversation came back
+        (`continued`: a one-turn conversation goes at the router's expiry, reuse_ttl), and renewing them (for
+        `span` more seconds in the table) keeps them no longer than `lease` after their last use; their D able
+        to renew and under its budget (pressure wins over leases)."""
         if self.lease <= 0:
             return []
         now = self.clock()
@@ -195,8 +241,8 @@ class Ledger:
         for d in self.decodes.values():
             if d.control is not True or not self.under_budget(d.name):
                 continue
-            out += [h for h in d.entries.values() if h.in_table and h.deadline is not None
-                    and h.expires - now <= lead and now - h.used < self.lease]
+            out += [h for h in d.entries.values() if h.in_table and h.continued and h.deadline is not None
+                    and h.expires - now <= lead and now + span - h.used < self.lease]
         return out
 
 

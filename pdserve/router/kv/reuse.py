@@ -39,6 +39,7 @@ class ReuseEntry:
     size: int = 0                        # estimated bytes held (for the store's byte bound)
     alias: tuple[str, str] | None = None   # its second key, the prompt's (identity.prompt_key; the memory table's)
     by_prompt: bool = False              # taken by the prompt key: the client's reply may differ from D's
+    continued: bool = False              # its conversation came back (held.py's lease keeps only those)
 
     @property
     def num_tokens(self) -> int:

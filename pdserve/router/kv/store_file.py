@@ -60,6 +60,7 @@ class Saved:
     alias: Key | None
     expires_wall: float
     used_wall: float | None = None       # its last use (held.py's lease renews what was used within held_kv_lease)
+    continued: bool = False              # its conversation came back (the lease keeps only those)
 
 
 def save(table: MemoryTable, path: str | Path, cluster: str, used: Callable[[ReuseEntry], float | None] = lambda e: None,
@@ -72,7 +73,7 @@ def save(table: MemoryTable, path: str | Path, cluster: str, used: Callable[[Reu
         return None if t is None else now_wall + (t - now)
     entries = [{"key": list(key), "decode": e.decode, "params": e.params, "alias": list(e.alias) if e.alias else None,
                 "sequence": list(e.sequence) if e.sequence is not None else None,
-                "expires": when(e.expires), "used": when(used(e))}
+                "expires": when(e.expires), "used": when(used(e)), "continued": e.continued}
                for key, e in table.entries() if e.expires > now]
     data = {"format": FORMAT, "version": VERSION, "cluster": cluster, "written": now_wall, "entries": entries}
     path = Path(path)
@@ -138,7 +139,7 @@ def _entry(raw: Any, decodes: list[str]) -> Saved | None:
             and (seq is None or (isinstance(seq, list) and all(type(t) is int for t in seq)))):
         return None
     return Saved(tuple(key), raw["decode"], raw["params"], seq, tuple(alias) if alias else None, float(expires),
-                 None if used is None else float(used))
+                 None if used is None else float(used), raw.get("continued") is True)
 
 
 def _time(t: Any) -> bool:
@@ -178,7 +179,7 @@ def restore(table: MemoryTable, saved: list[Saved], generation: Callable[[str], 
     now, now_wall = clock(), wall()
     for s in sorted(saved, key=lambda s: s.expires_wall):
         entry = table.put(s.key, s.params, s.decode, generation(s.decode), s.sequence, s.alias,
-                          expires=now + (s.expires_wall - now_wall))
+                          expires=now + (s.expires_wall - now_wall), continued=s.continued)
         if s.used_wall is not None:
             used(entry, now + (min(s.used_wall, now_wall) - now_wall))
     return len(saved)

@@ -62,7 +62,7 @@ class MemoryTable:
 
     def put(self, key: tuple[str, str], params: dict[str, Any], decode: str, generation: int,
             sequence: list[int] | None = None, alias: tuple[str, str] | None = None,
-            expires: float | None = None) -> ReuseEntry:
+            expires: float | None = None, continued: bool = False) -> ReuseEntry:
         """Store D's handles under `key`, and `alias` (the prompt's key) pointing at it: one entry, taken once
         by either. A new engine id from the same decode server means it restarted (perhaps between two health
         probes): handles from its previous engine are dropped. `expires`: an entry read back from a drained
@@ -75,7 +75,7 @@ class MemoryTable:
         self._engine[decode] = engine
         self._dropped(key, self._remove(key), "replaced")
         entry = ReuseEntry(params, decode, generation, self.clock() + self.ttl if expires is None else expires,
-                           _compact(sequence), alias=alias)
+                           _compact(sequence), alias=alias, continued=continued)
 
         entry.size = _entry_bytes(entry)
         self._entries[key] = entry
@@ -138,6 +138,12 @@ class MemoryTable:
         entry.expires = expires
         self._entries.move_to_end(key)      # insertion order stays (about) expiry order
         return True
+
+    def continued(self, key: tuple[str, str] | None, request_id: str) -> None:
+        """The entry's conversation came back (held.py's lease keeps only those; store_file.py writes it)."""
+        entry = self._entries.get(key) if key is not None else None
+        if entry is not None and entry.params.get("remote_request_id") == request_id:
+            entry.continued = True
 
     def take_first(self, keys: list[tuple[str, str]]) -> tuple[ReuseEntry | None, str]:
         """`take` the first of `keys` that has an entry, directly or as its alias (candidate histories,

@@ -85,7 +85,7 @@ class TurnBook:
             # is one) and its template inputs.
             d_params[TURN_STAMP] = [len(turn.conversation.messages or ()) + 1, template(turn)]
         verdict = await self.store.put(key, d_params, backend.name, backend.generation, collector.sequence, alias)
-        self.held.stored(turn, backend.name)
+        self.held.stored(turn, backend.name, d_params)
         tracing.note(conversation=tracing.key_hash(key),
                      tokens_kept_on_decode=d_params.get("remote_num_tokens"))
         log.debug("%s: decode on %s holds %s tokens for the next turn", turn.request_id, backend.name,   # per turn

@@ -115,14 +115,18 @@ class RouterMetrics:
                                  "(whole blocks): the budget's count.", ["decode"], registry=r)
         self.held_budget = Gauge(names.HELD_BUDGET, "The held-KV budget of each decode server: held_kv_share of its "
                                  "KV capacity (0: not enforced).", ["decode"], registry=r)
+        self.held_tenants = Gauge(names.HELD_TENANTS, "Tenants whose entries hold KV on each decode server: the "
+                                  "budget's fair shares are its equal parts.", ["decode"], registry=r)
         self.held_capacity = Gauge(names.HELD_CAPACITY, "Each decode server's KV capacity in tokens, from its "
                                    "vllm:cache_config_info.", ["decode"], registry=r)
         self.held_control = Gauge(names.HELD_CONTROL, "1 while the decode server answers the held-KV control "
                                   "routes (pdserve's entry), 0 when it has none.", ["decode"], registry=r)
         self.held_releases = Counter(names.HELD_RELEASES, "Held turns the router had a decode server release, by "
-                                     "reason: lru (over budget), replaced, evicted (table bounds), expired "
-                                     "(table TTL), unused (taken by a turn that did not pull it), untracked (a turn "
-                                     "with no entry kept).", ["reason"], registry=r)
+                                     "reason: lru (over budget: the crossing tenant's own), over_share (over "
+                                     "budget: another tenant's, over its fair share), replaced, evicted (table "
+                                     "bounds), expired (table TTL, or the end of the lease), unused (taken by a "
+                                     "turn that did not pull it), untracked (a turn with no entry kept), abandoned "
+                                     "(its client left before D's handles came).", ["reason"], registry=r)
         self.held_renewals = Counter(names.HELD_RENEWALS, "Held turns renewed on their decode server (the lease).",
                                      registry=r)
         self.held_failures = Counter(names.HELD_FAILURES, "Held-KV control calls that failed (release, renew, "
