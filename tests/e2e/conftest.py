@@ -19,6 +19,7 @@ ORDER = [
     "test_real_hostile_inputs", "test_real_openai_stream", "test_real_short_turns",
     "test_real_long_context", "test_real_prometheus",
     "test_real_tracing", "test_real_admission", "test_real_agents", "test_real_coding_agents",
+    "test_real_agentic_bench",
     "test_faults",                     # kills each server once; ends with `down`
     # the servers' own settings: each starts the cluster anew (P and D side by side)
     "test_real_engine_check", "test_real_stream_reuse", "test_real_held_kv",
