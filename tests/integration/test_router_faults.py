@@ -7,6 +7,7 @@ import errno
 import json
 
 import aiohttp
+import pytest
 
 from pdserve.router.front.app import FLOW
 from tests.kits.fake_vllm import FAKE
@@ -48,6 +49,22 @@ async def test_stream_timing_out_before_its_first_byte_is_a_504():
         assert status == 504 and json.loads(b"".join(lines))["error"]["type"] == "timeout"
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["http1", "aiohttp"])
+async def test_a_stream_longer_than_the_timeout_runs_while_d_streams_and_is_cut_when_d_stalls(lean, monkeypatch):
+    """router.request_timeout bounds a stream's head and each silence, not its length (issue 45: a long stream
+    still steadily streaming was cut at request_timeout and counted against D's breaker)."""
+    from pdserve.router.legs import http1
+    monkeypatch.setattr(http1, "AVAILABLE", lean)
+    async with deployment(decode_args=(["--token-delay", "0.15"],), request_timeout=0.5) as dep:
+        status, lines = await dep.stream(CHAT, {**HI, "max_tokens": 8})     # ~1.2 s of tokens
+        assert status == 200 and lines[-1] == b"data: [DONE]\n" and b'"error"' not in b"".join(lines), lines
+        assert sum(b"delta" in line for line in lines) == 8 and breaker_failures(dep, "decode") == 0
+        dep.decode[0][FAKE].args.done_delay = 1.5                         # then silent past the timeout
+        status, lines = await dep.stream(CHAT, HI)
+        assert status == 200 and b"TimeoutError" in lines[-2] and lines[-1] == b"data: [DONE]\n", lines
+        assert breaker_failures(dep, "decode") == 1
+
+
 async def test_client_fault_answers_do_not_open_the_breaker():
     async with deployment(prefill_args=(["--status", "500", "--error-type", "BadRequestError"],)) as dep:
         for _ in range(6):
@@ -64,7 +81,8 @@ async def test_client_fault_answers_do_not_open_the_breaker():
 
 
 async def test_upstream_connections_are_capped_and_reused():
-    async with deployment(prefill_args=(["--delay", "0.05"],), upstream_max_connections=4,
+    # The ids echoed, as by the servers pdserve runs: a backend that echoes none gets a connection a request
+    async with deployment(prefill_args=(["--delay", "0.05", "--request-id-headers"],), upstream_max_connections=4,
                           upstream_max_per_backend=3) as dep:
         results = await asyncio.gather(*(dep.post(CHAT, HI) for _ in range(30)))
         assert all(status == 200 for status, _ in results)

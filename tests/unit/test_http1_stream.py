@@ -112,21 +112,28 @@ async def test_a_close_delimited_stream_ends_at_the_close_and_interim_answers_ar
         server.close()
 
 
-async def test_a_stream_over_the_timeout_is_cut_with_a_timeout_error():
+async def test_a_stream_that_keeps_sending_runs_past_the_timeout_and_one_that_stalls_is_cut():
+    """The timeout bounds the head and each silence, not the stream (issue 45: a long stream still steadily
+    streaming was cut at request_timeout and counted against D's breaker)."""
     async def answer(writer, n, body, head):
         writer.write(SSE_HEAD)
-        while True:                                # events forever, 20 ms apart
+        for _ in range(30):                        # events 20 ms apart for 0.6 s, then silence
             writer.write(chunk(b"data: x\n\n"))
             await writer.drain()
             await asyncio.sleep(0.02)
+        await asyncio.sleep(10)
 
     server, url, _ = await raw_server(answer)
     client = Http1Client(4)
+    pieces: list[bytes] = []
     try:
         started = asyncio.get_running_loop().time()
         with pytest.raises(asyncio.TimeoutError):
-            await read_all(client, url, timeout=0.3)
-        assert 0.25 < asyncio.get_running_loop().time() - started < 2
+            async with client.stream(url, "/v1/chat/completions", b"{}", {}, 0.3) as resp:
+                async for data in resp.content.iter_any():
+                    pieces.append(data)
+        took = asyncio.get_running_loop().time() - started
+        assert b"".join(pieces).count(b"data: x") == 30 and 0.85 < took < 2, took
         assert client.stream_pools[url].open == 0
     finally:
         await client.close()

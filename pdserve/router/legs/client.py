@@ -63,15 +63,17 @@ class AiohttpClient:
     def __init__(self, session: aiohttp.ClientSession, max_answer_bytes: int):
         self.session = session
         self.max_answer_bytes = max_answer_bytes
-        self.timeouts: dict[tuple[float, float | None], aiohttp.ClientTimeout] = {}
+        self.timeouts: dict[tuple[float, float | None, bool], aiohttp.ClientTimeout] = {}
 
     def _call(self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout: float,
-              pool_timeout: float | None) -> Any:
-        limits = self.timeouts.get((timeout, pool_timeout))
+              pool_timeout: float | None, streamed: bool = False) -> Any:
+        limits = self.timeouts.get((timeout, pool_timeout, streamed))
         if limits is None:
-            # `connect` bounds the wait for a pooled connection plus the TCP connect.
-            limits = self.timeouts[(timeout, pool_timeout)] = aiohttp.ClientTimeout(total=timeout,
-                                                                                    connect=pool_timeout)
+            # `connect` bounds the wait for a pooled connection plus the TCP connect; a whole answer must come
+            # within `timeout`, a stream's head and then each read (a stream that keeps sending runs on).
+            limits = self.timeouts[(timeout, pool_timeout, streamed)] = \
+                aiohttp.ClientTimeout(total=None, sock_read=timeout, connect=pool_timeout) if streamed else \
+                aiohttp.ClientTimeout(total=timeout, connect=pool_timeout)
         return self.session.post(base_url + path, data=body, timeout=limits,
                                  headers={**headers, "Content-Type": "application/json"})
 
@@ -82,7 +84,7 @@ class AiohttpClient:
 
     def stream(self, base_url: str, path: str, body: bytes, headers: dict[str, str], timeout: float,
                pool_timeout: float | None = None) -> Any:
-        return self._call(base_url, path, body, headers, timeout, pool_timeout)
+        return self._call(base_url, path, body, headers, timeout, pool_timeout, streamed=True)
 
     async def close(self) -> None:
         """The session is closed by its owner (front/compose.py: the probes use it too)."""

@@ -82,6 +82,7 @@ class _Connection(asyncio.Protocol):
         self.max_bytes = max_bytes
         self.closed = False
         self.idle_since = 0.0
+        self.heard_at = 0.0          # time.monotonic() of the last bytes from the backend
         self.answers = 0             # final answers read: more than 0 is a kept-alive connection reused
         self.request_id = b""        # the X-Request-Id sent, lowercase (b"": none)
         self.tainted = False         # an answer to another request came here: closed after this request
@@ -116,6 +117,7 @@ class _Connection(asyncio.Protocol):
             self.close()             # bytes nobody asked for: never pooled (the next request would get them)
             return
         self.heard = True
+        self.heard_at = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as err:
@@ -428,8 +430,10 @@ class Http1Client:
                      pool_timeout: float | None = None) -> AsyncIterator[StreamAnswer]:
         """POST `body` (JSON) and hand on the answer as it arrives, as `async with`: its status and content
         type, then its body (`answer.content.iter_any()`, as aiohttp's). Raises what `post` raises;
-        asyncio.TimeoutError when the whole answer did not come within `timeout` (aiohttp's total timeout), at
-        the head or while the body is read. The connection is kept only when the body was read to its end."""
+        asyncio.TimeoutError when the head did not come within `timeout`, or then the backend sent nothing for
+        `timeout` (a stream that keeps sending runs to its end: its length is bounded by its output cap, not
+        by a clock; the wait while the router's reader lags is not the backend's silence). The connection is
+        kept only when the body was read to its end."""
         pool = self._pool(base_url, streams=True)
         start = self.clock()
         deadline = start + (timeout if pool_timeout is None else min(timeout, pool_timeout))
@@ -444,8 +448,18 @@ class Http1Client:
         try:
             for retry in (False, True):
                 conn = await self._acquire(pool, deadline, fresh=retry)
-                timer = asyncio.get_running_loop().call_later(max(0.0, start + timeout - self.clock()),
-                                                              conn.time_out)
+                loop = asyncio.get_running_loop()
+
+                def due(conn: _Connection = conn) -> None:
+                    nonlocal timer
+                    now = time.monotonic()
+                    quiet = (now if conn.paused else conn.heard_at) + timeout - now if conn.flowing else 0.0
+                    if quiet > 0:
+                        timer = loop.call_later(quiet, due)
+                    else:
+                        conn.time_out()
+
+                timer = loop.call_later(max(0.0, start + timeout - self.clock()), due)
                 answer: StreamAnswer | None = None
                 try:
                     try:
