@@ -150,6 +150,22 @@ def generate(seed: int = 0, sessions: int = 2, turns: int = 8, scale: float = 1 
     return AgenticWorkload(preamble, out, settings)
 
 
+FILETYPE = "agentic"    # a --workload file {"filetype": "agentic", ...generate's settings}: results.json's own
+
+
+def from_config(cfg: dict[str, Any], seed: int = 0) -> AgenticWorkload:
+    """A workload file's settings (results.json's `agentic_workload`, with "filetype": "agentic"); those it
+    leaves out take generate's defaults, `seed` the command's."""
+    known = {"sessions", "turns", "scale", "time_scale", "max_agents", "agent_turns", "max_gap_s", "seed"}
+    unknown = sorted(set(cfg) - known - {"filetype"})
+    if unknown:
+        raise ValueError(f"unknown agentic setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    args = {k: v for k, v in cfg.items() if k in known}
+    if "max_gap_s" in args:
+        args["max_gap"] = args.pop("max_gap_s")
+    return generate(**{"seed": seed, **args})
+
+
 def preamble_tokens(ep: Endpoints, preamble: str) -> int:
     """The preamble's tokens as the chat template renders it alone (P's /tokenize); 0 if P cannot say."""
     body = {"model": ep.model, "messages": [{"role": "system", "content": preamble}], "add_generation_prompt": False}

@@ -5,6 +5,7 @@ shows progress and renders the summary; everything else is here."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,12 +113,11 @@ def prepare(s: Settings) -> Session:
         raise UsageError("--verbatim-replies needs --api chat",
                          hint="vLLM's /v1/messages and /v1/responses take no allowed_token_ids")
     sizes = {"system_words": s.system_words, "user_words": s.user_words, "tool_words": s.tool_words}
-    agentic_wl = agentic_warm = None
-    if s.workload is not None and str(s.workload) == AGENTIC:
+    agentic_warm = None
+    agentic_wl = _agentic(s)
+    if agentic_wl is not None:
         if s.restart_after or s.verbatim:
             raise UsageError("--workload agentic runs without --restart-prefill-after-turn and --verbatim-replies")
-        agentic_wl = agentic.generate(s.seed, s.conversations, s.turns, s.scale, s.time_scale, s.max_agents,
-                                      s.agent_turns, s.max_gap)
         # one short session on the same preamble: warms P as the traces' ever-present preamble would
         agentic_warm = dataclasses.replace(agentic_wl, sessions=[
             agentic.Chain(f"warmup-{s.seed}-{i}", f"warmup-{s.seed}-{i}", None, agentic_wl.sessions[0].turns[:2])
@@ -157,6 +157,25 @@ def prepare(s: Settings) -> Session:
             **({"agentic_workload": agentic_wl.settings} if agentic_wl else {})}
     return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info, agentic=agentic_wl,
                                      agentic_warm=agentic_warm), out)
+
+
+def _agentic(s: Settings) -> agentic.AgenticWorkload | None:
+    """`--workload agentic` (the flags' shape), or a workload file of agentic settings (agentic.FILETYPE)."""
+    if s.workload is None:
+        return None
+    if str(s.workload) == AGENTIC:
+        return agentic.generate(s.seed, s.conversations, s.turns, s.scale, s.time_scale, s.max_agents,
+                                s.agent_turns, s.max_gap)
+    try:
+        data = json.loads(Path(s.workload).read_text())
+    except (OSError, ValueError):
+        return None                   # workload.load says what is wrong with it
+    if not (isinstance(data, dict) and data.get("filetype") == agentic.FILETYPE):
+        return None
+    try:
+        return agentic.from_config(data, s.seed)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--workload {s.workload}: {exc}") from None
 
 
 def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[dict], None],

@@ -42,7 +42,10 @@ def command(
     workload: Path = typer.Option(None, "--workload", help="vLLM multi_turn input: a list of {id, messages} "
                                                             "or a generate_conversations config (JSON); or "
                                                             "`agentic`: sessions shaped like Claude Code traces "
-                                                            "(--conversations sessions of --turns main turns)."),
+                                                            "(--conversations sessions of --turns main turns), or "
+                                                            "a file of their settings ({\"filetype\": "
+                                                            "\"agentic\", ...}: results.json's "
+                                                            "agentic_workload)."),
     scale: float = typer.Option(1 / 32, "--scale", min=1e-4, help="Agentic: the published sizes (preamble 24k, "
                                                                    "turn p50 632 tokens) times this, in words."),
     time_scale: float = typer.Option(0.01, "--time-scale", min=0.0, help="Agentic: the published gaps between "

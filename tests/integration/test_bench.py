@@ -77,3 +77,15 @@ def test_bench_agentic_workload_reports_reuse_by_source(tmp_path, home, monkeypa
     assert a["turns_by_kv_source"]["d_pull"] > 0 and a["preamble_tokens"] > 0
     assert data["agentic_workload"]["agent_turns"] == 2
     assert "Agentic sessions per arm" in res.stdout and "achieved / theoretical reuse" in res.stdout
+    # the settings results.json records, as a workload file, run the same workload again
+    again = tmp_path / "agentic.json"
+    again.write_text(json.dumps({"filetype": "agentic", **data["agentic_workload"]}))
+    res = pdserve("bench", str(path), "--arms", "on", "--workload", str(again), "--max-tokens", "4",
+                  "--out", str(tmp_path / "again"), timeout=300)
+    assert res.returncode == 0, res.stderr
+    rerun = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert [(r["conversation"], r["turn"], r["prompt_tokens"]) for r in rerun["requests"]] == \
+           [(r["conversation"], r["turn"], r["prompt_tokens"]) for r in rows]
+    again.write_text(json.dumps({"filetype": "agentic", "sesions": 2}))
+    bad = pdserve("bench", str(path), "--workload", str(again))
+    assert bad.returncode == 2 and "unknown agentic setting 'sesions'" in bad.stderr

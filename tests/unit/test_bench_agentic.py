@@ -104,3 +104,15 @@ def test_the_runner_forks_subagents_from_the_parents_history_and_reports_reuse(m
 def test_context_buckets_double():
     assert [context_bucket(n)[1] for n in (0, 1023, 1024, 5000, 70_000)] == ["0-1k", "0-1k", "1-2k", "4-8k",
                                                                               "64-128k"]
+
+
+def test_a_workload_file_of_the_settings_results_json_records_gives_the_same_workload():
+    wl = agentic.generate(seed=7, sessions=2, turns=5, scale=0.01, time_scale=0.1, max_agents=3, agent_turns=2,
+                          max_gap=5.0)
+    again = agentic.from_config({"filetype": agentic.FILETYPE, **wl.settings}, seed=99)
+    assert again.settings == wl.settings
+    assert [(c.id, t.text, t.gap_s) for c in again.chains() for t in c.turns] == \
+           [(c.id, t.text, t.gap_s) for c in wl.chains() for t in c.turns]
+    assert agentic.from_config({"filetype": "agentic", "turns": 2}, seed=3).settings["seed"] == 3
+    with pytest.raises(ValueError, match="unknown agentic setting 'sesions'"):
+        agentic.from_config({"filetype": "agentic", "sesions": 2})
