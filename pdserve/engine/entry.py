@@ -150,7 +150,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     counted = patches.patch_pulled_token_counts()
     held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
     message_stop = patches.patch_message_stop_kv_params()
-    pull_order = descs.patch_pull_order()     # NIXL reads in as few descriptors as the blocks allow
+    pull_order = descs.patch_pull_order() and descs.patch_free_order()   # NIXL reads in few descriptors
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
         os.environ[REQUEST_IDS_STATE_ENV] = add_flag(argv, REQUEST_IDS_FLAG,
