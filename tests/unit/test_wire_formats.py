@@ -13,7 +13,7 @@ from pdserve.router.api.messages import MessagesFormat
 from pdserve.router.api.responses import ResponsesFormat
 from pdserve.router.identity import history_keys, reply_key
 from pdserve.router.legs.relay import StreamRelay
-from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.wire import TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY
 from tests.kits.wire_samples import D_PARAMS, OUTPUT, R_STREAM, STREAM, event
 
 MESSAGES, RESPONSES = MessagesFormat(), ResponsesFormat()
@@ -85,7 +85,9 @@ def test_messages_text_inside_content_is_no_end_marker():
 def test_messages_bodies_for_each_leg():
     p_body = MESSAGES.prefill_body({**REQUEST, "stream": True}, None, "pdserve-ab")
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    # P returns its prompt ids for D, whose vLLM takes them on its chat path (which /v1/messages goes through)
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                            WANT_PROMPT_IDS_KEY: True}
     d_body = MESSAGES.decode_body(REQUEST, {"remote_block_ids": [1]}, True, "pdserve-ab")
     assert d_body["kv_transfer_params"] == {"remote_block_ids": [1], WANT_TOKENS_KEY: True}
     assert "return_token_ids" not in d_body and d_body["max_tokens"] == 64

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.router.errors import error_body
-from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.wire import TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY
 
 # kv_transfer_params that make P prefill for a remote decode (turn 1, or a turn with nothing to read).
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -195,6 +195,9 @@ class WireFormat:
     output_fields: tuple[str, ...] = ("max_tokens",)
     # D's sequence from vLLM's return_token_ids (chat, completions) or from the entry's patch (the others).
     native_token_ids = False
+    # D takes P's prompt ids instead of rendering and tokenizing the prompt again (wire.PROMPT_IDS_KEY): vLLM's
+    # chat path, which /v1/messages goes through too; not /v1/responses or /v1/completions.
+    forwards_prompt_ids = False
 
     def collector(self, keep_for_client: bool = False) -> Collector:
         return self.collector_class(keep_for_client)
@@ -225,8 +228,10 @@ class WireFormat:
 
     def prefill_body(self, body: dict[str, Any], params: dict[str, Any] | None, request_id: str) -> dict[str, Any]:
         """P's request: one output token, not streamed, with `params` (None: turn 1's REMOTE_DECODE)."""
-        out = {**body, self.max_tokens_field: 1, "stream": False,
-               "kv_transfer_params": params if params is not None else dict(REMOTE_DECODE)}
+        kv = params if params is not None else REMOTE_DECODE
+        if self.forwards_prompt_ids:
+            kv = {**kv, WANT_PROMPT_IDS_KEY: True}    # P returns its prompt ids with its params, for D
+        out = {**body, self.max_tokens_field: 1, "stream": False, "kv_transfer_params": dict(kv)}
         for field in ("stream_options", "min_tokens", "return_token_ids"):
             out.pop(field, None)
         return out

@@ -187,6 +187,7 @@ class ChatFormat(WireFormat):
     routes = ("/v1/chat/completions",)
     collector_class = ChoicesCollector
     native_token_ids = True
+    forwards_prompt_ids = True
     output_fields = ("max_tokens", "max_completion_tokens")
 
     def validate(self, body: dict[str, Any]) -> None:

@@ -120,6 +120,7 @@ class MessagesFormat(WireFormat):
     routes = ("/v1/messages",)
     collector_class = MessagesCollector
     render_path = "/v1/messages/render"
+    forwards_prompt_ids = True
 
     def validate(self, body: dict[str, Any]) -> None:
         for i, m in enumerate(objects(body, "messages")):
