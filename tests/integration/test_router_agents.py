@@ -389,6 +389,23 @@ async def test_the_openai_sdks_responses_read_both_shapes_and_reuse_without_an_i
         assert total(m, "pdserve_router_reuse_decisions_total", result="hit", api="responses") == 1
 
 
+
+async def test_d_dying_mid_stream_on_responses_is_a_response_failed_the_openai_sdk_reads():
+    """Issue 45: the router ended a Responses stream D broke with a response.failed event without the
+    response's id, so the openai SDK's stream helper raised "Lifecycle response identity changed" instead of
+    handing the client the failure. It now carries the id of the response the stream began."""
+    async with deployment(decode_args=(["--die-mid-stream"],)) as dep:
+        client = openai.AsyncOpenAI(base_url=dep.url + "/v1", api_key="k", max_retries=0)
+        items = [{"role": "user", "content": "tau " * 40}]
+        async with client.responses.stream(model="fake", input=items, store=False, max_output_tokens=6) as stream:
+            events = [event async for event in stream]
+        kinds = [e.type for e in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.failed", kinds
+        failed = events[-1].response
+        assert failed.id == events[0].response.id and failed.status == "failed"
+        assert "failed mid-stream" in failed.error.message and failed.model == "fake"
+
+
 # -- a client that rewrites the reply -------------------------------------------------------------------
 CHAT = "/v1/chat/completions"
 

@@ -289,8 +289,9 @@ class WireFormat:
         """An error answer (the router's, OpenAI-shaped, or a backend's) in the client's shape."""
         return body
 
-    def stream_error(self, message: str) -> bytes:
-        """The event that ends a stream broken after bytes reached the client, end marker included."""
+    def stream_error(self, message: str, request_id: str = "", model: Any = None) -> bytes:
+        """The event that ends a stream broken after bytes reached the client, end marker included
+        (`request_id`, `model`: the turn's, for a format whose events name the response they end)."""
         return b"data: " + json.dumps(error_body(message, "server_error", 502)).encode() + b"\n\ndata: [DONE]\n\n"
 
     def stream_end(self) -> bytes:

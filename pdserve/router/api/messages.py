@@ -188,7 +188,7 @@ class MessagesFormat(WireFormat):
             return body                               # vLLM's own answer is already in this shape
         return self.error(status, str(err.get("message", "error")))
 
-    def stream_error(self, message: str) -> bytes:
+    def stream_error(self, message: str, request_id: str = "", model: Any = None) -> bytes:
         data = json.dumps(self.error(502, message), separators=(",", ":")).encode()
         return b"event: error\ndata: " + data + b"\n\n"
 

@@ -9,6 +9,7 @@ what Codex does (`store: false`, full input every turn)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from pdserve.router.api.base import Collector, HistoryItem, WireFormat, canonical_json, fingerprint_text
@@ -19,6 +20,11 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # a model's earlier output, so the request continues a conversation (ResponsesFormat.first_turn).
 CLIENT_ROLES = ("user", "system", "developer")
 SKIPPED_ITEMS = ("reasoning",)    # clients resend or drop them; templates mostly drop them
+
+
+def response_id(request_id: str) -> str:
+    """The response id vLLM gives a turn's D leg: the request_id the router sends it (see ResponsesFormat._leg)."""
+    return f"resp_{request_id.removeprefix('pdserve-')}"
 
 
 def _text(content: Any) -> str:
@@ -143,7 +149,7 @@ class ResponsesFormat(WireFormat):
 
     def _leg(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         # vLLM's engine request id and the response id the client sees are the body's request_id: the router's.
-        return {**body, "store": False, "request_id": f"resp_{request_id.removeprefix('pdserve-')}"}
+        return {**body, "store": False, "request_id": response_id(request_id)}
 
     def prefill_body(self, body: dict[str, Any], params: dict[str, Any] | None, request_id: str) -> dict[str, Any]:
         return super().prefill_body(self._leg(body, request_id + "-p"), params, request_id)
@@ -163,9 +169,12 @@ class ResponsesFormat(WireFormat):
         value = usage.get("input_tokens") if isinstance(usage, dict) else None
         return value if isinstance(value, int) else None
 
-    def stream_error(self, message: str) -> bytes:
-        event = {"type": "response.failed", "response": {"object": "response", "status": "failed", "output": [],
-                                                          "error": {"code": "server_error", "message": message}}}
+    def stream_error(self, message: str, request_id: str = "", model: Any = None) -> bytes:
+        # The response the stream began (its id: the openai SDK refuses a lifecycle event naming another).
+        event = {"type": "response.failed", "response": {
+            "id": response_id(request_id), "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "failed", "output": [], "incomplete_details": None,
+            "error": {"code": "server_error", "message": message}}}
         return b"event: response.failed\ndata: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
     def stream_end(self) -> bytes:

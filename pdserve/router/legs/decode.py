@@ -224,7 +224,8 @@ class DecodeLeg:
                         type(err).__name__)
         with contextlib.suppress(ConnectionError, RuntimeError):
             if not finished:
-                await out.write(turn.fmt.stream_error(f"{failure}: {type(err).__name__}"))
+                await out.write(turn.fmt.stream_error(f"{failure}: {type(err).__name__}", turn.request_id,
+                                                      turn.body.get("model")))
             elif not done_sent:
                 await out.write(turn.fmt.stream_end())
             await out.write_eof()
