@@ -104,7 +104,7 @@ class DecodeLeg:
         try:
             async with self.upstream.stream(backend, turn.route, body, turn.headers) as resp:
                 if resp.status != 200 or resp.content_type != "text/event-stream":
-                    ok, status, data = await self._not_a_stream(backend, resp)
+                    ok, status, data = await not_a_stream(backend, resp, self.upstream.max_answer_bytes)
                     self.upstream.count(backend, turn.route, False)
                     if not ok and status >= 500 and resp.status != 200:
                         ok = None                     # an answer: whose fault is for a second opinion
@@ -194,21 +194,6 @@ class DecodeLeg:
         # A stream longer than the bound kept neither its lines nor its ids: served, not remembered.
         return Finished(backend, relay.collector, track and not relay.overflow)
 
-    async def _not_a_stream(self, backend: Backend, resp: Any) -> tuple[bool, int, dict[str, Any]]:
-        """D answered a streamed request with an error or with something that is not SSE:
-        (breaker verdict, status, body) for the client, before anything was sent."""
-        try:
-            data = json.loads(await read_bounded(resp, self.upstream.max_answer_bytes))   # AnswerTooLarge: a 502
-        except ValueError:
-            data = None
-        if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
-            return False, 502, error_body(f"{backend.role} server {backend.name} answered a streamed request with "
-                                          f"{resp.content_type or 'no content type'}", "server_error", 502)
-        if not isinstance(data, dict):   # as post_json answers it: the router's 502, not the backend's status
-            return False, 502, error_body(f"{backend.role} server {backend.name} sent a non-JSON body (HTTP "
-                                          f"{resp.status})", "server_error", 502)
-        return not backend_at_fault(resp.status, data), resp.status, data
-
     async def _broken_stream(self, out: web.StreamResponse, backend: Backend, turn: Turn, err: BaseException,
                              finished: bool | None, done_sent: bool, routers_own: bool = False) -> bool | None:
         """Bytes already reached the client: never retry or restart the stream. If D had finished its
@@ -230,6 +215,22 @@ class DecodeLeg:
                 await out.write(turn.fmt.stream_end())
             await out.write_eof()
         return finished or False
+
+
+async def not_a_stream(backend: Backend, resp: Any, limit: int) -> tuple[bool, int, dict[str, Any]]:
+    """D answered a streamed request with an error or with something that is not SSE:
+    (breaker verdict, status, body) for the client, before anything was sent."""
+    try:
+        data = json.loads(await read_bounded(resp, limit))   # AnswerTooLarge: a 502
+    except ValueError:
+        data = None
+    if resp.status == 200:   # 200 but not an event stream: a broken server, never the client's success
+        return False, 502, error_body(f"{backend.role} server {backend.name} answered a streamed request with "
+                                      f"{resp.content_type or 'no content type'}", "server_error", 502)
+    if not isinstance(data, dict):   # as post_json answers it: the router's 502, not the backend's status
+        return False, 502, error_body(f"{backend.role} server {backend.name} sent a non-JSON body (HTTP "
+                                      f"{resp.status})", "server_error", 502)
+    return not backend_at_fault(resp.status, data), resp.status, data
 
 
 async def _to_client(write: Awaitable[Any]) -> Any:
