@@ -42,6 +42,7 @@ class RouterConfig:
     health_interval: float = 2.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_answer_mb: float = 32.0        # a backend's whole answer, or one line of its stream, at most (else 502)
+    max_buffered_mb: float = 256.0     # request bodies and kept answers of all requests together (else 503)
     max_header_bytes: int = 8190
     header_timeout: float = 10.0       # a request head must be complete this long after its first byte
     body_timeout: float = 30.0         # a request body must be complete this long after its head (else 408)
@@ -87,6 +88,16 @@ class RouterConfig:
     @property
     def max_answer_bytes(self) -> int:
         return int(self.max_answer_mb * 1024 * 1024)
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        return int(self.max_buffered_mb * 1024 * 1024)
+
+    @property
+    def client_stall_timeout(self) -> float:
+        """How long a client may take none of its answer (its buffers full): the patience body_timeout gives a
+        client sending, and never past request_timeout (a turn's own bound)."""
+        return min(self.body_timeout, self.request_timeout)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RouterConfig":

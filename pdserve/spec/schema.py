@@ -117,7 +117,8 @@ class RouterSpec(Strict):
     header_timeout: float = router_field("header_timeout", "Seconds a client may take to send a request's "
                                          "headers.", gt=0)
     body_timeout: float = router_field("body_timeout", "Seconds a client may take to send a request's body "
-                                       "(then 408).", gt=0)
+                                       "(then 408), or to read none of its answer (then its connection is closed "
+                                       "and its slot freed; at most request_timeout).", gt=0)
     idle_timeout: float = router_field("idle_timeout", "Seconds an idle keep-alive client connection stays "
                                        "open.", gt=0)
     max_connections: int = router_field("max_connections", "Open client connections at most (lowered to fit "
@@ -172,6 +173,10 @@ class RouterSpec(Strict):
                                         "a whole JSON answer, or one line of a stream (a longer stream is relayed "
                                         "but not remembered). Past it the read stops: a 502 (a broken stream).",
                                         gt=0)
+    max_buffered_mb: float = router_field("max_buffered_mb", "Bytes the router buffers for all requests together, "
+                                          "in MiB: request bodies, the answers it keeps for reuse, whole answers "
+                                          "being written. Past it a new request gets 503 with Retry-After (see "
+                                          "docs/router.md, Security).", gt=0)
     # Admission (docs/router.md "Admission"); 0 is unlimited; off by default.
     max_in_flight: int = router_field("max_in_flight", "Completion requests in flight through the router at "
                                       "most; past it they wait in the queue. 0: unlimited.", ge=0)

@@ -264,3 +264,28 @@ def test_a_run_of_vllm_token_chunks_is_cut_at_once_and_an_odd_line_sends_its_run
         assert fast.scrub_block(block, marked) == want
         assert fast.generated == slow.generated and fast.kv_params == slow.kv_params and fast.prompt == slow.prompt
         monkeypatch.undo()
+
+
+def test_what_a_stream_keeps_is_charged_and_a_full_budget_keeps_nothing():
+    """Issue 45: each stream's kept lines and ids were bounded, their sum not (6 concurrent 31 MB streams
+    took the router from 44 to 542 MB). Kept bytes are charged to the router's budget; when it is full the
+    stream is relayed whole but not remembered, and gives back what it had taken."""
+    from pdserve.router.buffers import BufferBudget
+    budget = BufferBudget(10 * len(STREAM))
+    charge = budget.charge()
+    collector = SequenceCollector(keep_for_client=False)
+    relay = StreamRelay(collector, True, charge=charge)
+    out = relay.feed(STREAM) + relay.close()
+    assert not relay.overflow and budget.held == len(STREAM) and collector.sequence == [1, 2, 5, 6]
+    charge.close()
+    assert budget.held == 0
+
+    other = budget.charge()
+    assert other.take(10 * len(STREAM) - 60)            # another request holds nearly all of it
+    charge = budget.charge()
+    collector = SequenceCollector(keep_for_client=False)
+    relay = StreamRelay(collector, True, charge=charge)
+    pieces = [relay.feed(STREAM[i:i + 40]) for i in range(0, len(STREAM), 40)]
+    assert b"".join(pieces) + relay.close() == out       # relayed all the same
+    assert relay.overflow and charge.held == 0 and len(collector.generated) <= 1
+    assert budget.held == 10 * len(STREAM) - 60

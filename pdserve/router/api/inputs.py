@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.router.buffers import CHARGE, Charge, OverBudget
 from pdserve.router.errors import json_error
 
 MAX_DEPTH = 64           # JSON nesting accepted; real requests nest a handful of levels
@@ -25,6 +26,7 @@ LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0
 # A surrogate sent as its UTF-8 bytes (ED A0-BF xx: no valid UTF-8 holds them): json.loads decodes bytes with
 # surrogatepass, so it parses into the same unencodable string with no escape for the scan above to find.
 RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+RAW_BODY = web.RequestKey("raw_body", bytes)
 
 
 class WireFormatLike(Protocol):
@@ -49,28 +51,58 @@ class BadInput(Exception):
 
 async def read_json(request: web.Request, body_timeout: float,
                     validate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """The request's JSON object, checked (see `checked`); raises BadInput. Compressed bodies are refused,
-    not inflated: the server's auto_decompress is off, so a small gzip bomb cannot cost a gigabyte of
-    memory. A big body is parsed and checked in a worker thread: the pure-Python passes over it would keep
-    every other client's request waiting on the event loop (docs/results.md)."""
+    """The request's JSON object, checked (see `checked`); raises BadInput. A big body is parsed and checked
+    in a worker thread: the pure-Python passes over it would keep every other client's request waiting on
+    the event loop (docs/results.md)."""
+    raw = await read_body(request, body_timeout)
+    request.pop(RAW_BODY, None)      # parsed from here on: the bytes are not kept with the body
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(checked, raw, validate)
+    return checked(raw, validate)
+
+
+async def read_body(request: web.Request, body_timeout: float) -> bytes:
+    """The request's body, read once (admission reads it before taking a slot, the route then finds it here);
+    raises BadInput, or OverBudget when the router's buffers are full (buffers.py: each chunk is charged to
+    the request as it arrives). Compressed bodies are refused, not inflated: the server's auto_decompress is
+    off, so a small gzip bomb cannot cost a gigabyte of memory."""
+    raw = request.get(RAW_BODY)
+    if raw is not None:
+        return raw
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise BadInput(415, f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed")
     if request.charset is not None and request.charset.lower() not in JSON_CHARSETS:
         raise BadInput(415, "JSON bodies must be UTF-8 (Content-Type charset)")
+    charge = request.get(CHARGE)
     try:
-        if request.content.is_eof():   # all there (a small body comes with its head): no timer needed
+        if request.content.is_eof() and charge is None:   # all there (a small body comes with its head)
             raw = await request.read()
         else:
             async with asyncio.timeout(body_timeout):
-                raw = await request.read()
+                raw = await _read_charged(request, charge) if charge is not None else await request.read()
     except TimeoutError:
         raise BadInput(408, f"request body not received within {body_timeout:g}s") from None
     except web.HTTPRequestEntityTooLarge:
         raise BadInput(413, "request body too large") from None
-    if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(checked, raw, validate)
-    return checked(raw, validate)
+    request[RAW_BODY] = raw
+    return raw
+
+
+async def _read_charged(request: web.Request, charge: Charge) -> bytes:
+    """request.read(), each chunk charged as it arrives (a body trickled in holds only what it sent)."""
+    limit = request._client_max_size      # what request.read() enforces (the app's client_max_size)
+    chunks, size = [], 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if limit and size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        if not charge.take(len(chunk)):
+            raise OverBudget()
+        chunks.append(chunk)
 
 
 def checked(raw: bytes, validate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from pdserve.router import identity
 from pdserve.router.api import WireFormat
+from pdserve.router.api.inputs import BadInput, read_body
 from pdserve.router.errors import error_body
 
 # Outcomes, exactly one per request that reaches admission.
@@ -157,6 +158,22 @@ class AdmissionPolicy:
     def tenants(self) -> dict[str, Tenant]:
         return self.by_tenant.entries
 
+    def refusal(self, tenant: str, client: str = "") -> Verdict | None:
+        """The refusal arrive() would give now, taking nothing: checked before a request's body is read, so
+        a refused request costs no body, and a request does not hold a slot while its body trickles in."""
+        now = self.clock()
+        refused = self.by_tenant.refusal(self.by_tenant.get(tenant, now))
+        if refused is None and self.by_client is not None:
+            refused = self.by_client.refusal(self.by_client.get(client, now))
+        return refused or self._saturated()
+
+    def _saturated(self) -> Verdict | None:
+        lim = self.limits
+        if lim.max_in_flight and (self.in_flight >= lim.max_in_flight or self.queued) and self.queued >= lim.queue_size:
+            # By the queue's longest wait every request now queued was served or gave up.
+            return Verdict(REJECTED_SATURATED, max(1, math.ceil(lim.queue_timeout)) if lim.queue_size else 1)
+        return None
+
     def arrive(self, tenant: str, client: str = "") -> Verdict:
         now = self.clock()
         lim = self.limits
@@ -171,9 +188,9 @@ class AdmissionPolicy:
             if refused is not None:
                 return refused
         if lim.max_in_flight and (self.in_flight >= lim.max_in_flight or self.queued):
-            if self.queued >= lim.queue_size:
-                # By the queue's longest wait every request now queued was served or gave up.
-                return Verdict(REJECTED_SATURATED, max(1, math.ceil(lim.queue_timeout)) if lim.queue_size else 1)
+            saturated = self._saturated()
+            if saturated is not None:
+                return saturated
             outcome = WAIT
             self.queued += 1
         else:
@@ -237,16 +254,16 @@ class Admission:
         self.waiters: deque[Waiter] = deque()
         metrics.admission_in_flight.set_function(lambda: self.policy.in_flight)
 
-    def _count(self, outcome: str) -> None:
+    def count(self, outcome: str) -> None:
         self.metrics.admission.labels(outcome).inc()
 
     async def enter(self, tenant: str, client: str = "") -> None:
         verdict = self.policy.arrive(tenant, client)
         if verdict.outcome == ADMITTED:
-            self._count(ADMITTED)
+            self.count(ADMITTED)
             return
         if verdict.outcome != WAIT:
-            self._count(verdict.outcome)
+            self.count(verdict.outcome)
             raise Refusal(verdict)
         await self._wait(tenant, client)
 
@@ -266,16 +283,16 @@ class Admission:
             elif entry in self.waiters:
                 self.waiters.remove(entry)
                 self.policy.dequeued(False, tenant, client)
-            self._count(CLIENT_GONE)
+            self.count(CLIENT_GONE)
             raise
         finally:
             timer.cancel()
             self.metrics.admission_queue.set(self.policy.queued)
         self.metrics.admission_wait.observe(time.perf_counter() - started)
         if not admitted:
-            self._count(QUEUE_TIMEOUT)
+            self.count(QUEUE_TIMEOUT)
             raise Refusal(Verdict(QUEUE_TIMEOUT, max(1, math.ceil(self.policy.limits.queue_timeout))))
-        self._count(QUEUED)
+        self.count(QUEUED)
 
     def _expire(self, entry: Waiter) -> None:
         if not entry[2].done() and entry in self.waiters:
@@ -296,9 +313,13 @@ class Admission:
             fut.set_result(True)
 
 
-def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[str, WireFormat], None]):
+def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused: Callable[[str, WireFormat], None],
+               body_timeout: float):
     """Admission in front of the routes that reach a server (`formats`: route -> wire format: the completion
-    routes and count_tokens); every other path goes straight through. `on_refused(path, fmt)` on a refusal."""
+    routes and count_tokens); every other path goes straight through. `on_refused(path, fmt)` on a refusal,
+    and on a body refused before admission (the route would have counted it). A request is checked when its
+    head comes (a refusal costs no body), then its body is read, then it takes its slot: a client that sends
+    its body slowly holds no slot meanwhile (issue 45: half-sent bodies held theirs until body_timeout)."""
     per_client = admission.policy.by_client is not None
 
     @web.middleware
@@ -309,6 +330,15 @@ def middleware(admission: Admission, formats: dict[str, WireFormat], on_refused:
         tenant = identity.tenant(request)
         client = identity.client_address(request) if per_client else ""
         try:
+            refused = admission.policy.refusal(tenant, client)
+            if refused is not None:
+                admission.count(refused.outcome)
+                raise Refusal(refused)
+            try:
+                await read_body(request, body_timeout)     # kept on the request: the route reads it from there
+            except BadInput as bad:
+                on_refused(request.path, fmt)
+                return bad.response(fmt)
             await admission.enter(tenant, client)
         except Refusal as refusal:
             on_refused(request.path, fmt)

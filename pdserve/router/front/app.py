@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.router import api, identity
 from pdserve.router.api.inputs import BadInput, read_json
+from pdserve.router.buffers import CHARGE, RETRY_AFTER_S, BufferBudget, OverBudget
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_body
 from pdserve.router.front import observe
@@ -23,7 +24,7 @@ from pdserve.router.front import admission, drain
 from pdserve.router.front.compose import compose
 from pdserve.router.kv.reuse import FIRST, HIT, HIT_REASONS, MISS, NO_ENTRY
 from pdserve.router.legs.flow import Flow
-from pdserve.router.legs.turn import FAILED, TURN
+from pdserve.router.legs.turn import FAILED, TURN, ClientGone, write_within
 from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
@@ -147,6 +148,52 @@ async def require_api_key(request: web.Request, handler):
     return await handler(request)
 
 
+def buffered(budget: BufferBudget, formats: dict[str, api.WireFormat], on_refused, stall: float):
+    """Each request's buffers charged to the router's budget (buffers.py) and given back at its end; a
+    request that finds no room, when it comes or while its body arrives, gets a 503 with Retry-After in its
+    API's shape. A whole answer is written here, charged, within `stall` seconds (client_stall_timeout):
+    written by aiohttp after the handler, a client that never read it held its bytes with no end."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        fmt = formats.get(request.path)
+        if fmt is None:
+            return await handler(request)
+        charge = request[CHARGE] = budget.charge()
+        try:
+            if not budget.room(min(request.content_length or 0, request.app[CONFIG].max_body_bytes)):
+                raise OverBudget()
+            resp = await handler(request)
+            if isinstance(resp, web.Response) and not resp.prepared and len(resp.body or b"") > WRITE_UNTIMED:
+                charge.force(len(resp.body))        # type: ignore[arg-type]
+                try:
+                    await write_within(_write_whole(request, resp), request, stall, request.app[METRICS])
+                except ClientGone:
+                    pass                            # aiohttp finds it closed and counts nothing more
+            return resp
+        except OverBudget:
+            request.app[METRICS].buffer_refused.labels(request.path).inc()
+            on_refused(request.path, fmt)
+            message = (f"the router is holding its limit of buffered request and answer bytes "
+                       f"(router.max_buffered_mb); retry after {RETRY_AFTER_S} s")
+            resp = web.json_response(fmt.client_error(error_body(message, "server_overloaded", 503), 503),
+                                     status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            resp.force_close()                      # the rest of its body is not read
+            return resp
+        finally:
+            charge.close()
+
+    return guard
+
+
+WRITE_UNTIMED = 64 * 1024   # a whole answer up to this fits the transport's buffer: its write never waits
+
+
+async def _write_whole(request: web.Request, resp: web.Response) -> None:
+    await resp.prepare(request)
+    await resp.write_eof()
+
+
 def api_key_from_env(cfg: RouterConfig) -> str:
     if not cfg.api_key_env:
         return ""
@@ -186,13 +233,18 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     limits = admission.Limits.from_config(cfg)
     # count_tokens too: P tokenizes each (8 bodies of 15 MB took the router to 552 MB); only turns count a turn
     admitted = {**api.BY_ROUTE, COUNT_TOKENS: api.for_path(COUNT_TOKENS)}
-    admit = [admission.middleware(admission.Admission(limits, metrics), admitted,
-                                  lambda path, fmt: path in api.BY_ROUTE and metrics.turns.labels(FAILED, fmt.api).inc())
+    def turn_failed(path: str, fmt: api.WireFormat) -> None:
+        if path in api.BY_ROUTE:       # a turn refused before its route: it failed (count_tokens is no turn)
+            metrics.turns.labels(FAILED, fmt.api).inc()
+
+    admit = [admission.middleware(admission.Admission(limits, metrics), admitted, turn_failed, cfg.body_timeout)
              ] if limits.enabled else []
+    budget = BufferBudget(cfg.max_buffered_bytes)
+    metrics.buffered_bytes.set_function(lambda: budget.held)
     app = web.Application(client_max_size=cfg.max_body_bytes,
                           middlewares=[*observers, drain.track, count_requests, openai_errors,
  *([require_api_key] if key else []),
-                                       *admit])
+                                       buffered(budget, admitted, turn_failed, cfg.client_stall_timeout), *admit])
     app[CONFIG] = cfg
     app[METRICS] = metrics
     app[API_KEY] = key

@@ -191,6 +191,6 @@ def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, span
     prober = HealthProber([prefill, decode], session, cfg.health_interval, lambda backend: router.on_down(backend))
     flow = Flow(cfg, upstream, Planner(cfg, policy, offers, book, metrics, prober.recheck),
                 PrefillLeg(upstream, offers, costs, metrics, policy),
-                DecodeLeg(upstream, metrics, costs, cfg.max_output_tokens), book, metrics)
+                DecodeLeg(upstream, metrics, costs, cfg.max_output_tokens, cfg.client_stall_timeout), book, metrics)
     router = Router(cfg, metrics, flow, session, client, prober, store, held, spans, control, decode)
     return router

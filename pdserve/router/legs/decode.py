@@ -20,7 +20,8 @@ from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.legs.book import Finished
 from pdserve.router.legs.context import ContextFit
 from pdserve.router.legs.relay import StreamRelay
-from pdserve.router.legs.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer
+from pdserve.router.buffers import CHARGE
+from pdserve.router.legs.turn import CLIENT_GONE, FAILED, ClientGone, Turn, headers, json_answer, write_within
 from pdserve.router.legs.client import read_bounded
 from pdserve.router.legs.upstream import Upstream
 from pdserve.router.route.backends import Backend, Pool
@@ -37,8 +38,10 @@ class BadAnswer(Exception):
 
 
 class DecodeLeg:
-    def __init__(self, upstream: Upstream, metrics: RouterMetrics, costs: CostModel, max_output_tokens: int = 0):
+    def __init__(self, upstream: Upstream, metrics: RouterMetrics, costs: CostModel, max_output_tokens: int = 0,
+                 client_stall: float = 30.0):
         self.upstream = upstream
+        self.client_stall = client_stall   # a client that reads none of its stream this long is dropped
         self.costs = costs
         self.metrics = metrics
         # output caps fitted to each server's context, and to router.max_output_tokens
@@ -98,7 +101,7 @@ class DecodeLeg:
         ok: bool | None = None    # None: the client went away, which says nothing about D
         out: web.StreamResponse | None = None
         relay = StreamRelay(collector, keep_lines=track and turn.conversation.by_history,
-                            max_bytes=self.upstream.max_answer_bytes)
+                            max_bytes=self.upstream.max_answer_bytes, charge=request.get(CHARGE) if track else None)
         d_started = time.perf_counter()
         turn.held_on = backend.name if "kv_transfer_params" in body else None
         try:
@@ -116,6 +119,9 @@ class DecodeLeg:
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                   **headers(turn)})
                 await _to_client(out.prepare(request))
+                transport = request.transport
+                # A write waits for the client only past the transport's high-water mark: below it, no timer.
+                high = transport.get_write_buffer_limits()[1] if transport is not None else 0
                 first = True
                 async for data in resp.content.iter_any():
                     try:
@@ -126,10 +132,13 @@ class DecodeLeg:
                         yield self._finished(turn, backend, relay, track)
                         ok = True
                     if chunk:
-                        try:                  # _to_client inline: a coroutine less per chunk
-                            await out.write(chunk)
-                        except ConnectionError as err:
-                            raise ClientGone() from err
+                        if transport is None or transport.get_write_buffer_size() + len(chunk) > high:
+                            await write_within(out.write(chunk), request, self.client_stall, self.metrics)
+                        else:
+                            try:              # _to_client inline: a coroutine less per chunk
+                                await out.write(chunk)
+                            except ConnectionError as err:
+                                raise ClientGone() from err
                         if first:
                             first = False
                             ttft = time.perf_counter() - turn.started
@@ -148,10 +157,10 @@ class DecodeLeg:
                     yield self._finished(turn, backend, relay, track)
                     ok = True
                 if tail:
-                    await _to_client(out.write(tail))
+                    await write_within(out.write(tail), request, self.client_stall, self.metrics)
                 if not relay.done:
                     raise BadAnswer() from ValueError("the stream ended before the end of the answer")
-            await _to_client(out.write_eof())
+            await write_within(out.write_eof(), request, self.client_stall, self.metrics)
             yield out
         except ClientGone:
             yield CLIENT_GONE                 # no-op when it had its whole answer
@@ -207,13 +216,15 @@ class DecodeLeg:
             self.upstream.count(backend, turn.route, False)
             log.warning("%s: %s server %s broke the stream: %s", turn.request_id, backend.role, backend.name,
                         type(err).__name__)
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            if not finished:
-                await out.write(turn.fmt.stream_error(f"{failure}: {type(err).__name__}", turn.request_id,
-                                                      turn.body.get("model")))
-            elif not done_sent:
-                await out.write(turn.fmt.stream_end())
-            await out.write_eof()
+        # A client that stopped reading gets no more than it would for the stream itself.
+        with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
+            async with asyncio.timeout(self.client_stall):
+                if not finished:
+                    await out.write(turn.fmt.stream_error(f"{failure}: {type(err).__name__}", turn.request_id,
+                                                          turn.body.get("model")))
+                elif not done_sent:
+                    await out.write(turn.fmt.stream_end())
+                await out.write_eof()
         return finished or False
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from pdserve.router.api.base import Collector
+from pdserve.router.buffers import Charge
 
 FEW_MARKED = 8    # a block with more mentions of router-only fields than this is scrubbed line by line
 
@@ -22,9 +23,11 @@ class StreamRelay:
 
     Bounded by `max_bytes` (router.max_answer_mb): a line longer than that is refused (LineTooLong: the
     stream ends with the format's error event); a stream longer than that is relayed to its end but not
-    remembered (`overflow`): neither its lines nor its token ids are kept past the bound."""
+    remembered (`overflow`): neither its lines nor its token ids are kept past the bound. What it keeps is
+    charged to the request (`charge`, buffers.py): when the router's buffers are full it overflows the same way."""
 
-    def __init__(self, collector: Collector, keep_lines: bool, max_bytes: int = 32 * 1024 * 1024):
+    def __init__(self, collector: Collector, keep_lines: bool, max_bytes: int = 32 * 1024 * 1024,
+                 charge: Charge | None = None):
         self.collector = collector
         self.keep_lines = keep_lines and collector.reply_from_lines
         self.blocks: list[bytes] = []  # what D sent, split into lines only if the reply is wanted
@@ -35,11 +38,18 @@ class StreamRelay:
         self._partial: list[bytes] = []   # the start of a line not ended yet
         self._marked = re.compile(b"|".join(re.escape(m) for m in collector.markers)).search
         self._partial_size = 0
+        self.charge = charge
+        self.charged = 0               # bytes of what it keeps, charged to the request
 
     def feed(self, data: bytes) -> bytes:
         self.seen += len(data)
-        if self.seen > self.max_bytes:
-            self._overflow()
+        if self.overflow or self.seen > self.max_bytes:
+            self._overflow()           # each read: what the collector gathered since is dropped too
+        elif self.charge is not None:
+            if self.charge.take(len(data)):
+                self.charged += len(data)
+            else:
+                self._overflow()
         cut = data.rfind(b"\n") + 1
         if not cut:
             self._keep_partial(data)
@@ -60,6 +70,9 @@ class StreamRelay:
 
     def _overflow(self) -> None:
         self.overflow, self.keep_lines, self.blocks = True, False, []
+        if self.charge is not None:
+            self.charge.give(self.charged)
+            self.charge, self.charged = None, 0
         self.collector.generated.clear()   # the sequence will not be stored: keep none of it
 
     def close(self) -> bytes:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +15,11 @@ from pdserve.router.api import WireFormat
 from pdserve.router.conversation import Conversation
 from pdserve.router.route.backends import Suspects
 from pdserve.router.route.policy import template_digest
+from pdserve.router.telemetry.metrics import RouterMetrics
 from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
+
+log = logging.getLogger("pdserve.router")
+WRITE_STALLED = "write_stalled"    # pdserve_router_connections_dropped_total's reason for a client that stops reading
 
 
 @dataclass
@@ -67,6 +74,31 @@ TURN = web.RequestKey("turn", Turn)
 
 class ClientGone(Exception):
     """A write to the client failed: it went away. Never counted against a backend."""
+
+
+async def write_within(write: Awaitable[Any], request: web.Request, seconds: float, metrics: RouterMetrics) -> Any:
+    """A write to the client that may wait for it to read (its buffers full): given up after `seconds`
+    (RouterConfig.client_stall_timeout), the connection closed and the client taken as gone, so a client that
+    stops reading holds no admission slot, no backend request and no buffers (issue 45: 8 such sockets held
+    every slot for 50 s)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await write
+    except TimeoutError:
+        drop_stalled(request, metrics, seconds)
+        raise ClientGone() from None
+    except ConnectionError as err:   # aiohttp's ClientConnectionResetError included
+        raise ClientGone() from err
+
+
+def drop_stalled(request: web.Request, metrics: RouterMetrics, seconds: float) -> None:
+    transport = request.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    if transport is not None:
+        transport.abort()            # what it did not read is dropped with it
+    metrics.connections_dropped.labels(WRITE_STALLED).inc()
+    log.warning("closed a connection from %s (%s): the client read nothing of its answer for %gs",
+                peer and peer[0], WRITE_STALLED, seconds)
 
 
 def template(turn: Turn) -> str:

@@ -29,8 +29,15 @@ class RouterMetrics:
         self.connections_dropped = Counter("pdserve_router_connections_dropped",
                                            "Client connections the router refused or closed on its own: full "
                                            "(at the cap, every connection busy), evicted (an idle one or an "
-                                           "unfinished head closed to make room), head_timeout.", ["reason"],
+                                           "unfinished head closed to make room), head_timeout, write_stalled (the "
+                                           "client read nothing of its answer for body_timeout).", ["reason"],
                                            registry=r)
+        # Read at scrape time (build_app sets its function): nothing per request.
+        self.buffered_bytes = Gauge("pdserve_router_buffered_bytes", "Bytes the router holds for requests now "
+                                    "(bodies, kept stream answers, whole answers being written): what "
+                                    "router.max_buffered_mb bounds.", registry=r)
+        self.buffer_refused = Counter("pdserve_router_buffer_refused", "Requests answered 503 because the "
+                                      "router's buffers were full (router.max_buffered_mb).", ["route"], registry=r)
         self.degraded = Counter(names.DEGRADED_REQUESTS,
                                 "Requests served whole by one server, without KV transfer, because no server "
                                 "of the other role was usable.", ["served_by"], registry=r)
