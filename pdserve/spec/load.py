@@ -142,6 +142,9 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
     if spec.router.queue_size and not spec.router.max_in_flight:
         problems.append(f"router.queue_size: {spec.router.queue_size} needs router.max_in_flight (a queue waits "
                         "for a free slot under that cap; without it nothing ever waits)")
+    if spec.router.max_buffered_mb < spec.router.max_body_mb:
+        problems.append(f"router.max_buffered_mb: {spec.router.max_buffered_mb:g} is below router.max_body_mb "
+                        f"({spec.router.max_body_mb:g}): a body of the size accepted would never fit (503)")
     if spec.router.tenant_burst and not spec.router.tenant_rate:
         problems.append("router.tenant_burst: needs router.tenant_rate (the bucket refills at that rate)")
     if spec.router.client_burst and not spec.router.client_rate:

@@ -41,6 +41,7 @@ BROKEN = [
     (with_("router.queue_timeout", 0), "router.queue_timeout: Input should be greater than 0"),
     (with_("router.queue_size", 8), "router.queue_size: 8 needs router.max_in_flight"),
     (with_("router.tenant_burst", 4), "router.tenant_burst: needs router.tenant_rate"),
+    (with_("router.max_buffered_mb", 8), "router.max_buffered_mb: 8 is below router.max_body_mb (16)"),
     (with_("prefill.tensor_parallel_size", 2), "decode.tensor_parallel_size: 1 is below prefill's 2"),
     (with_("prefill.gpus", [0], with_("prefill.cpus", DELETE)),
      "kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported"),
