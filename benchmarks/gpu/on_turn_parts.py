@@ -21,7 +21,7 @@ step added. The turn's ratio to it is printed.
 
 Under load (with --load-config): `pdserve bench LOAD_CONFIG --attach NAME --workload W --concurrency C --stream`
 in the background (the issue's workload), PROBES 36k conversations sent during it (turn 1, then the streamed
-"on" turn: client TTFT and the router's legs per probe; from 5 s in, 2 s apart, while the bench runs), and each part's mean per request over the whole load
+"on" turn: client TTFT and the router's legs per probe; from 3 s in, 2 s apart, while the bench runs), and each part's mean per request over the whole load
 window from the same histograms (sum/count deltas; vLLM's latency buckets are too coarse for a p50), with each
 server's API-server CPU seconds per request (process_cpu_seconds_total: the front ends' render and
 tokenization). The probes' own requests are in those means (2 of each ~170).
@@ -287,7 +287,8 @@ def table(res: dict) -> str:
     if "load" in res:
         load = res["load"]
         m = load["means_per_request"]
-        lines.append(f"UNDER LOAD: bench rc {load['bench_rc']}, {load['wall_s']} s; probes' median (ms): "
+        lines.append(f"UNDER LOAD: bench rc {load['bench_rc']}, {load['wall_s']} s; {len(load['probes'])} probes "
+                     "(only while the bench ran), their median (ms): "
                      + ", ".join(f"{k} {v}" for k, v in load["probe_median"].items()))
         lines.append(f"{'mean per request (ms)':<34}{'P':>10}{'D':>10}")
         for key, label in (("ttft", "engine TTFT"), ("front_end", "front end"), ("queue", "queue"),
@@ -317,7 +318,7 @@ def main() -> None:
     ap.add_argument("--workload")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--probes", type=int, default=5)
-    ap.add_argument("--probe-start-s", type=float, default=5.0)
+    ap.add_argument("--probe-start-s", type=float, default=3.0)
     ap.add_argument("--probe-gap-s", type=float, default=2.0)
     args = ap.parse_args()
     out = Path(args.out)

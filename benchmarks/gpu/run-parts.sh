@@ -4,36 +4,40 @@
 # streamed) and under the 32k workload (8 conversations, 4 at a time, streamed), by on_turn_parts.py.
 # Wheel parts already in /tmp/parts. Results under $OUT; the cluster stays up between calls.
 #   benchmarks/gpu/run-parts.sh up              install, up (compiled, its canary), the servers' entry lines
-#   benchmarks/gpu/run-parts.sh alone           the on turn alone: each part, the bound, off/on
-#   benchmarks/gpu/run-parts.sh load            the workload through bench --attach, 5 36k probes during it
-#   benchmarks/gpu/run-parts.sh all             alone, then load, in one call
+#   benchmarks/gpu/run-parts.sh alone [TAG]     the on turn alone: each part, the bound, off/on
+#   benchmarks/gpu/run-parts.sh load [TAG]      the workload through bench --attach, 5 36k probes during it
+#   benchmarks/gpu/run-parts.sh all [TAG]       alone, then load, in one call (TAG names the step's files)
 #   benchmarks/gpu/run-parts.sh variant NAME K=V...   down, up again with these env settings on both servers
 #                                               (extra:K=V: a kv_connector_extra_config key), then alone
 # PARTS_ARGS adds on_turn_parts.py options (e.g. "--reps 3 --length 16384"); PARTS_ROUTER, PARTS_P, PARTS_D the
 # URLs (default the shipped ports on 127.0.0.1), PARTS_NAME the cluster (parts), PARTS_WORKLOAD the workload.
-# Each step also writes descs.txt: the servers' pdserve-entry lines and their NIXL reads' descriptor counts
-# (pdserve-descs: as vLLM ordered them, and in local order).
+# Each measuring STEP leaves $OUT/STEP.txt (the table) and $OUT/STEP.tgz (parts.json, the run's output, the
+# bench's, and descs.txt: the servers' pdserve-entry lines and their NIXL reads' descriptor counts).
 source "$(dirname "$0")/env.sh"
 name=${PARTS_NAME:-parts}
 cfg=/tmp/$name.yaml
 router=${PARTS_ROUTER:-http://127.0.0.1:8000} p=${PARTS_P:-http://127.0.0.1:8100} d=${PARTS_D:-http://127.0.0.1:8200}
 workload=${PARTS_WORKLOAD:-$code/benchmarks/gpu/workload-32k.json}
-parts() {   # STEP, on_turn_parts.py options
+parts() {   # STEP, on_turn_parts.py options: STEP's files in /tmp/parts-runs/STEP, its table as $OUT/STEP.txt and
+            # all of it as $OUT/STEP.tgz (the device brings back 8 files a call)
   local step=$1; shift
-  (cd "$code/benchmarks/gpu" && python3 on_turn_parts.py $router $p $d "$out" "$@" ${PARTS_ARGS:-}) \
-    > "$out/$step-run.txt" 2>&1
+  local dir=/tmp/parts-runs/$step
+  rm -rf "$dir"; mkdir -p "$dir"
+  (cd "$code/benchmarks/gpu" && python3 on_turn_parts.py $router $p $d "$dir" "$@" ${PARTS_ARGS:-}) > "$dir/run.txt" 2>&1
   local rc=$?
-  tail -c 5000 "$out/$step-run.txt"
-  descs
+  descs > "$dir/descs.txt"
+  tail -c 5000 "$dir/run.txt"
+  grep -c "pdserve-descs" "$dir/descs.txt"; grep -a "pdserve-descs" "$dir/descs.txt" | tail -4
+  cp "$dir/parts.txt" "$out/$step.txt" 2>/dev/null
+  tar czf "$out/$step.tgz" -C /tmp/parts-runs "$step"
   return $rc
 }
-descs() {   # the entry lines, and per server the pdserve-descs lines' count and last few
+descs() {   # the servers' entry lines and their last NIXL reads' descriptor counts
   for role in prefill-0 decode-0; do
     echo "== $role"
     pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-entry" | tail -1
     pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-descs" | tail -12
-  done > "$out/descs.txt"
-  grep -c "pdserve-descs" "$out/descs.txt"; grep -a "pdserve-descs" "$out/descs.txt" | tail -4
+  done
 }
 case $1 in
   up)
@@ -41,13 +45,13 @@ case $1 in
     pd plan "$cfg" | grep "set by pdserve" | sort -u
     pd_up "$name" "$cfg"
     pd logs "$name" supervisor -n 200 | grep -a "canary" | tail -2
-    descs ;;
+    descs | cut -c1-400 ;;
   alone)
-    parts alone ;;
+    parts "alone${2:+-$2}" ;;
   load)
-    parts load --skip-alone --load-config "$cfg" --load-name "$name" --workload "$workload" --concurrency 4 ;;
+    parts "load${2:+-$2}" --skip-alone --load-config "$cfg" --load-name "$name" --workload "$workload" --concurrency 4 ;;
   all)
-    parts all --load-config "$cfg" --load-name "$name" --workload "$workload" --concurrency 4 ;;
+    parts "all${2:+-$2}" --load-config "$cfg" --load-name "$name" --workload "$workload" --concurrency 4 ;;
   variant)
     shift; variant=$1; shift
     pd down "$name"; nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null
