@@ -76,8 +76,8 @@ async def read_body(request: web.Request, body_timeout: float) -> bytes:
         raise BadInput(415, "JSON bodies must be UTF-8 (Content-Type charset)")
     charge = request.get(CHARGE)
     try:
-        if request.content.is_eof() and charge is None:   # all there (a small body comes with its head)
-            raw = await request.read()
+        if request.content.is_eof():   # all there (a small body comes with its head): no timer needed
+            raw = await _read_charged(request, charge) if charge is not None else await request.read()
         else:
             async with asyncio.timeout(body_timeout):
                 raw = await _read_charged(request, charge) if charge is not None else await request.read()
