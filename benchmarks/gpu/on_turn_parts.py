@@ -10,7 +10,8 @@ figures for it (sums of vLLM's per-request histograms on /metrics, read before a
 nothing else running): client TTFT; the router's Server-Timing (decide; prefill = P's whole leg); P's queue
 (it includes the wait for the pull), NIXL's transfer and post time, descriptors and bytes
 (vllm:nixl_*), P's compute (vllm:request_prefill_time), P's front end (its TTFT minus queue and compute: the
-API server's render and tokenization); D's queue (it includes D's read of P's new blocks), D's first step, D's
+API server's render and tokenization, from vLLM's arrival stamp at render_chat's start; "P before its TTFT" =
+P leg - P's TTFT: HTTP and the body's parse); D's queue (it includes D's read of P's new blocks), D's first step, D's
 front end, D's TTFT; "router other" = client TTFT - decide - P leg - D's TTFT (relay and HTTP between legs).
 Then 3 prefills of the new suffix alone, straight to P (no history): the compute of NEW tokens without the
 attention over the history.
@@ -156,6 +157,7 @@ def parts(got: dict, p: dict, d: dict) -> dict:
            "pull_bytes": p["bytes"], "pull_descriptors": p["descs"], "pulls": p["xfer_n"],
            "p_cpu_ms": ms(p["cpu_s"]), "d_cpu_ms": ms(d["cpu_s"])}
     row["router_other"] = round(row["client_ttft"] - decide - p_leg - row["d_ttft"], 1)
+    row["p_outside_ttft"] = round(p_leg - row["p_ttft"], 1)    # HTTP, body parse: before vLLM's arrival stamp
     return row
 
 
@@ -271,6 +273,7 @@ def table(res: dict) -> str:
         lines.append(f"{'part':<34}{'on':>10}{'off':>10}")
         for key, label in (("client_ttft", "client TTFT (first token)"), ("router_decide", "router: decide"),
                            ("router_other", "router: other (relay, HTTP)"), ("p_leg", "P leg (router-timed)"),
+                           ("p_outside_ttft", "  P before its TTFT (HTTP, JSON)"),
                            ("p_front_end", "  P front end (render, tokenize)"), ("p_queue", "  P queue (incl. pull)"),
                            ("pull_xfer", "    pull: NIXL transfer"), ("pull_post", "    pull: NIXL post"),
                            ("p_compute", "  P compute"), ("d_ttft", "D to first token"),
