@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp.test_utils import make_mocked_request
 
-from pdserve.router.identity import MAX_CONVERSATION_ID, SESSION_SOURCES, explicit_key, session_id
+from pdserve.router.identity import MAX_CONVERSATION_ID, SESSION_SOURCES, explicit_key, history, reply_key, session_id
 
 # One request carrying every source, each with its own value.
 ALL_HEADERS = {"X-Session-ID": "hdr", "x-session-affinity": "opencode", "X-Dynamo-Session-ID": "dyn",
@@ -106,3 +106,28 @@ def test_a_subagents_root_session_is_its_parents():
     assert root_session(req(), {"conversation_id": "c1"}) == "c1"
     # a parent header of another family does not apply to the chain that won
     assert root_session(req({"X-Claude-Code-Session-Id": "s1", "x-parent-session-id": "p"}), {}) == "s1"
+
+
+# Messages of every shape the history hash reads: escapes and non-ASCII text, text parts, tool calls with
+# arguments to canonicalise, a lone surrogate, no role, a non-text content, a non-object item.
+KEYED_HISTORY = [
+    {"role": "system", "content": "You are \"terse\".\n\ttabs\\ and é ünïcode ✓ 🚀"},
+    {"role": "user", "content": [{"type": "text", "text": "part one "}, {"type": "text", "text": "part two"}]},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [2]}"}}]},
+    {"role": "tool", "content": "\ud800 lone surrogate \x00 nul", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "done", "tool_calls": []},
+    {"role": None, "content": {"x": 1}},
+    {"content": "no role"},
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+    "not an object",
+]
+
+
+def test_history_keys_are_the_ones_earlier_routers_stored():
+    """The automatic-detection keys are kept across restarts (the store file, Redis): the bytes hashed for a
+    message must not change with how they are made (identity._canonical's fast path for plain messages gives
+    json.dumps' text). The digests were computed by the router before that fast path (ace7ee2)."""
+    assert history("t", KEYED_HISTORY)[1].hex() == "707640fbe5dc9a007db0cdeaf7a23c6ce5c0c2da32209acbf783720ed61cf9f8"
+    assert reply_key("t", KEYED_HISTORY[:2], KEYED_HISTORY[2:5]) == (
+        "t", "auto:6e9199a68cd9391e68bd59f96a4ee75c49dabd1e3073fb0d6ceb819544acdd0d")
