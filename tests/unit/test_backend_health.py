@@ -3,7 +3,11 @@ answers must repeat before the server leaves routing, and never lose its entries
 
 from __future__ import annotations
 
-from pdserve.router.route.backends import FAILED_PROBES_BEFORE_DOWN, Backend
+from prometheus_client import generate_latest
+
+from pdserve.router.config import BackendConfig
+from pdserve.router.route.backends import FAILED_PROBES_BEFORE_DOWN, Backend, Pool
+from pdserve.router.telemetry.metrics import RouterMetrics
 
 
 def healthy_backend() -> Backend:
@@ -61,3 +65,22 @@ def test_a_successful_request_brings_a_restarted_server_back_before_the_next_pro
     pool.release(b, ok=True)                                         # the restarted server answered
     assert b.healthy and b.seen_alive
     assert b.record_probe(False, refused=True) is True and b.generation == 2   # a later outage still counts
+
+
+def test_in_flight_gauge_reads_the_outstanding_requests_at_scrape_time():
+    """pdserve_router_backend_in_flight is each backend's outstanding count whenever it is scraped (read then,
+    not set on every acquire and release)."""
+    metrics = RouterMetrics()
+    pool = Pool("decode", [BackendConfig("decode-0", "http://x"), BackendConfig("decode-1", "http://y")], metrics)
+
+    def scraped() -> str:
+        return generate_latest(metrics.registry).decode()
+    assert 'pdserve_router_backend_in_flight{backend="decode-0"} 0.0' in scraped()
+    d0, d1 = pool.backends
+    trials = [pool.acquire(d0), pool.acquire(d0), pool.acquire(d1)]
+    assert 'pdserve_router_backend_in_flight{backend="decode-0"} 2.0' in scraped()
+    assert 'pdserve_router_backend_in_flight{backend="decode-1"} 1.0' in scraped()
+    pool.release(d0, True, trials[0])
+    pool.release(d1, None, trials[2])
+    assert 'pdserve_router_backend_in_flight{backend="decode-0"} 1.0' in scraped()
+    assert 'pdserve_router_backend_in_flight{backend="decode-1"} 0.0' in scraped()

@@ -79,7 +79,8 @@ class Pool:
         self._rr = 0
         for b in self.backends:     # exported from the start (0): a dashboard shows closed, not "no data"
             metrics.breaker_open.labels(b.name, role).set(0)
-            metrics.in_flight.labels(b.name).set(0)
+            # Read at scrape time: nothing per request (acquire and release ran a locked set each, 4 a turn).
+            metrics.in_flight.labels(b.name).set_function(lambda b=b: b.in_flight)
 
     def by_name(self, name: str) -> Backend | None:
         return next((b for b in self.backends if b.name == name), None)
@@ -117,7 +118,6 @@ class Pool:
         """Count a request as outstanding; True when it is the breaker's half-open trial (pass that back
         to `release`)."""
         backend.in_flight += 1
-        self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
         return backend.breaker.begin()
 
     def release(self, backend: Backend, ok: bool | None, trial: bool = False) -> None:
@@ -127,7 +127,6 @@ class Pool:
         backend.in_flight -= 1
         if ok is None and trial:
             backend.breaker.abandon_trial()
-        self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
         if ok and backend.mark_answering():
             log.info("%s %s is healthy (answered a request)", self.role, backend.name)
             self.metrics.healthy.labels(backend.name, self.role).set(1)
