@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import logging
 
+from pdserve.router.telemetry import logs
 from pdserve.router.telemetry.logs import OneLineFormatter
 from tests.kits.fake_vllm import FAKE
 from tests.kits.metric_text import sample
@@ -209,3 +210,14 @@ async def test_anonymous_clients_on_different_hosts_never_continue_each_other_s_
         async with dep.session.post(dep.url + CHAT, json=follow) as resp:     # its own client still reuses
             assert resp.status == 200 and int(resp.headers["X-PDServe-Pulled-Tokens"]) > 0
         assert reuse_hits(await dep.metrics()) == 1
+
+
+def test_formatter_writes_the_time_as_logging_does():
+    """The router's log time is made once a second (logs.OneLineFormatter.formatTime): the text is logging's
+    own for every record, across second boundaries and with a date format given."""
+    ours, theirs = OneLineFormatter(logs.FORMAT), logging.Formatter(logs.FORMAT)
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    for created in (1_764_800_000.0, 1_764_800_000.999, 1_764_800_001.0005, 1_764_799_999.5, 1.25, 1_764_800_000.5):
+        record.created, record.msecs = created, (created - int(created)) * 1000 // 1 + 0.0
+        assert ours.formatTime(record) == theirs.formatTime(record)
+        assert ours.formatTime(record, "%H:%M") == theirs.formatTime(record, "%H:%M")

@@ -4,6 +4,7 @@ quotes when it refuses a request) is escaped, so no request can forge or split l
 from __future__ import annotations
 
 import logging
+import time
 
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -19,6 +20,18 @@ def escape(text: str) -> str:
 
 
 class OneLineFormatter(logging.Formatter):
+    _second: tuple[int, str] = (-1, "")     # (a whole second of time.time(), its text without the msecs)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """logging's text for the time, its strftime made once a second rather than once a record (the
+        access log writes a record a request). Seconds of the epoch are whole seconds of local time."""
+        if datefmt is not None or self.converter is not time.localtime:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if self._second[0] != second:
+            self._second = (second, time.strftime(self.default_time_format, time.localtime(second)))
+        return self.default_msec_format % (self._second[1], record.msecs)
+
     def format(self, record: logging.LogRecord) -> str:
         exc = record.exc_info[1] if record.exc_info else None
         line = super().formatMessage(_with_message(record, self))
