@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pdserve.router.wire import WANT_PROMPT_IDS_KEY
 from tests.kits.fake_vllm import FAKE
 from tests.kits.metric_text import reuse_hits
 from tests.kits.router_rig import deployment
@@ -31,7 +32,8 @@ async def test_two_legs_and_no_kv_params_leak():
         assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
         p_body, d_body = leg_bodies(dep.prefill[0])[0], leg_bodies(dep.decode[0])[0]
         assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-        assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                                WANT_PROMPT_IDS_KEY: True}     # P's ids for D (wire.py)
         assert d_body["kv_transfer_params"]["do_remote_prefill"] is True          # P's handles, not the client's
         assert d_body["kv_transfer_params"]["remote_block_ids"] != [[666]]
         assert dep.decode[0][FAKE].leaked_counts == 0     # P's pulled/local counts stay with the router
@@ -76,7 +78,8 @@ async def test_edited_history_is_not_offered(decode_only):
         p = dep.prefill[0][FAKE]
         if decode_only:
             assert leg_bodies(dep.prefill[0])[-1]["kv_transfer_params"] == {"do_remote_decode": True,
-                                                                           "do_remote_prefill": False}
+                                                                           "do_remote_prefill": False,
+                                                                           WANT_PROMPT_IDS_KEY: True}
         assert p.external_tokens == 0 and p.tokenized == (1 if decode_only else 0)
         assert 'reason="not_a_continuation",result="miss"} 1.0' in await dep.metrics()
 
@@ -114,7 +117,8 @@ async def test_failed_read_retries_without_blocks():
         assert status == 200 and data2["choices"][0]["message"]["content"]
         bodies = leg_bodies(dep.prefill[0])
         assert "remote_block_ids" in bodies[1]["kv_transfer_params"]
-        assert bodies[2]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+        assert bodies[2]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                                   WANT_PROMPT_IDS_KEY: True}
         m = await dep.metrics()
         assert "pdserve_router_prefill_retries_total 1.0" in m
         assert 'reason="read_failed",result="miss"} 1.0' in m
