@@ -113,7 +113,7 @@ class RouterSpec(Strict):
                                           "at most (least recently stored out first).", ge=1)
     reuse_max_mb: float = Field(ROUTER_DEFAULTS["reuse_max_bytes"] / MIB, gt=0,
                                 description="Estimated memory of those handles at most, in MiB.")
-    request_timeout: float = router_field("request_timeout", "Seconds before a backend leg is abandoned.", gt=0)
+    request_timeout: float = router_field("request_timeout", "Seconds a backend may keep the router waiting: for a whole answer, a stream's first byte, or between two of its bytes (a steady stream runs on).", gt=0)
     header_timeout: float = router_field("header_timeout", "Seconds a client may take to send a request's "
                                          "headers.", gt=0)
     body_timeout: float = router_field("body_timeout", "Seconds a client may take to send a request's body "
