@@ -180,6 +180,14 @@ def run_backend(port: int) -> None:
         return web.Response(body=b"", content_type="application/x-protobuf")
 
     app = web.Application(client_max_size=64 * 1024 * 1024)   # the huge-body case of --cpu reaches it
+
+    async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+        # As vLLM with --enable-request-id-headers, which pdserve's engine entry always passes: the router's
+        # client keeps a connection only when its answer names the request (legs/http1.py), so a backend
+        # without the echo would have it connect afresh for every leg, and the bench measure the connects.
+        if "X-Request-Id" in request.headers:
+            response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
+    app.on_response_prepare.append(echo_request_id)
     for path in answers:
         app.router.add_post(path, completions(path))
     app.router.add_get("/health", health)
