@@ -1,9 +1,10 @@
 """Render a cluster.yaml for another place to run it; starts nothing. `kubernetes`: YAML documents on stdout
 (one file per object in a folder with --out): per server a StatefulSet (or a LeaderWorkerSet) running exactly
 the argv and env `pdserve plan` prints, host-specific values replaced (bind 0.0.0.0, the NIXL side-channel
-host from the pod's IP, GPUs and cores as resource requests); the router's config in a ConfigMap naming every
-server by stable DNS, its Deployment and Service; the managed Redis; a Prometheus scrape config. The mapping
-rules this config needed go to stderr (docs/kubernetes.md). Exit 2 for what cannot run there, naming the field."""
+host from the pod's IP, GPUs and cores as resource requests); memory limits from the plan's bounds or
+--memory; the router's config in a ConfigMap naming every server by stable DNS, its Deployment and Service;
+the managed Redis; a Prometheus scrape config. The mapping rules this config needed go to stderr
+(docs/kubernetes.md). Exit 2 for what cannot run there, naming the field."""
 
 from __future__ import annotations
 
@@ -30,10 +31,16 @@ def command(
     gpus_per_node: int = typer.Option(None, "--gpus-per-node", min=1,
                                       help="GPUs of one node (default: the platform's, else 8): a server with more "
                                            "spans nodes (lws) or is refused (statefulset)."),
+    memory: list[str] = typer.Option(None, "--memory", metavar="ROLE=QUANTITY",
+                                     help="Memory request = limit of a role's containers (prefill, decode, "
+                                          "router, store), e.g. prefill=64Gi; repeatable. Default: derived from "
+                                          "the plan's bounds (router, Redis, CPU servers of a built-in model), "
+                                          "else none (docs/kubernetes.md)."),
     out: Path = typer.Option(None, "--out", help="Write one file per object into this folder (for `kubectl apply "
                                                  "-f DIR`) instead of printing them; prints the paths."),
 ) -> None:
-    result = ops.export(target, config, namespace=namespace, image=image, fmt=fmt, gpus_per_node=gpus_per_node)
+    result = ops.export(target, config, namespace=namespace, image=image, fmt=fmt, gpus_per_node=gpus_per_node,
+                        memory=memory)
     for note in result.notes:
         console.info(f"note: {note}")
     if out is None:

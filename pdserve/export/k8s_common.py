@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import __version__
@@ -58,6 +58,7 @@ class Target:
     image: str
     fmt: str
     gpus_per_node: int
+    memory: dict[str, str] = field(default_factory=dict)   # --memory: role -> quantity
 
     @property
     def base(self) -> str:

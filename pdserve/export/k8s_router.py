@@ -17,6 +17,7 @@ import yaml
 
 from pdserve.export.k8s_common import (CONFIG_DIR, PYTHON, REDIS_DATA, REDIS_IMAGE, STORE_SECRET_DIR,
                                        STORE_SECRET_SUFFIX, Target, command_of, container_env, pod_spec)
+from pdserve.export.k8s_memory import memory_of, with_memory
 from pdserve.export.k8s_servers import server_dns
 from pdserve.plan.build import router_config
 from pdserve.plan.records import BIND, LOOPBACK_ONLY, MARKER, PROGRAM, REPLICA, SECRET, STATE, ProcessPlan
@@ -68,7 +69,7 @@ def router_objects(t: Target) -> list[dict[str, Any]]:
     get = {"path": "/health", "port": "http"}
     container = {
         "name": "router", "image": t.image, "command": command_of(proc, values), **({"env": env} if env else {}),
-        "ports": ports,
+        "ports": ports, "resources": with_memory({}, memory_of(t.spec, t.memory, proc)),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *store_secret(t)[1]],
         "readinessProbe": {"httpGet": get, "periodSeconds": max(1, round(t.spec.supervisor.health_interval)),
                            "timeoutSeconds": 5},
@@ -107,6 +108,7 @@ def store_objects(t: Target) -> list[dict[str, Any]]:
     container = {
         "name": "redis", "image": REDIS_IMAGE, "command": command_of(proc, values),
         "ports": [{"name": "redis", "containerPort": proc.port}],
+        "resources": with_memory({}, memory_of(t.spec, t.memory, proc)),
         "volumeMounts": [{"name": "data", "mountPath": REDIS_DATA}, *mounts],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},

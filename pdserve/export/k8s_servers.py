@@ -1,7 +1,8 @@
 """The vLLM servers on Kubernetes: one workload per planned server (a StatefulSet of one pod, or a
 LeaderWorkerSet of one group), whose container runs that server's planned argv and env with only the
 host-specific values replaced (records.py): the image's Python, bind 0.0.0.0, the side-channel host from the
-pod's IP, GPUs and cores as resource requests instead of device and core ids.
+pod's IP, GPUs and cores as resource requests instead of device and core ids, and a memory limit
+where the plan bounds one (k8s_memory.py).
 
 One workload per server, not one per role, because the plan gives each server its own ports (on one machine
 they must differ) and the router lists each by name: every pod then runs exactly its plan's command line.
@@ -15,6 +16,7 @@ from typing import Any
 from pdserve.engine.entry import own_cores
 from pdserve.errors import ConfigError
 from pdserve.export.k8s_common import LWS_API, MODELS_DIR, PYTHON, Target, command_of, container_env, pod_spec
+from pdserve.export.k8s_memory import memory_of, with_memory
 from pdserve.plan.records import BIND, CORES, GPUS, MARKER, MODEL, PROGRAM, SIDE_CHANNEL_HOST, ProcessPlan
 from pdserve.roles import ROUTER, SERVER_ROLES
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX
@@ -62,8 +64,9 @@ def gpu_layout(t: Target, proc: ProcessPlan) -> tuple[int, int]:
 
 def resources(t: Target, proc: ProcessPlan, gpus: int) -> dict[str, Any]:
     """GPUs (and, on an EFA platform, the node's EFA interfaces in proportion) and the cores the plan pinned
-    the server to, as a count: requests = limits (extended resources allow nothing else; with whole cores
-    and a memory limit the pod is Guaranteed and the static CPU manager gives it cores of its own)."""
+    the server to, as a count, and its memory (k8s_memory.py): requests = limits (extended resources allow
+    nothing else; with whole cores and a memory limit the pod is Guaranteed and the static CPU manager gives
+    it cores of its own)."""
     amounts: dict[str, int] = {}
     if gpus:
         amounts["nvidia.com/gpu"] = gpus
@@ -73,7 +76,8 @@ def resources(t: Target, proc: ProcessPlan, gpus: int) -> dict[str, Any]:
     cores = own_cores(proc.host_value(CORES))
     if cores:
         amounts["cpu"] = len(cores)
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    out = {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    return with_memory(out, memory_of(t.spec, t.memory, proc, gpus))
 
 
 def probes(t: Target) -> dict[str, Any]:
@@ -121,20 +125,30 @@ def model_mounts(t: Target) -> list[dict[str, Any]]:
     return [{"name": "models", "mountPath": MODELS_DIR}] if t.spec.model.startswith(BUILTIN_MODEL_PREFIX) else []
 
 
+def host_resources(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's cpu and memory requests and limits alone (no GPU or EFA device), or nothing."""
+    out = {k: {r: v for r, v in container.get("resources", {}).get(k, {}).items() if r in ("cpu", "memory")}
+           for k in ("requests", "limits")}
+    return {"resources": out} if out["limits"] else {}
+
+
 def server_pod(t: Target, proc: ProcessPlan, *, nodes: int, gpus: int, worker: bool = False) -> dict[str, Any]:
     """A pod template of one server (its leader, or a worker of its group)."""
     init = []
+    container = server_container(t, proc, gpus, nodes=nodes, worker=worker)
     if t.spec.model.startswith(BUILTIN_MODEL_PREFIX):
-        # Built in the pod from the image's pdserve: seed 0, so every pod gets byte-identical weights.
+        # Built in the pod from the image's pdserve: seed 0, so every pod gets byte-identical weights. Its
+        # server's cores and memory (it runs before it, so the pod asks for no more; ~0.4 GiB for tiny): a
+        # pod is Guaranteed only if every container, init ones too, has requests = limits.
         init.append({"name": "model", "image": t.image,
                      "command": [PYTHON, "-m", "pdserve.engine.models", builtin_kind(t), MODELS_DIR],
-                     "volumeMounts": model_mounts(t)})
+                     "volumeMounts": model_mounts(t), **host_resources(container)})
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if init:
         volumes.append({"name": "models", "emptyDir": {}})
     labels = t.labels(proc.role, proc.name)
     annotations = {} if worker else t.scrape_annotations(proc.port)
-    spec = pod_spec(t, [server_container(t, proc, gpus, nodes=nodes, worker=worker)], volumes, init, gpus=gpus)
+    spec = pod_spec(t, [container], volumes, init, gpus=gpus)
     meta: dict[str, Any] = {"labels": labels}
     if annotations:
         meta["annotations"] = annotations

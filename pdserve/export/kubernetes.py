@@ -17,6 +17,7 @@ from pdserve.export import Export
 from pdserve.export.k8s_common import (DEFAULT_GPUS_PER_NODE, DEFAULT_IMAGE, DNS_LABEL, FORMATS, LWS_API,
                                        LWS_RELEASE, MAX_WORKLOAD_NAME, MODELS_DIR, PYTHON, REDIS_IMAGE, STATE_DIR,
                                        STORE_SECRET_SUFFIX, Target, k8s_base)
+from pdserve.export.k8s_memory import derived, memory_of, parse_memory
 from pdserve.export.k8s_router import router_objects, scrape_objects, store_objects, store_secret
 from pdserve.export.k8s_servers import gpu_layout, server_objects
 from pdserve.plan.build import build_plan
@@ -29,9 +30,11 @@ from pdserve.spec.topology import PLATFORMS
 
 
 def export_kubernetes(spec: ClusterSpec, *, namespace: str = "default", image: str | None = None,
-                      fmt: str = FORMATS[0], gpus_per_node: int | None = None) -> Export:
+                      fmt: str = FORMATS[0], gpus_per_node: int | None = None,
+                      memory: list[str] | None = None) -> Export:
     """The cluster's objects in apply order: config maps, the servers (per server a StatefulSet under its
-    role's headless Service, or a LeaderWorkerSet), the managed Redis, the router's Deployment and Service."""
+    role's headless Service, or a LeaderWorkerSet), the managed Redis, the router's Deployment and Service.
+    `memory`: --memory ROLE=QUANTITY, each role's memory limit instead of the one derived (k8s_memory.py)."""
     if not DNS_LABEL.match(namespace) or len(namespace) > 63:
         raise UsageError(f"--namespace: {namespace!r} is not a Kubernetes namespace name",
                          hint="lower-case letters, digits and '-', at most 63, starting and ending alphanumeric")
@@ -42,6 +45,7 @@ def export_kubernetes(spec: ClusterSpec, *, namespace: str = "default", image: s
         raise UsageError(f"--image: {image!r} is not an image reference")
     if gpus_per_node is not None and gpus_per_node < 1:
         raise UsageError(f"--gpus-per-node: {gpus_per_node} must be at least 1")
+    overrides = parse_memory(memory)
     problems = kubernetes_problems(spec)
     if problems:
         first = problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
@@ -52,7 +56,7 @@ def export_kubernetes(spec: ClusterSpec, *, namespace: str = "default", image: s
                       memory_gib=None)
     platform = PLATFORMS.get(spec.platform or "")
     t = Target(spec, plan, namespace, image, fmt,
-               gpus_per_node or (platform.gpus_per_host if platform else DEFAULT_GPUS_PER_NODE))
+               gpus_per_node or (platform.gpus_per_host if platform else DEFAULT_GPUS_PER_NODE), overrides)
     router = router_objects(t)      # ConfigMap, Deployment, Service
     documents = [router[0], *scrape_objects(t), *server_objects(t), *store_objects(t), *router[1:]]
     return Export(documents, notes(t))
@@ -131,8 +135,36 @@ def notes(t: Target) -> list[str]:
         out.append(f"router.store: the store secret (the managed Redis's password; its hash names the cluster's "
                    f"keys) comes from Secret {secret}, key {SECRET_FILE}: kubectl create secret generic {secret} "
                    f"-n {t.namespace} --from-literal={SECRET_FILE}=\"requirepass $(openssl rand -hex 32)\"")
+    out += memory_notes(t)
     if spec.router.api_key_env:
         out.append(f"router.api_key_env: the key comes from Secret {t.secret}, key {spec.router.api_key_env}: "
                    f"kubectl create secret generic {t.secret} -n {t.namespace} "
                    f"--from-literal={spec.router.api_key_env}=...")
+    return out
+
+
+def memory_notes(t: Target) -> list[str]:
+    """Each process's memory requests = limits and where it comes from; the servers left without one."""
+    given, bounds, unbounded = [], [], []
+    for p in t.plan.processes:
+        gpus = gpu_layout(t, p)[1] if p.role in SERVER_ROLES else 0
+        quantity = memory_of(t.spec, t.memory, p, gpus)
+        if p.role in t.memory:
+            plan = derived(t.spec, p, gpus)
+            given.append(f"{p.name} {quantity}" + (f" (the plan's bound: {plan})" if plan else ""))
+        elif quantity:
+            bounds.append(f"{p.name} {quantity}")
+        else:
+            unbounded.append(p.name)
+    out = []
+    if given:
+        out.append(f"memory (--memory): requests = limits {', '.join(given)}")
+    if bounds:
+        out.append(f"memory: requests = limits from the plan's bounds: {', '.join(bounds)} (router: "
+                   "max_buffered_mb + reuse_max_mb in memory + a baseline; servers: KV cache + weights + a "
+                   "baseline; docs/kubernetes.md)")
+    if unbounded:
+        out.append(f"memory: no limit for {', '.join(unbounded)}: the plan does not know their host memory (a GPU "
+                   "server's, or the weights of a model it does not build); set one with --memory ROLE=QUANTITY "
+                   "(e.g. --memory prefill=64Gi --memory decode=64Gi)")
     return out
