@@ -46,7 +46,8 @@ def anchor(explicit: Key | None, tenant: str, messages: list[Any] | None, root: 
 def ranked(key: str, names: list[str]) -> list[str]:
     """Rendezvous (highest random weight) order of `names` for `key`."""
     def weight(name: str) -> bytes:
-        return hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest()
+        # surrogatepass: a session id from a header holds surrogate escapes of its non-UTF-8 bytes
+        return hashlib.blake2b(f"{key}\0{name}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return sorted(names, key=weight, reverse=True)
 
 
