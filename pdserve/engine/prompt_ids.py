@@ -49,11 +49,16 @@ def usable_ids(request: Any, messages: Any) -> list[int] | None:
     if not isinstance(kv, dict):
         return None
     ids = kv.pop(PROMPT_IDS_KEY, None)
-    if not isinstance(ids, list) or not ids or getattr(request, "echo", False) or not _text_only(messages):
+    if not isinstance(ids, list) or not ids or _rendered_anyway(request, messages):
         return None
     if any(type(x) is not int or x < 0 for x in ids):
         return None      # never from pdserve's P; rendered as if none had come
     return ids
+
+
+def _rendered_anyway(request: Any, messages: Any) -> bool:
+    """Ids or not, vLLM renders this request (as #48145): echo repeats rendered text; media is not in the ids."""
+    return bool(getattr(request, "echo", False)) or not _text_only(messages)
 
 
 def _text_only(messages: Any) -> bool:
@@ -94,8 +99,8 @@ def _count_native(cls: type) -> None:
 
     async def preprocess_chat(self, request, messages, *args, **kwargs):
         kv = getattr(request, "kv_transfer_params", None)
-        sent = isinstance(kv, dict) and isinstance(kv.get(PROMPT_IDS_KEY), list)
-        taken = sent and not getattr(request, "echo", False) and _text_only(messages)
+        taken = (isinstance(kv, dict) and isinstance(kv.get(PROMPT_IDS_KEY), list)
+                 and not _rendered_anyway(request, messages))
         result = await original(self, request, messages, *args, **kwargs)
         if taken:
             _count()
