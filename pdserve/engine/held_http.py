@@ -166,13 +166,17 @@ def server_role(args: Any) -> tuple[str | None, bool]:
             cfg = json.loads(cfg)
         except ValueError:
             return None, False
-    if isinstance(cfg, dict):
-        role, extra = cfg.get("kv_role"), cfg.get("kv_connector_extra_config") or {}
-    elif cfg is not None:
-        role, extra = getattr(cfg, "kv_role", None), getattr(cfg, "kv_connector_extra_config", None) or {}
-    else:
+    if cfg is None:
         return None, False
-    return role, bool(extra.get("bidirectional_kv_xfer", False))
+    if not isinstance(cfg, dict):
+        cfg = {"kv_role": getattr(cfg, "kv_role", None),
+               "kv_connector_extra_config": getattr(cfg, "kv_connector_extra_config", None)}
+    extra = cfg.get("kv_connector_extra_config") or {}
+    # Under vLLM's MultiConnector (a CPU tier beside NIXL) the NIXL child's own settings say it.
+    children = [c for c in extra.get("connectors") or () if isinstance(c, dict)]
+    bidirectional = any(bool((c.get("kv_connector_extra_config") or {}).get("bidirectional_kv_xfer"))
+                        for c in [cfg, *children])
+    return cfg.get("kv_role"), bidirectional
 
 
 def add_routes(app: Any, args: Any) -> str:

@@ -26,6 +26,7 @@ from pdserve.plan.tools import tool_call_args
 from pdserve.plan.transport import transport_settings
 
 KV_ROLE = {PREFILL: "kv_producer", DECODE: "kv_consumer"}
+MULTI_CONNECTOR, OFFLOADING_CONNECTOR = "MultiConnector", "OffloadingConnector"    # vLLM's names (a CPU tier)
 
 
 def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
@@ -38,13 +39,22 @@ def kv_transfer_config(spec: ClusterSpec, role: str) -> dict[str, Any]:
         "backends": list(kv.backends),
         **kv.extra_config,
     }
-    return {
+    nixl = {
         "kv_connector": kv.kv_connector,
         "kv_role": KV_ROLE[role],
         "kv_buffer_device": kv.kv_buffer_device,
         "kv_load_failure_policy": kv.kv_load_failure_policy,
         "kv_connector_extra_config": extra,
     }
+    tier_gib = getattr(spec, role).kv_offloading_size
+    if not tier_gib:
+        return nixl
+    # NIXL first: vLLM's MultiConnector loads a request through the first child that has tokens for it, so
+    # D's held KV (a GPU-to-GPU read) wins over the CPU tier (a host-to-GPU copy) when the router offers it.
+    tier = {"kv_connector": OFFLOADING_CONNECTOR, "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": int(tier_gib * 2**30)}}
+    return {**{k: v for k, v in nixl.items() if k != "kv_connector_extra_config"},
+            "kv_connector": MULTI_CONNECTOR, "kv_connector_extra_config": {"connectors": [nixl, tier]}}
 
 
 def marker(cluster_dir: Path, process: str) -> str:

@@ -180,6 +180,7 @@ def kv_problems(spec: ClusterSpec) -> list[str]:
     if on_gpus and kv.bidirectional_kv_xfer and kv.kv_buffer_device == "cpu":
         problems.append("kv_transfer.kv_buffer_device: cpu with bidirectional_kv_xfer on GPUs is not supported "
                         "(vLLM reads D->P only from device buffers); use cuda")
+    problems += tier_problems(spec)
     for role_name in SERVER_ROLES:
         limit = _max_model_len(getattr(spec, role_name).vllm_args)
         if not kv.bidirectional_kv_xfer or limit is None:
@@ -193,6 +194,26 @@ def kv_problems(spec: ClusterSpec) -> list[str]:
             problems.append(f"kv_transfer.kv_recompute_threshold: {kv.kv_recompute_threshold} leaves the canary "
                             f"no room to prove the D->P pull within {role_name}'s --max-model-len {limit} (its "
                             f"second turn takes at least {canary} tokens); lower the threshold or set supervisor.canary: false")
+    return problems
+
+
+def tier_problems(spec: ClusterSpec) -> list[str]:
+    """A CPU KV tier (kv_offloading_size) as vLLM can run it beside NIXL."""
+    problems = []
+    for role_name in SERVER_ROLES:
+        role: RoleSpec = getattr(spec, role_name)
+        flags = {a.split("=", 1)[0] for a in role.vllm_args}
+        for flag in sorted(flags & {"--kv-offloading-size", "--kv-offloading-backend"}):
+            problems.append(f"{role_name}.vllm_args: {flag} replaces the NixlConnector pdserve configures (vLLM "
+                            f"sets its own connector); use {role_name}.kv_offloading_size (GiB) instead")
+        if not role.kv_offloading_size:
+            continue
+        if spec.kv_transfer.kv_buffer_device != "cuda":
+            problems.append(f"{role_name}.kv_offloading_size: a CPU tier copies GPU blocks to host memory; with "
+                            "kv_transfer.kv_buffer_device cpu the KV cache already lives there (remove it)")
+        if "--no-enable-prefix-caching" in flags:
+            problems.append(f"{role_name}.kv_offloading_size: vLLM's CPU tier is keyed by prefix-cache hashes; "
+                            f"remove --no-enable-prefix-caching from {role_name}.vllm_args")
     return problems
 
 

@@ -54,6 +54,12 @@ class RoleSpec(Strict):
                                       "splits each shared GPU evenly unless this is given.")
     vllm_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` arguments, passed verbatim.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for these servers.")
+    kv_offloading_size: float | None = Field(
+        None, gt=0,
+        description="GiB of host memory per server for a CPU KV tier: vLLM's OffloadingConnector beside "
+                    "NixlConnector (under MultiConnector), so prompt blocks pushed out of GPU memory are loaded "
+                    "back instead of recomputed. vLLM's own --kv-offloading-size would replace NIXL. Needs GPU "
+                    "servers (kv_buffer_device cuda) with the prefix cache on (the tier is keyed by its hashes).")
 
 
 MIB = 1024 * 1024
