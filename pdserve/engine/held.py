@@ -77,14 +77,21 @@ class Unsupported(RuntimeError):
 
 
 # -- engine side ---------------------------------------------------------------------------------------
+def is_nixl(connector: Any) -> bool:
+    """vLLM's NIXL connectors (NixlConnector, NixlPullConnector, ...) by class, subclasses included."""
+    return any("Nixl" in cls.__name__ for cls in type(connector).__mro__)
+
+
 def nixl_part(connector: Any, side: str) -> Any:
-    """The connector_scheduler / connector_worker of a NIXL connector, also inside a MultiConnector."""
+    """The connector_scheduler / connector_worker of a NIXL connector, also inside a MultiConnector. A NIXL
+    child is preferred: vLLM's OffloadingConnector (the CPU tier beside it) has a connector_scheduler too."""
     if connector is None:
         return None
     part = getattr(connector, side, None)
     if part is not None:
         return part
-    for sub in getattr(connector, "_connectors", None) or ():
+    children = list(getattr(connector, "_connectors", None) or ())
+    for sub in sorted(children, key=lambda c: not is_nixl(c)):   # stable: NIXL children first, else in order
         part = getattr(sub, side, None)
         if part is not None:
             return part

@@ -9,6 +9,9 @@
   prefix cache with what it read from D. The scheduler-side KV connector is wrapped: what
   `get_num_new_matched_tokens` promised to load from D (and P's local prefix hits it was given) is added to
   the `kv_transfer_params` P returns, under PULLED_KEY / LOCAL_KEY. The router takes them out before D.
+  Under vLLM's MultiConnector (NIXL beside a CPU tier, the OffloadingConnector), the child it chose to load
+  from (`_requests_to_connector`) tells where they came from: from a child other than NIXL they are the CPU
+  tier's, reported under TIER_KEY (PULLED_KEY 0).
 - D's token ids: `/v1/messages` and `/v1/responses` take no `return_token_ids`, so the same wrap adds the
   finished request's prompt + generated ids under TOKENS_KEY to the params it returns when the request's own
   `kv_transfer_params` ask for them (WANT_TOKENS_KEY). NIXL reads request params by key (`.get`), so the extra
@@ -35,10 +38,10 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pdserve.engine.held import nixl_part
+from pdserve.engine.held import is_nixl, nixl_part
 from pdserve.router.kv.reuse import common_prefix_len
-from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, TOKENS_KEY,
-                                 WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY)
+from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, TIER_KEY,
+                                 TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY)
 
 log = logging.getLogger("pdserve.engine")
 
@@ -261,7 +264,7 @@ def wrap_connector(connector: Any) -> Any:
     """Instance-level wrap of a scheduler-side KV connector (works whatever its class is named)."""
     if getattr(connector, "pdserve_counts", None) is not None:
         return connector
-    counts: dict[str, tuple[int, int]] = {}
+    counts: dict[str, tuple[int, int, int]] = {}   # request id -> (pulled from D, P's prefix cache, CPU tier)
     checks: dict[str, int] = {}
     connector.pdserve_counts = counts
     connector.pdserve_checks = checks
@@ -278,7 +281,8 @@ def wrap_connector(connector: Any) -> Any:
         result = matched(request, num_computed_tokens, *args, **kwargs)
         n = result[0] if isinstance(result, tuple) else result
         if isinstance(n, int):    # None: the lookup is still running; vLLM asks again
-            counts[request.request_id] = (n, int(num_computed_tokens))
+            tier = n if n > 0 and loads_from_tier(connector, request.request_id) else 0
+            counts[request.request_id] = (n - tier, int(num_computed_tokens), tier)
         return result
 
     connector.get_num_new_matched_tokens = get_num_new_matched_tokens
@@ -290,6 +294,18 @@ def wrap_connector(connector: Any) -> Any:
         if finished is not None:
             setattr(connector, name, _finished_with_counts(finished, counts, checks))
     return connector
+
+
+def loads_from_tier(connector: Any, request_id: str) -> bool:
+    """Whether a MultiConnector chose a child other than NIXL to load the request's tokens (vLLM 0.26-0.32:
+    the first child with tokens > 0, recorded in _requests_to_connector by get_num_new_matched_tokens and
+    popped by request_finished). A plain connector, or no choice recorded: False (NIXL's, as before)."""
+    children = getattr(connector, "_connectors", None)
+    chosen = getattr(connector, "_requests_to_connector", None)
+    if not children or not isinstance(chosen, dict):
+        return False
+    index = chosen.get(request_id)
+    return isinstance(index, int) and 0 <= index < len(children) and not is_nixl(children[index])
 
 
 def _tracking_turns_on_d_alone(connector: Any, allocated):
@@ -311,13 +327,13 @@ def _tracking_turns_on_d_alone(connector: Any, allocated):
     return update_state_after_alloc
 
 
-def _finished_with_counts(finished, counts: dict[str, tuple[int, int]], checks: dict[str, int]):
+def _finished_with_counts(finished, counts: dict[str, tuple[int, int, int]], checks: dict[str, int]):
     def request_finished(request, *args, **kwargs):
         delay, params = finished(request, *args, **kwargs)
         got = counts.pop(request.request_id, None)
         checked = checks.pop(request.request_id, None)
         if got is not None and isinstance(params, dict):
-            params = {**params, PULLED_KEY: got[0], LOCAL_KEY: got[1]}
+            params = {**params, PULLED_KEY: got[0], LOCAL_KEY: got[1], TIER_KEY: got[2]}
         if checked is not None and isinstance(params, dict):
             params = {**params, CHECKED_KEY: checked}
         asked = getattr(request, "kv_transfer_params", None)

@@ -6,6 +6,9 @@ prefix-cache hits before that. The router removes them before D sees P's params.
 
 PULLED_KEY = "pdserve_pulled_tokens"
 LOCAL_KEY = "pdserve_local_cached_tokens"
+# ... and tokens P loaded from its CPU KV tier (a role's kv_offloading_size: vLLM's MultiConnector, whose
+# OffloadingConnector child loaded them, not the NIXL one): never counted under PULLED_KEY.
+TIER_KEY = "pdserve_tier_tokens"
 
 # D's sequence for the next turn's continuation check, on every wire format: when the D leg's
 # kv_transfer_params carry WANT_TOKENS_KEY (true), the entry's connector patch adds the request's prompt +
@@ -34,6 +37,8 @@ PROMPT_IDS_KEY = "prompt_token_ids"
 # Response headers for benchmarks, scripts and the supervisor's canary. The tokens of this turn's prompt
 # that P read from D's KV instead of computing (a count, no handles):
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"
+# ... and those P loaded from its own CPU KV tier (TIER_KEY; 0 on a P without one):
+TIER_HEADER = "X-PDServe-Tier-Tokens"
 # Where the turn was served, one of PLANS (the route policy's names; also pdserve_router_turn_plans_total{plan}
 # and `status`):
 PLAN_HEADER = "X-PDServe-Plan"
