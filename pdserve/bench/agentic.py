@@ -180,10 +180,13 @@ def preamble_tokens(ep: Endpoints, preamble: str) -> int:
 
 def kv_source(result: dict[str, Any]) -> str:
     """Where the turn's reused KV came from, as the router reports it: P read D's (d_pull), D served the turn
-    alone on what it held (d_alone), or P prefilled it (p: computed, its prefix cache included)."""
+    alone on what it held (d_alone), P loaded some from its CPU tier and read nothing from D (p_tier), or P
+    prefilled it (p: computed, its GPU prefix cache included)."""
     if result.get("pulled"):
         return "d_pull"
-    return "d_alone" if result.get("plan") == "decode_only" else "p"
+    if result.get("plan") == "decode_only":
+        return "d_alone"
+    return "p_tier" if result.get("tier_tokens") else "p"
 
 
 def run_arm(arm: str, ep: Endpoints, wl: AgenticWorkload, max_tokens: int, concurrency: int = 0,

@@ -4,8 +4,9 @@ reuse the workload allowed, the requests that failed or were slow, and where eac
 Theoretical reuse of a turn: the tokens some cache could have served (an earlier request computed them): the
 shared preamble, else the chain's previous sequence (prompt + reply - 1: what D holds), else for a sub-agent's
 first turn its parent's sequence at the fork; never the prompt's last token. Achieved: what was not computed,
-by source: P's prefix cache (P's own counter over the arm), D's KV that P pulled (the router's count per turn,
-X-PDServe-Pulled-Tokens), and on turns D served alone the sequence it held (its own prefix cache).
+by source: P's prefix cache (P's own counter over the arm), P's CPU tier (the router's count per turn,
+X-PDServe-Tier-Tokens: blocks P loaded back from host memory), D's KV that P pulled (the router's count per
+turn, X-PDServe-Pulled-Tokens), and on turns D served alone the sequence it held (its own prefix cache).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from pdserve.bench.arms import ARMS, REUSE_ARMS
 from pdserve.bench.report import SLOW_S, answered, percentile
 
-SOURCES = ("p", "d_pull", "d_alone")     # agentic.kv_source
+SOURCES = ("p", "p_tier", "d_pull", "d_alone")     # agentic.kv_source
+NO_PULL_ARMS = set(ARMS) - set(REUSE_ARMS)          # bidirectional_kv_xfer off: P never reads D's KV
 
 
 def context_bucket(tokens: int) -> tuple[int, str]:
@@ -40,11 +43,16 @@ def arm_report(rows: list[dict[str, Any]], totals: dict[str, float]) -> dict[str
     ok = answered(rows)
     theoretical = sum(r["theoretical_tokens"] for r in ok)
     counted = [r.get("pulled") for r in ok]
-    pulled = sum(counted) if None not in counted else totals.get("tokens_pulled", 0.0)   # no header: P's counter
-    tokens = {"p_prefix_cache": totals.get("tokens_prefix_cache", 0.0), "d_pull": pulled,
+    pulled, tier = sum(c or 0 for c in counted), sum(r.get("tier_tokens") or 0 for r in ok)
+    if None in counted:
+        # No router header (vllm-router): P's counter of the tokens its KV connectors loaded, which are D's in
+        # an arm with D->P and its CPU tier's in an arm without.
+        loaded = totals.get("tokens_pulled", 0.0)
+        pulled, tier = (0, loaded) if ok and ok[0]["arm"] in NO_PULL_ARMS else (loaded, 0)
+    tokens = {"p_prefix_cache": totals.get("tokens_prefix_cache", 0.0), "p_cpu_tier": tier, "d_pull": pulled,
               "d_alone": sum(r["reusable_tokens"] for r in ok if r["kv_source"] == "d_alone"),
               "computed_on_p": totals.get("tokens_computed", 0.0)}
-    achieved = tokens["p_prefix_cache"] + tokens["d_pull"] + tokens["d_alone"]
+    achieved = tokens["p_prefix_cache"] + tokens["p_cpu_tier"] + tokens["d_pull"] + tokens["d_alone"]
     slow = sum(r["latency_s"] > SLOW_S for r in ok)
     sources = Counter(r["kv_source"] for r in ok)
     return {"requests": len(rows), "subagent_requests": sum(bool(r.get("agent")) for r in rows),

@@ -7,6 +7,9 @@
                 compares the two on a workload that holds more KV than D has (configs/bench-cpu-many.yaml)
 - local:        as on, with short follow-up turns served on the holder D alone (`router.decode_only` on,
                 the shipped default): no P leg for them, and the next long turn's P still pulls from D
+- both:         as on, with P's prefix cache on and the config's CPU tier kept (`kv_offloading_size`): the agent
+                configs' own setting, where P computes the shared preamble once and D->P pulls only what P's
+                caches (GPU, then host memory) lack
 - off:          bidirectional_kv_xfer off, P's prefix cache off (P recomputes the whole history)
 - prefix-cache: bidirectional_kv_xfer off, P's prefix cache on (what users run today: P caches prompts
                 but never sees D's answers)
@@ -15,7 +18,11 @@
 - vllm-router:  the same servers as prefix-cache, measured through vllm-router (PD mode, NIXL, prefill
                 policy cache_aware) instead of pdserve's router; `bench` runs it (see vrouter.py)
 
-Every arm but timer keeps the config's `router.held_kv` (on unless the file turns it off).
+Every arm but timer keeps the config's `router.held_kv` (on unless the file turns it off). The arms that turn
+P's prefix cache off (on, timer, local, off) also drop the CPU KV tier (`kv_offloading_size`) from P and D:
+vLLM's tier is keyed by the prefix cache's block hashes, so it needs prefix caching, and without it on P
+these arms measure D->P reuse (or recompute) alone, as before the tier. The others (both, prefix-cache,
+affinity, vllm-router) keep the config's tier: P's prefix cache + CPU tier is the anchors' baseline.
 The router's cost model is turned off in every arm: the arms measure the feature itself, and the cost
 model could only ever switch `on` to the `off` behaviour.
 """
@@ -32,9 +39,10 @@ from pdserve.errors import PdserveError
 from pdserve.orchestrate import ops
 from pdserve.router.config import AFFINITY, LEAST_LOADED
 
-ARMS = ("on", "timer", "local", "off", "prefix-cache", "affinity", "vllm-router")
-REUSE_ARMS = ("on", "timer", "local")    # bidirectional_kv_xfer on
-PREFIX_CACHE_ARMS = ("prefix-cache", "affinity", "vllm-router")
+ARMS = ("on", "timer", "local", "both", "off", "prefix-cache", "affinity", "vllm-router")
+REUSE_ARMS = ("on", "timer", "local", "both")    # bidirectional_kv_xfer on
+PREFIX_CACHE_ARMS = ("both", "prefix-cache", "affinity", "vllm-router")    # P's prefix cache on
+OFFLOADING = "kv_offloading_size"     # a role's CPU KV tier (GiB), kept only where P's prefix cache is on
 PREFIX_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
 
 
@@ -49,6 +57,10 @@ def arm_config(data: dict[str, Any], arm: str) -> dict[str, Any]:
     args = [a for a in prefill.get("vllm_args", []) if a not in PREFIX_FLAGS]
     prefill["vllm_args"] = [*args, "--enable-prefix-caching" if arm in PREFIX_CACHE_ARMS
                             else "--no-enable-prefix-caching"]
+    if arm not in PREFIX_CACHE_ARMS:
+        for role in ("prefill", "decode"):
+            if isinstance(cfg.get(role), dict):
+                cfg[role].pop(OFFLOADING, None)
     router = cfg.setdefault("router", {})
     router["cost_aware"] = False
     router["prefill_policy"] = AFFINITY if arm == "affinity" else LEAST_LOADED

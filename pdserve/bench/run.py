@@ -30,7 +30,7 @@ from typing import Any
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
 from pdserve.observe.promtext import Samples, auth_headers, parse
-from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
+from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER, TIER_HEADER
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 REQUEST_TIMEOUT_S = 60.0     # `--request-timeout`: a turn stalled on D fails instead of hanging the bench
@@ -203,9 +203,10 @@ class StreamReader:
         return "".join(self.parts)
 
 
-def _pulled(headers: Any) -> int | None:
-    """The tokens P read from D on this turn, as pdserve's router reports them (None: no such header)."""
-    value = headers.get(PULLED_HEADER)
+def _pulled(headers: Any, name: str = PULLED_HEADER) -> int | None:
+    """The tokens P read from D on this turn (or, `name` TIER_HEADER, loaded from its CPU tier), as pdserve's
+    router reports them (None: no such header)."""
+    value = headers.get(name)
     return int(value) if value and value.isdigit() else None
 
 
@@ -224,7 +225,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
         data = json.loads(resp.read())
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         plan = resp.headers.get(PLAN_HEADER, "")
-        pulled = _pulled(resp.headers)
+        pulled, tier = _pulled(resp.headers), _pulled(resp.headers, TIER_HEADER)
     latency = time.perf_counter() - started
     reply, prompt, completion = read_answer(ep.api, data)
     prefill_s, decode_s = ((timing[leg] / 1000 if leg in timing else None) for leg in ("prefill", "decode"))
@@ -232,7 +233,8 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
     return {"reply": reply, "latency_s": latency, "ttft_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
-            "plan": plan, "pulled": pulled, "prompt_tokens": prompt, "completion_tokens": completion,
+            "plan": plan, "pulled": pulled, "tier_tokens": tier, "prompt_tokens": prompt,
+            "completion_tokens": completion,
             **({"items": data.get("output")} if ep.api == "responses" else {})}
 
 
@@ -241,6 +243,7 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     ttft, reader = None, StreamReader(api)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         plan, pulled = resp.headers.get(PLAN_HEADER, ""), _pulled(resp.headers)
+        tier = _pulled(resp.headers, TIER_HEADER)
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         for raw in resp:
             if time.perf_counter() - started > timeout:
@@ -255,7 +258,8 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     latency = time.perf_counter() - started
     return {"reply": reader.reply, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
             "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None, "decode_s": None, "plan": plan,
-            "pulled": pulled, "prompt_tokens": reader.prompt_tokens, "completion_tokens": reader.completion_tokens,
+            "pulled": pulled, "tier_tokens": tier, "prompt_tokens": reader.prompt_tokens,
+            "completion_tokens": reader.completion_tokens,
             **({"items": reader.output} if api == "responses" else {})}
 
 

@@ -142,17 +142,20 @@ def _print_agentic(arms: dict) -> None:
         table.add_row(*cells)
     console.out.print(table)
     table = Table(title="Agentic sessions per arm: reuse achieved of what any cache could have served, and where "
-                        "each turn's KV came from (turns: P prefilled / P pulled D's / D alone)", title_justify="left")
+                        "each turn's KV came from (turns: P prefilled / P loaded from its CPU tier / P pulled "
+                        "D's / D alone)", title_justify="left")
     for column in ("arm", "requests (sub-agents)", "failed", "over 10 s", "achieved / theoretical reuse",
-                   "turns p / d_pull / d_alone", "tokens: P cache / D pull / D alone / P computed", "gaps past D's TTL"):
+                   "turns p / p_tier / d_pull / d_alone", "tokens: P cache / P CPU tier / D pull / D alone / P computed",
+                   "gaps past D's TTL"):
         table.add_column(column)
     for arm, a in arms.items():
         share = "-" if a["achieved_share"] is None else f"{100 * a['achieved_share']:.0f}%"
         t, k = a["turns_by_kv_source"], a["reuse_tokens_by_source"]
         table.add_row(arm, f"{a['requests']} ({a['subagent_requests']})", str(a["failed"]), str(a["over_10s"]),
                       f"{a['achieved_reuse_tokens']:,.0f} / {a['theoretical_reuse_tokens']:,.0f} ({share})",
-                      f"{t['p']} / {t['d_pull']} / {t['d_alone']}",
-                      " / ".join(f"{k[s]:,.0f}" for s in ("p_prefix_cache", "d_pull", "d_alone", "computed_on_p")),
+                      " / ".join(str(t[s]) for s in ("p", "p_tier", "d_pull", "d_alone")),
+                      " / ".join(f"{k[s]:,.0f}" for s in ("p_prefix_cache", "p_cpu_tier", "d_pull", "d_alone",
+                                                          "computed_on_p")),
                       f"{a['gaps_past_ttl']} of {a['gaps']}")
     console.out.print(table)
 
