@@ -12,10 +12,12 @@ requests; llm-d's agentic guide, SemiAnalysis' AgentX), scaled down by flags to 
   sub-agents'. A sub-agent sends Claude Code's headers: the parent's `X-Claude-Code-Session-Id` and its own
   `X-Claude-Code-Agent-Id`; a main session the session id alone.
 
-Sizes are in words, each standing for a token of the published shape, times `scale`. The assumptions the
+Sizes are in words, each standing for a token of the published shape, times `scale`; the turns' (not the
+preamble's) also times `turn_scale`, so that sessions reach long contexts in few turns. The assumptions the
 published figures leave open (the spread of turn sizes and group sizes, the shortest and longest gap, the
 preamble's size, how many turns a sub-agent runs) are the constants below. The generator is deterministic
-in its seed; `run_arm` sends it (every session at once, up to `concurrency`; a group's agents together) and
+in its seed, and a run of fewer sessions is the first sessions of a run of more (the same texts, gaps and
+forks), so arms run with different `sessions` compare the same sessions; `run_arm` sends it (every session at once, up to `concurrency`; a group's agents together) and
 returns rows that `agentic_report` reads.
 """
 
@@ -111,6 +113,7 @@ def _words(rng: random.Random, n: int) -> str:
 
 
 def _turns(rng: random.Random, n: int, scale: float, time_scale: float, max_gap: float, what: str) -> list[Turn]:
+    """`scale`: the turns' own (generate's scale * turn_scale)."""
     out = []
     for t in range(n):
         published = gap_seconds(rng.random()) if t else 0.0
@@ -121,17 +124,21 @@ def _turns(rng: random.Random, n: int, scale: float, time_scale: float, max_gap:
 
 
 def generate(seed: int = 0, sessions: int = 2, turns: int = 8, scale: float = 1 / 32, time_scale: float = 0.01,
-             max_agents: int = 16, agent_turns: int = 3, max_gap: float = 0.0) -> AgenticWorkload:
+             max_agents: int = 16, agent_turns: int = 3, max_gap: float = 0.0,
+             turn_scale: float = 1.0, max_context: int = 0) -> AgenticWorkload:
     """Sessions of `turns` main turns; sub-agent groups of `agent_turns` turns each, forked after main turns
     (never the last; at most one group per turn) while each brings the sub-agents' share of the session's
-    requests nearer SUBAGENT_SHARE."""
+    requests nearer SUBAGENT_SHARE. `scale` sizes the preamble and the turns, `turn_scale` the turns alone.
+    `max_context` (words; 0: none) ends each chain before the turn that would take the preamble and its turns
+    past it (the replies come on top), so that no request passes the model's context."""
     rng = random.Random(seed)
     preamble = "You are a coding agent. Tools: read_file, edit_file, search, run_tests, bash. " + _words(
         rng, round(PREAMBLE_TOKENS * scale))
+    turn_size = scale * turn_scale
     out = []
-    for s in range(sessions):
+    for s in range(sessions):           # one rng in session order: session s never depends on `sessions`
         root = f"agentic-{seed}-{s}"
-        main = Chain(root, root, None, _turns(rng, turns, scale, time_scale, max_gap, "Task step"))
+        main = Chain(root, root, None, _turns(rng, turns, turn_size, time_scale, max_gap, "Task step"))
         wanted = SUBAGENT_SHARE / (1 - SUBAGENT_SHARE) * turns
         forkable = list(range(turns - 1))
         rng.shuffle(forkable)
@@ -141,13 +148,35 @@ def generate(seed: int = 0, sessions: int = 2, turns: int = 8, scale: float = 1 
             if not agent_turns or abs(sub + agent_turns * size - wanted) >= abs(sub - wanted):
                 break                   # one more group would take the share further from SUBAGENT_SHARE
             main.forks[k] = [Chain(f"{root}/g{k}a{i}", root, f"g{k}a{i}",
-                                   _turns(rng, agent_turns, scale, time_scale, max_gap, f"Subagent {i} step"))
+                                   _turns(rng, agent_turns, turn_size, time_scale, max_gap, f"Subagent {i} step"))
                              for i in range(size)]
             sub += agent_turns * size
+        if max_context:                 # after every draw: the cap changes no other session's texts or gaps
+            _cap(main, len(preamble.split()), max_context)
+            if not main.turns:
+                raise ValueError(f"max_context {max_context} leaves session {s} no turn (preamble: "
+                                 f"{len(preamble.split())} words)")
         out.append(main)
-    settings = {"sessions": sessions, "turns": turns, "scale": scale, "time_scale": time_scale,
-                "max_agents": max_agents, "agent_turns": agent_turns, "max_gap_s": max_gap, "seed": seed}
+    settings = {"sessions": sessions, "turns": turns, "scale": scale, "turn_scale": turn_scale,
+                "time_scale": time_scale, "max_agents": max_agents, "agent_turns": agent_turns,
+                "max_gap_s": max_gap, "max_context": max_context, "seed": seed}
     return AgenticWorkload(preamble, out, settings)
+
+
+def _cap(chain: Chain, context: int, limit: int) -> None:
+    """Cut `chain` (and its forks) before the first turn that takes its words past `limit`; `context`: the
+    words before its first turn. A fork keeps a parent turn after it; a sub-agent left with no turn goes."""
+    kept = 0
+    for k, turn in enumerate(chain.turns):
+        context += len(turn.text.split())
+        if context > limit:
+            break
+        kept = k + 1
+        for agent in chain.forks.get(k, []):
+            _cap(agent, context, limit)
+    chain.turns = chain.turns[:kept]
+    chain.forks = {k: live for k, group in chain.forks.items()
+                   if k < kept - 1 and (live := [agent for agent in group if agent.turns])}
 
 
 FILETYPE = "agentic"    # a --workload file {"filetype": "agentic", ...generate's settings}: results.json's own
@@ -156,7 +185,8 @@ FILETYPE = "agentic"    # a --workload file {"filetype": "agentic", ...generate'
 def from_config(cfg: dict[str, Any], seed: int = 0) -> AgenticWorkload:
     """A workload file's settings (results.json's `agentic_workload`, with "filetype": "agentic"); those it
     leaves out take generate's defaults, `seed` the command's."""
-    known = {"sessions", "turns", "scale", "time_scale", "max_agents", "agent_turns", "max_gap_s", "seed"}
+    known = {"sessions", "turns", "scale", "turn_scale", "time_scale", "max_agents", "agent_turns", "max_gap_s",
+             "max_context", "seed"}
     unknown = sorted(set(cfg) - known - {"filetype"})
     if unknown:
         raise ValueError(f"unknown agentic setting {unknown[0]!r} (known: {', '.join(sorted(known))})")

@@ -53,10 +53,12 @@ class Settings:
     request_timeout: float = REQUEST_TIMEOUT_S
     give_up_after: int = 0
     scale: float = 1 / 32             # agentic: sizes of the published shape, times this
+    turn_scale: float = 1.0           # agentic: the turns' sizes (not the preamble's), times this too
     time_scale: float = 0.01          # agentic: gaps between turns, times this
     max_agents: int = 16              # agentic: sub-agents per group at most
     agent_turns: int = 3              # agentic: turns per sub-agent
     max_gap: float = 0.0              # agentic: every gap at most this long (0: no cap)
+    max_context: int = 0              # agentic: a chain ends before its words pass this (0: no cap)
 
 
 @dataclass(frozen=True)
@@ -164,8 +166,11 @@ def _agentic(s: Settings) -> agentic.AgenticWorkload | None:
     if s.workload is None:
         return None
     if str(s.workload) == AGENTIC:
-        return agentic.generate(s.seed, s.conversations, s.turns, s.scale, s.time_scale, s.max_agents,
-                                s.agent_turns, s.max_gap)
+        try:
+            return agentic.generate(s.seed, s.conversations, s.turns, s.scale, s.time_scale, s.max_agents,
+                                    s.agent_turns, s.max_gap, s.turn_scale, s.max_context)
+        except ValueError as exc:     # a --max-context below the preamble and a first turn
+            raise UsageError(f"--max-context: {exc}") from None
     try:
         data = json.loads(Path(s.workload).read_text())
     except (OSError, ValueError):

@@ -1,6 +1,6 @@
 """Measure what bidirectional KV reuse buys on a deployment, against what users run instead: for each arm
-(on, timer, local, off, prefix-cache, affinity, vllm-router) bring the cluster up with that arm's settings,
-run the same deterministic multi-turn workload through the router, bring it down, and write results.json,
+(on, timer, local, both, off, prefix-cache, affinity, vllm-router) bring the cluster up with that arm's
+settings, run the same deterministic multi-turn workload through the router, bring it down, and write results.json,
 results.csv and PNG plots to --out, with a summary per prompt-length bucket (TTFT p50/p90 per arm, each arm
 over on, share of reusable tokens pulled from D), and per arm TTFT p50/p99, the requests that failed (no
 whole answer within `--request-timeout`) or took over 10 s, and the reuse rate. `--restart-prefill-after-turn
@@ -10,7 +10,8 @@ larger `pdserve:mid` model); configs/bench-cpu-many.yaml has more conversations 
 cluster instead (one arm, as it is). `--api` sends the workload as Anthropic Messages or OpenAI Responses
 requests instead of chat completions. `--workload agentic` runs sessions shaped like real Claude Code traces
 (pdserve/bench/agentic.py: a shared preamble, published turn sizes and gaps, sub-agent groups) and reports
-TTFT by context size, achieved against theoretical reuse and where each turn's KV came from."""
+TTFT by context size, achieved against theoretical reuse and where each turn's KV came from (P's cache, its
+CPU tier, D); `--turn-scale` grows its turns alone, so that sessions reach long contexts in few turns."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def command(
                                                             "agentic_workload)."),
     scale: float = typer.Option(1 / 32, "--scale", min=1e-4, help="Agentic: the published sizes (preamble 24k, "
                                                                    "turn p50 632 tokens) times this, in words."),
+    turn_scale: float = typer.Option(1.0, "--turn-scale", min=1e-4, help="Agentic: the turns' sizes (not the "
+                                                                         "preamble's) times this too, so that "
+                                                                         "sessions reach long contexts in few "
+                                                                         "turns."),
     time_scale: float = typer.Option(0.01, "--time-scale", min=0.0, help="Agentic: the published gaps between "
                                                                          "turns (p50 2 s, p90 24 s, p99 11.4 min) "
                                                                          "times this."),
@@ -57,6 +62,11 @@ def command(
                                                                     "sub-agents)."),
     max_gap: float = typer.Option(0.0, "--max-gap", min=0.0, help="Agentic: every gap at most this many seconds "
                                                                   "(0: no cap)."),
+    max_context: int = typer.Option(0, "--max-context", min=0, help="Agentic: each session or sub-agent ends "
+                                                                    "before the turn that would take its words "
+                                                                    "(preamble + turns, replies not counted) "
+                                                                    "past this, so that no request passes the "
+                                                                    "model's context (0: no cap)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
     attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),
     verbatim: bool = typer.Option(False, "--verbatim-replies", help="Sample replies only from whole-word tokens "
@@ -92,8 +102,8 @@ def command(
         max_tokens=max_tokens, seed=seed, warmup=warmup, workload=workload, out=out, attach=attach,
         verbatim=verbatim, restart_after=restart_after, stream=stream, api=api,
         user_words=user_words, tool_words=tool_words, system_words=system_words, request_timeout=request_timeout,
-        give_up_after=give_up_after, scale=scale, time_scale=time_scale, max_agents=max_agents,
-        agent_turns=agent_turns, max_gap=max_gap))
+        give_up_after=give_up_after, scale=scale, turn_scale=turn_scale, time_scale=time_scale,
+        max_agents=max_agents, agent_turns=agent_turns, max_gap=max_gap, max_context=max_context))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),

@@ -67,7 +67,7 @@ def test_bench_agentic_workload_reports_reuse_by_source(tmp_path, home, monkeypa
     out = tmp_path / "out"
     res = pdserve("bench", str(path), "--arms", "on", "--workload", "agentic", "--conversations", "2", "--turns", "3",
                   "--max-agents", "2", "--agent-turns", "2", "--scale", "0.01", "--time-scale", "0.001",
-                  "--max-tokens", "4", "--out", str(out), timeout=300)
+                  "--turn-scale", "2", "--max-context", "100000", "--max-tokens", "4", "--out", str(out), timeout=300)
     assert res.returncode == 0, res.stderr
     data = json.loads((out / "results.json").read_text())
     rows = data["requests"]
@@ -76,7 +76,9 @@ def test_bench_agentic_workload_reports_reuse_by_source(tmp_path, home, monkeypa
     assert a["failed"] == 0 and a["theoretical_reuse_tokens"] > 0 and 0 < a["achieved_share"] <= 1
     assert a["turns_by_kv_source"]["d_pull"] > 0 and a["preamble_tokens"] > 0
     assert data["agentic_workload"]["agent_turns"] == 2
+    assert (data["agentic_workload"]["turn_scale"], data["agentic_workload"]["max_context"]) == (2.0, 100000)
     assert "Agentic sessions per arm" in res.stdout and "achieved / theoretical reuse" in res.stdout
+    assert "p / p_tier / d_pull / d_alone" in res.stdout and a["reuse_tokens_by_source"]["p_cpu_tier"] == 0
     # the settings results.json records, as a workload file, run the same workload again
     again = tmp_path / "agentic.json"
     again.write_text(json.dumps({"filetype": "agentic", **data["agentic_workload"]}))
@@ -89,3 +91,5 @@ def test_bench_agentic_workload_reports_reuse_by_source(tmp_path, home, monkeypa
     again.write_text(json.dumps({"filetype": "agentic", "sesions": 2}))
     bad = pdserve("bench", str(path), "--workload", str(again))
     assert bad.returncode == 2 and "unknown agentic setting 'sesions'" in bad.stderr
+    small = pdserve("bench", str(path), "--workload", "agentic", "--scale", "0.01", "--max-context", "100")
+    assert small.returncode == 2 and "--max-context: max_context 100 leaves session 0 no turn" in small.stderr

@@ -116,3 +116,59 @@ def test_a_workload_file_of_the_settings_results_json_records_gives_the_same_wor
     assert agentic.from_config({"filetype": "agentic", "turns": 2}, seed=3).settings["seed"] == 3
     with pytest.raises(ValueError, match="unknown agentic setting 'sesions'"):
         agentic.from_config({"filetype": "agentic", "sesions": 2})
+
+
+def test_turn_scale_grows_the_turns_alone_and_is_recorded_and_read_back():
+    one = agentic.generate(seed=4, sessions=3, turns=12, scale=1.0, agent_turns=2)
+    ten = agentic.generate(seed=4, sessions=3, turns=12, scale=1.0, agent_turns=2, turn_scale=10.0)
+    assert ten.preamble == one.preamble              # the shared preamble keeps its published size
+    words = lambda wl: [len(t.text.split()) - 3 for c in wl.chains() for t in c.turns]    # noqa: E731
+    assert statistics.median(words(ten)) == pytest.approx(10 * agentic.TURN_TOKENS_P50, rel=0.2)
+    assert statistics.median(words(one)) == pytest.approx(agentic.TURN_TOKENS_P50, rel=0.2)
+    assert ten.settings["turn_scale"] == 10.0 and one.settings["turn_scale"] == 1.0
+    # the default is the old shape: the same workload as leaving it out
+    same = agentic.generate(seed=4, sessions=3, turns=12, scale=1.0, agent_turns=2, turn_scale=1.0)
+    assert [t.text for c in same.chains() for t in c.turns] == [t.text for c in one.chains() for t in c.turns]
+    again = agentic.from_config({"filetype": agentic.FILETYPE, **ten.settings})
+    assert [t.text for c in again.chains() for t in c.turns] == [t.text for c in ten.chains() for t in c.turns]
+    old = {k: v for k, v in one.settings.items() if k != "turn_scale"}    # a file written before turn_scale
+    assert agentic.from_config({"filetype": agentic.FILETYPE, **old}).settings == one.settings
+
+
+def test_fewer_sessions_are_the_first_sessions_of_more():
+    """An arm run with fewer sessions (the expensive `off`) runs the same sessions as the first of a bigger
+    run: the same texts, gaps and sub-agent forks, so TTFT by context size compares like with like."""
+    def shape(wl):
+        return [(c.id, c.root, c.agent, [(t.text, t.gap_s, t.past_ttl) for t in c.turns],
+                 {k: [a.id for a in g] for k, g in c.forks.items()}) for c in wl.chains()]
+    settings = {"seed": 11, "turns": 12, "scale": 0.05, "turn_scale": 10.0, "time_scale": 0.1, "agent_turns": 3}
+    few, many = agentic.generate(sessions=2, **settings), agentic.generate(sessions=8, **settings)
+    assert few.preamble == many.preamble and any(s.forks for s in few.sessions)
+    assert shape(few) == shape(many)[:len(few.chains())]
+    assert [s.id for s in many.sessions[:2]] == [s.id for s in few.sessions]
+
+
+def test_max_context_ends_each_chain_before_its_words_pass_it_and_changes_nothing_else():
+    settings = {"seed": 6, "sessions": 6, "turns": 12, "scale": 0.05, "turn_scale": 10.0, "agent_turns": 3}
+    free, capped = agentic.generate(**settings), agentic.generate(**settings, max_context=3000)
+    preamble = len(free.preamble.split())
+
+    def longest(chain, context):      # the most words any request of the chain sends (replies left out)
+        most = context
+        for k, t in enumerate(chain.turns):
+            context += len(t.text.split())
+            most = max(most, context, *(longest(a, context) for a in chain.forks.get(k, [])))
+        return most
+    assert max(longest(s, preamble) for s in free.sessions) > 3000
+    assert max(longest(s, preamble) for s in capped.sessions) <= 3000
+    for f, c in zip(free.sessions, capped.sessions, strict=True):
+        assert [t.text for t in c.turns] == [t.text for t in f.turns[:len(c.turns)]]    # a prefix, same draws
+        assert all(k < len(c.turns) - 1 and g for k, g in c.forks.items())
+        for k, group in c.forks.items():
+            for a in group:
+                assert [t.text for t in a.turns] == [t.text for t in next(x for x in f.forks[k] if x.id == a.id)
+                                                     .turns[:len(a.turns)]]
+    assert capped.settings["max_context"] == 3000 and free.settings["max_context"] == 0
+    assert agentic.from_config({"filetype": "agentic", **capped.settings}).requests == capped.requests
+    with pytest.raises(ValueError, match="leaves session 0 no turn"):
+        agentic.generate(**settings, max_context=preamble)
