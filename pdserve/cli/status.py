@@ -142,7 +142,8 @@ def _reuse_lines(url: str | None, r: dict) -> list[Text]:
                 f"follow-ups, {r.get('reuse_decode_only', 0):.0f} of them on D alone; first turns "
                 f"{r.get('reuse_first', 0):.0f}), tokens offered {r['reuse_tokens_offered']:.0f}, pulled from D "
                 f"{r['reuse_tokens_pulled']:.0f}, from P's own prefix cache "
-                f"{r.get('prefill_tokens_local_cached', 0):.0f}; misses: {misses}")]
+                f"{r.get('prefill_tokens_local_cached', 0):.0f}, from P's CPU tier "
+                f"{r.get('prefill_tokens_tier', 0):.0f}; misses: {misses}")]
     ended = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_outcomes") or {}).items())) or "none yet"
     plans = ", ".join(f"{k} {v}" for k, v in sorted((r.get("turn_plans") or {}).items())) or "none yet"
     out.append(Text(f"turns by outcome: {ended}; by route: {plans} (decode_only: served on D alone)"))

@@ -12,7 +12,7 @@ from pdserve.router.wire import DECODE_ONLY
 
 # summary fields that replicas' summaries add up (plain numbers, and counts by label)
 ADDED = ("turns", "reuse_hits", "reuse_misses", "reuse_first", "reuse_decode_only", "reuse_tokens_offered",
-         "reuse_tokens_pulled", "prefill_tokens_local_cached", "store_errors")
+         "reuse_tokens_pulled", "prefill_tokens_local_cached", "prefill_tokens_tier", "store_errors")
 ADDED_BY_LABEL = ("misses_by_reason", "turn_outcomes", "degraded_requests")
 HELD_BY_DECODE = {names.HELD_TOKENS: "tokens", names.HELD_BUDGET: "budget", names.HELD_CAPACITY: "capacity",
                   names.HELD_CONTROL: "control", names.HELD_TENANTS: "tenants"}
@@ -61,7 +61,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
 def summarize(samples: Samples) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": 0.0, "reuse_hits": 0.0, "reuse_misses": 0.0, "reuse_first": 0.0,
                            "reuse_decode_only": 0.0, "reuse_tokens_offered": 0.0,
-                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0, "store_errors": 0.0,
+                           "reuse_tokens_pulled": 0.0, "prefill_tokens_local_cached": 0.0,
+                           "prefill_tokens_tier": 0.0, "store_errors": 0.0,
                            "store": None}
     misses: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
@@ -97,6 +98,8 @@ def summarize(samples: Samples) -> dict[str, Any]:
             out["reuse_tokens_pulled"] += value
         elif name == names.PREFILL_TOKENS_LOCAL + "_total":
             out["prefill_tokens_local_cached"] += value
+        elif name == names.REUSE_TOKENS_TIER + "_total":
+            out["prefill_tokens_tier"] += value       # P's CPU KV tier
         elif name == names.DEGRADED_REQUESTS + "_total":
             degraded_served[labels.get("served_by", "")] += int(value)
         elif name == names.TURN_PLANS + "_total":

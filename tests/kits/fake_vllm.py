@@ -35,10 +35,11 @@ from aiohttp import web
 from pdserve.engine.patches import cut_offer
 from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, WANT_PROMPT_IDS_KEY
 try:
-    from tests.kits import fake_context, hostile
+    from tests.kits import fake_context, fake_tier, hostile
     from tests.kits.fake_agent_wire import AgentWire
 except ModuleNotFoundError:      # run as a script (python tests/kits/fake_vllm.py): its folder is on the path
     import fake_context  # type: ignore[no-redef]
+    import fake_tier  # type: ignore[no-redef]
     import hostile  # type: ignore[no-redef]
     from fake_agent_wire import AgentWire  # type: ignore[no-redef]
 
@@ -246,17 +247,18 @@ class FakeVLLM:
             return refused          # vLLM's validation: nothing computed, nothing read
         pulled = 0
         checked = cut_offer(kv, prompt, BLOCK)    # pdserve's entry patch: an engine-checked offer is cut here
-        if kv.get("remote_block_ids") and kv.get("do_remote_decode"):   # P pulling D's blocks
+        if kv.get("remote_block_ids") and kv.get("do_remote_decode") and fake_tier.reads(self.args, kv, prompt):
             if self.args.fail_reads:
                 return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
                                                     "param": None, "code": 500}}, status=500)
-            declined = await self.read_from_d(request, kv)
+            declined = await self.read_from_d(request, kv)   # P pulling D's blocks
             if declined is not None:
                 return declined
             pulled = min(int(kv.get("remote_num_tokens", 0)), len(prompt) - 1)
             self.external_tokens += pulled
             self.read_kv(pulled)
-        if any(k in kv for k in (PULLED_KEY, LOCAL_KEY)):
+        tier = fake_tier.tier_tokens(self.args, kv, prompt, pulled)   # P's CPU tier (fake_tier.py)
+        if any(k in kv for k in (PULLED_KEY, LOCAL_KEY, fake_tier.TIER_KEY)):
             self.leaked_counts += 1   # the router must strip P's counts before D
         forwarded = kv.pop(PROMPT_IDS_KEY, None) if not kv.get("do_remote_decode") else None
         if forwarded is not None:     # vLLM's chat path: the engine gets these instead of the rendered prompt
@@ -266,7 +268,7 @@ class FakeVLLM:
             self.external_tokens += len(prompt)   # D reads P's blocks for the whole prompt
             self.read_kv(len(prompt))
         if kv.get("do_remote_decode"):   # prefill cost: pull what was offered, compute the rest
-            self.computed_tokens += len(prompt) - pulled
+            self.computed_tokens += len(prompt) - pulled - tier
             await asyncio.sleep(self.args.pull_delay * pulled + self.args.compute_delay * (len(prompt) - pulled))
         n = fake_context.output_tokens(body, len(prompt), self.args.max_model_len, 8)
         if kv and not kv.get("do_remote_decode") and self.args.bidirectional:
@@ -282,7 +284,8 @@ class FakeVLLM:
                       "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1,
                       "remote_prefill_cached_tokens": pulled,
                       # what pdserve.engine.entry's connector patch adds on a real P
-                      PULLED_KEY: pulled, LOCAL_KEY: 0, **({CHECKED_KEY: checked} if checked is not None else {})}
+                      PULLED_KEY: pulled, LOCAL_KEY: 0, fake_tier.TIER_KEY: tier,
+                      **({CHECKED_KEY: checked} if checked is not None else {})}
             if kv.get(WANT_PROMPT_IDS_KEY) is True:
                 params[PROMPT_IDS_KEY] = prompt
             if self.args.echo:
@@ -474,6 +477,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--held-status", type=int, default=200, help="answer release/renew with this status")
     p.add_argument("--exit-after", type=float, default=0.0, help="exit(3) this many seconds after start")
     hostile.add_flags(p)
+    fake_tier.add_flags(p)
     p.add_argument("--spawn-child", action="store_true", help="start a long-lived child, like vLLM's EngineCore")
     p.add_argument("--child-without-marker", action="store_true", help="the child's environment is empty")
     args, _ = p.parse_known_args(argv)   # ignore vLLM's own flags when started by pdserve

@@ -29,7 +29,8 @@ def summary(request: web.Request, notes: dict[str, Any], status: int) -> dict[st
     if turn is not None:
         out.update(request_id=turn.request_id, api=turn.fmt.api, outcome=turn.outcome,
                    stream=bool(turn.body.get("stream")), plan=turn.plan or None, tokens_computed=turn.computed,
-                   tokens_pulled=turn.pulled, tokens_on_d_alone=turn.local_tokens, degraded=turn.degraded)
+                   tokens_cached=turn.cached, tokens_tier=turn.tier, tokens_pulled=turn.pulled,
+                   tokens_on_d_alone=turn.local_tokens, degraded=turn.degraded)
         out.setdefault("conversation", key_hash(turn.conversation.explicit))
     out.update({k: v for k, v in notes.items() if v is not None})
     return {k: v for k, v in out.items() if v is not None}
@@ -44,15 +45,17 @@ def conversation(turn: Turn) -> str:
 
 
 def access_line(request: web.Request, status: int, ms: float) -> str:
-    """One text line: method, path, status, API, conversation, route plan, the reuse outcome, prompt tokens P
-    computed, pulled from D and computed by D alone, the time, the outcome and the router's request id."""
+    """One text line: method, path, status, API, conversation, route plan, the reuse outcome, prompt tokens by
+    source (P computed, P's prefix cache, P's CPU tier, pulled from D, computed by D alone), the time, the outcome
+    and the router's request id."""
     turn = request.get(TURN)
     if turn is None:
         return f"{request.method} {request.path} {status} {ms:.1f}ms"
     reuse = "/".join(turn.reuse) if turn.reuse else "-"
     plan = "degraded" if turn.degraded else turn.plan or "-"
     return (f"{request.method} {request.path} {status} {ms:.1f}ms api={turn.fmt.api} conv={conversation(turn)} "
-            f"plan={plan} reuse={reuse} p_computed={_n(turn.computed)} pulled={_n(turn.pulled)} "
+            f"plan={plan} reuse={reuse} p_computed={_n(turn.computed)} p_cached={_n(turn.cached)} "
+            f"p_tier={_n(turn.tier)} pulled={_n(turn.pulled)} "
             f"d_alone={_n(turn.local_tokens)} outcome={turn.outcome or (CLIENT_GONE if status == 499 else FAILED)} "
             f"id={turn.request_id}")
 

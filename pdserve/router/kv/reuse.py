@@ -26,6 +26,8 @@ TRIMMED = "trimmed"                 # a hit: only a prefix of D's sequence is th
 HIT_REASONS = (CONTINUATION, TRIMMED, ENGINE_CHECKED, UNVERIFIED, DECODE_ONLY)
 DECODE_FAILED = "decode_failed"     # a miss: planned on D alone, but D did not answer it (served otherwise, or failed)
 NO_ENTRY = "no_entry"               # a miss: nothing stored for the follow-up (used, expired, evicted, restarted)
+CPU_TIER = "cpu_tier"               # a miss of D's offer: P read none of it, it loaded the prompt from its own CPU
+                                    #   KV tier instead (wire.TIER_KEY), e.g. D's part below NIXL's threshold there
 
 
 @dataclass
@@ -124,16 +126,16 @@ def engine_checked(entry: ReuseEntry, *, holder_healthy: bool, holder_generation
 
 
 def engine_outcome(offer: Decision, pulled: int | None, checked: int | None, block_size: int | None = None,
-                   local: int | None = None) -> Decision:
+                   local: int | None = None, tier: int | None = None) -> Decision:
     """What an engine-checked offer came to, from P's own counts: a hit of what P pulled, or why not. As in
     decide, a common prefix shorter than a block (a template header at most) is an edited history; one that
     P's own prefix cache held but for less than a block (`local`: P's prefix-cache hits) left nothing worth
-    reading (prefix_cached)."""
+    reading (prefix_cached); a valid one P's CPU tier loaded instead (`tier`: its tokens) is CPU_TIER."""
     if not pulled:
         edited = not checked or (block_size is not None and checked < block_size)
         cached = bool(checked) and local is not None and local + (block_size or 0) >= checked
         reason = "unverifiable" if checked is None else "not_a_continuation" if edited else \
-            "prefix_cached" if cached else "below_threshold"
+            CPU_TIER if tier else "prefix_cached" if cached else "below_threshold"
         return Decision(MISS, reason, holder=offer.holder)
     return Decision(HIT, CONTINUATION if checked == offer.tokens else TRIMMED, holder=offer.holder, tokens=pulled)
 

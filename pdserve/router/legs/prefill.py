@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
-from pdserve.router.kv.reuse import ENGINE_CHECKED, FIRST, HIT, MISS, NO_ENTRY, Decision, engine_outcome
+from pdserve.router.kv.reuse import CPU_TIER, ENGINE_CHECKED, FIRST, HIT, MISS, NO_ENTRY, Decision, engine_outcome
 from pdserve.router.legs.offer import Offers
 from pdserve.router.legs.turn import Turn
 from pdserve.router.legs.upstream import Upstream
@@ -17,7 +17,7 @@ from pdserve.router.route.cost import CostModel
 from pdserve.router.route.policy import RoutePolicy
 from pdserve.router.telemetry import tracing
 from pdserve.router.telemetry.metrics import RouterMetrics
-from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY
+from pdserve.router.wire import CHECKED_KEY, LOCAL_KEY, PULLED_KEY, TIER_KEY
 
 log = logging.getLogger("pdserve.router")
 
@@ -58,7 +58,10 @@ class PrefillLeg:
                     params, pulled, checked, local = await self._once(backend, turn, use)
                     served = True
                     if use is not None and use.reason == ENGINE_CHECKED:
-                        outcome = engine_outcome(use, pulled, checked, await self.offers.read_block_size(), local)
+                        outcome = engine_outcome(use, pulled, checked, await self.offers.read_block_size(), local,
+                                                 turn.tier)
+                    elif use is not None and pulled == 0 and turn.tier:
+                        outcome = Decision(MISS, CPU_TIER, holder=use.holder)   # offered, P's CPU tier loaded
                     return params, pulled
                 except UpstreamError as err:
                     if use is not None and err.status >= 500:
@@ -99,7 +102,8 @@ class PrefillLeg:
     async def _once(self, backend: Backend, turn: Turn,
                     use: Decision | None) -> tuple[dict[str, Any], int | None, int | None, int | None]:
         """P's params for D, the tokens it pulled from D, the common prefix its engine found (an
-        engine-checked offer only) and its own prefix-cache hits; the last three None when P does not say."""
+        engine-checked offer only) and its own prefix-cache hits; the last three None when P does not say.
+        The turn gets P's counts by source (cached, tier, computed)."""
         p_body = turn.fmt.prefill_body(turn.body, use.params if use else None, turn.request_id)
         started = time.perf_counter()
         # With D's blocks offered, a failure may be D's (blocks gone) as much as P's: not P's breaker.
@@ -121,6 +125,7 @@ class PrefillLeg:
         self._learn(backend, use, time.perf_counter() - started, turn.prompt_tokens, counts)
         prompt = turn.fmt.prompt_tokens(data)
         turn.computed = prompt - sum(counts) if prompt is not None and counts is not None else None
+        turn.cached, turn.tier = (counts[1], counts[2]) if counts is not None else (None, None)
         return (params, counts[0] if counts is not None else None, checked if isinstance(checked, int) else None,
                 counts[1] if counts is not None else None)
 
@@ -136,17 +141,18 @@ class PrefillLeg:
                       "decode server; counted in pdserve_router_prefill_without_kv_params_total", backend.name)
 
     def _learn(self, backend: Backend, use: Decision | None, seconds: float, prompt: int | None,
-               counts: tuple[int, int] | None) -> None:
-        # (pulled from D, P's own prefix-cache hits), from the entry's connector patch; None without it:
-        # then nothing is learned about pulls (remote_prefill_cached_tokens mixes the two and 0.26 lacks it).
-        pulled, local = counts if counts is not None else (0, 0)
+               counts: tuple[int, int, int] | None) -> None:
+        # (pulled from D, P's own prefix-cache hits, P's CPU tier), from the entry's connector patch; None
+        # without it: then nothing is learned about pulls (remote_prefill_cached_tokens mixes them, 0.26 lacks it).
+        pulled, local, tier = counts if counts is not None else (0, 0, 0)
         self.metrics.reuse_tokens_pulled.inc(pulled)
         self.metrics.prefill_tokens_local.inc(local)
+        self.metrics.prefill_tokens_tier.inc(tier)
         if prompt is None:
             return
         holder = use.holder if use else None
-        if use is not None and counts is None:
-            return   # a pull of unknown size: neither a pull nor a recompute sample
+        if (use is not None and counts is None) or tier:
+            return   # a pull of unknown size, or a leg that copied the CPU tier's KV in: no clean sample
         self.costs.observe(backend.name, holder, seconds, prompt, pulled + local, use is not None and pulled > 0,
                            pulled_tokens=pulled)
         if backend.name in self.costs.recompute:
@@ -169,9 +175,10 @@ def has_kv_params(data: dict[str, Any]) -> bool:
     return isinstance(data.get("kv_transfer_params"), dict)
 
 
-def pop_counts(params: dict[str, Any]) -> tuple[int, int] | None:
-    """(tokens P pulled from D, tokens from P's own prefix cache) taken out of P's kv_transfer_params."""
-    pulled, local = params.pop(PULLED_KEY, None), params.pop(LOCAL_KEY, None)
+def pop_counts(params: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(tokens P pulled from D, from P's own prefix cache, from P's CPU tier) taken out of P's
+    kv_transfer_params; the tier's 0 from an entry without one (TIER_KEY absent)."""
+    pulled, local, tier = params.pop(PULLED_KEY, None), params.pop(LOCAL_KEY, None), params.pop(TIER_KEY, 0)
     if isinstance(pulled, int) and isinstance(local, int):
-        return max(0, pulled), max(0, local)
+        return max(0, pulled), max(0, local), max(0, tier) if isinstance(tier, int) else 0
     return None

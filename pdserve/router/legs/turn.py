@@ -16,7 +16,7 @@ from pdserve.router.conversation import Conversation
 from pdserve.router.route.backends import Suspects
 from pdserve.router.route.policy import template_digest
 from pdserve.router.telemetry.metrics import RouterMetrics
-from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER
+from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER, TIER_HEADER
 
 log = logging.getLogger("pdserve.router")
 WRITE_STALLED = "write_stalled"    # pdserve_router_connections_dropped_total's reason for a client that stops reading
@@ -34,6 +34,8 @@ class Turn:
     decide_ms: float | None = None     # the reuse decision (Server-Timing, like the legs)
     prefill_ms: float | None = None    # reported to the client in Server-Timing
     pulled: int | None = None          # tokens P loaded from D's KV (PULLED_HEADER)
+    cached: int | None = None          # prompt tokens P took from its own prefix cache (GPU)
+    tier: int | None = None            # prompt tokens P loaded from its CPU KV tier (TIER_HEADER)
     degraded: bool = False             # served whole by one role
     plan: str = ""                     # the route plan's name (wire.PLANS), as PLAN_HEADER
     local_tokens: int | None = None    # tokens D computes when the turn is served on D alone
@@ -109,8 +111,8 @@ def template(turn: Turn) -> str:
 
 
 def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
-    """X-Request-Id, Server-Timing with the P leg (and D leg) durations, and the tokens P pulled from D:
-    for benchmarks, tracing and scripts/reuse_check.py."""
+    """X-Request-Id, Server-Timing with the P leg (and D leg) durations, and the tokens P pulled from D and
+    loaded from its CPU tier: for benchmarks, tracing and scripts/reuse_check.py."""
     out = {"X-Request-Id": turn.reply_id}
     timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("decide", turn.decide_ms), ("prefill", turn.prefill_ms),
                                                      ("decode", decode_ms)) if ms is not None]
@@ -118,6 +120,7 @@ def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
         out["Server-Timing"] = ", ".join(timing)
     if turn.pulled is not None:
         out[PULLED_HEADER] = str(turn.pulled)
+        out[TIER_HEADER] = str(turn.tier or 0)
     if turn.plan:
         out[PLAN_HEADER] = "degraded" if turn.degraded else turn.plan
     return out

@@ -88,6 +88,10 @@ class RouterMetrics:
         self.prefill_tokens_local = Counter(names.PREFILL_TOKENS_LOCAL,
                                             "Prompt tokens P took from its own prefix cache (not pulled from D).",
                                             registry=r)
+        self.prefill_tokens_tier = Counter(names.REUSE_TOKENS_TIER,
+                                           "Prompt tokens P loaded from its own CPU KV tier (a role's "
+                                           "kv_offloading_size; not pulled from D, not in its GPU prefix cache).",
+                                           registry=r)
         self.prefill_without_kv = Counter("pdserve_router_prefill_without_kv_params",
                                           "Prefills answered without kv_transfer_params (the server is not "
                                           "running NixlConnector): each was served again whole on decode.",
