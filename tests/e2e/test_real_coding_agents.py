@@ -9,11 +9,12 @@ reached the agent. Every follow-up reuses: P pulled tokens from D and computed a
 previous turn's prompt plus one block (P's own counters). Each turn prints its figures and the CPU seconds of
 the agent, P and D.
 
-Cost: in the suite (a router restart, fresh clone at de67c9f) 36 s for Claude Code's turns and 75 s for Codex's;
-alone at 0c58714 146 s with the cluster's start. First turns are 31k and 25k tokens of prompt (P's prefill
-16 s and 11 s); the rest is D decoding the random model's replies, at most router.max_output_tokens (256, the
-embedded default's) at 25-32k tokens of context. Before that bound (181f3e4) the turns took 297 s: only the
-model's end token stopped a reply, 200 to 11k characters."""
+Cost: in the suite (a router restart, fresh clone at de67c9f) 36 s for Claude Code's turns and 75 s for Codex's
+(24 s since Codex's replies are capped at 32 tokens: CODEX_REPLY_CAP); alone at 0c58714 146 s with the
+cluster's start. First turns are 31k and 25k tokens of prompt (P's prefill 16 s and 11 s); the rest is D
+decoding the random model's replies, at most router.max_output_tokens (256, the embedded default's) at 25-32k
+tokens of context. Before that bound (181f3e4) the turns took 297 s: only the model's end token stopped a
+reply, 200 to 11k characters."""
 
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ from tests.kits import loopback_bridge
 from tests.kits.vllm_cluster import BLOCK, SHARED, status
 
 pytestmark = pytest.mark.e2e
+# router.max_output_tokens for Codex's turns (the embedded default's 256 for Claude Code's): Codex's replies end
+# at the cap either way, and D's decode at 25k tokens of context was most of their time (75 s for the three
+# turns, 24 s at 32). Claude Code answers replies cut at 32 with more model calls (2-4 a turn) and exits 1.
+CODEX_REPLY_CAP = 32
+
+
+def agents_settings(reply_cap: int | None = None):
+    """The module's router settings (a router restart on the shared cluster)."""
+    def mutate(cfg: dict, ports: list[int]) -> None:
+        # Short follow-ups would be served on D alone (P computes nothing); this module checks P's pulls.
+        cfg["router"]["decode_only"] = False
+        if reply_cap:
+            cfg["router"]["max_output_tokens"] = reply_cap
+    return mutate
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +50,7 @@ def rig(shared_cluster, tmp_path_factory):
         pytest.skip(why)
     begun = time.monotonic()
 
-    def no_short_turns(cfg: dict, ports: list[int]) -> None:
-        # Short follow-ups would be served on D alone (P computes nothing); this module checks P's pulls.
-        cfg["router"]["decode_only"] = False
-    cluster = shared_cluster.use(no_short_turns)
+    cluster = shared_cluster.use(agents_settings())
     tmp = tmp_path_factory.mktemp("coding-agents")
     bridge = loopback_bridge.Bridge(tmp, int(cluster["router"].rsplit(":", 1)[1])).start()
     servers = {p["name"][0].upper(): p["pid"] for p in status(SHARED)["processes"] if p["role"] in ("prefill", "decode")}
@@ -86,8 +98,9 @@ def test_claude_code_continue_and_resume_reuse_every_turn(rig):
     check(turns)
 
 
-def test_codex_exec_resume_last_and_by_id_reuse_every_turn(rig):
+def test_codex_exec_resume_last_and_by_id_reuse_every_turn(rig, shared_cluster):
     cluster, bridge, tmp, servers = rig
+    shared_cluster.use(agents_settings(CODEX_REPLY_CAP))     # a router restart, on the port the bridge serves
     home = tmp / "codex-home"
     work = home / "project"
     work.mkdir(parents=True)
