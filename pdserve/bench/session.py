@@ -36,7 +36,7 @@ class Settings:
     arms: str = "on,off,prefix-cache"
     conversations: int = 2
     turns: int = 8
-    concurrency: int = 1
+    concurrency: int | None = None      # None: 1, or every session at once with --workload agentic
     max_tokens: int = 32
     seed: int = 0
     warmup: int = 1
@@ -157,7 +157,8 @@ def prepare(s: Settings) -> Session:
     info = {**sizes, "verbatim_replies": s.verbatim, "restart_prefill_after_turn": s.restart_after, "streamed": s.stream,
             "api": s.api, "request_timeout_s": s.request_timeout, "give_up_after": s.give_up_after,
             **({"agentic_workload": agentic_wl.settings} if agentic_wl else {})}
-    return Session(s, arms, Workload(convs, warm, s.max_tokens, s.concurrency, info, agentic=agentic_wl,
+    concurrency = s.concurrency or (0 if agentic_wl else 1)       # 0: every agentic session at once
+    return Session(s, arms, Workload(convs, warm, s.max_tokens, concurrency, info, agentic=agentic_wl,
                                      agentic_warm=agentic_warm), out)
 
 
@@ -199,7 +200,7 @@ def run(session: Session, on_arm: Callable[[str], None], on_request: Callable[[d
             "arms": [a.name for a in session.arms],
             "conversations": len(w.convs) if w.agentic is None else len(w.agentic.chains()),
             "requests_per_arm": session.requests_per_arm,
-            "concurrency": s.concurrency, "max_tokens": s.max_tokens, "seed": s.seed, "warmup_conversations": s.warmup,
+            "concurrency": w.concurrency, "max_tokens": s.max_tokens, "seed": s.seed, "warmup_conversations": s.warmup,
             "pulled_share_on": report.pulled_share(rows), "outside_legs_p50_ms": report.outside_legs_ms(rows),
             "by_turn_size": report.by_turn_size(rows), "per_arm": report.per_arm(session.rows),
             "host": report.host_facts(),
@@ -241,7 +242,7 @@ def _measure(arm: str, ep: Endpoints, w: Workload, on_request: Callable[[dict], 
     if w.agentic is not None:
         if w.agentic_warm is not None and w.agentic_warm.sessions:
             agentic.run_arm(f"{arm}-warmup", ep, w.agentic_warm, w.max_tokens, request_timeout=timeout)
-        return agentic.run_arm(arm, ep, w.agentic, w.max_tokens, 0, on_request, request_timeout=timeout)
+        return agentic.run_arm(arm, ep, w.agentic, w.max_tokens, w.concurrency, on_request, request_timeout=timeout)
     if w.warm:
         run_arm(f"{arm}-warmup", ep, w.warm, w.max_tokens, 1, extra=extra, request_timeout=timeout)
     turn = w.info["restart_prefill_after_turn"]

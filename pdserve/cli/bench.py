@@ -32,8 +32,9 @@ def command(
     arms: str = typer.Option("on,off,prefix-cache", "--arms", help="Comma-separated arms to run."),
     conversations: int = typer.Option(2, "--conversations", min=1, help="Conversations in the generated workload."),
     turns: int = typer.Option(8, "--turns", min=1, help="User turns per conversation (generated workload)."),
-    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Conversations at once (1 gives exact "
-                                                                    "per-request P metrics)."),
+    concurrency: int = typer.Option(None, "--concurrency", min=1, help="Conversations at once (default 1: exact "
+                                                                       "per-request P metrics); with --workload "
+                                                                       "agentic, sessions at once (default: all)."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="Reply length per turn."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated workload (and of a --workload "
                                               "generate_conversations config)."),

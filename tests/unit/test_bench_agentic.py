@@ -5,6 +5,7 @@ reuse per source; its runner forks sub-agents from the parent's history with Cla
 from __future__ import annotations
 
 import random
+from pathlib import Path
 import statistics
 
 import pytest
@@ -172,3 +173,20 @@ def test_max_context_ends_each_chain_before_its_words_pass_it_and_changes_nothin
     assert agentic.from_config({"filetype": "agentic", **capped.settings}).requests == capped.requests
     with pytest.raises(ValueError, match="leaves session 0 no turn"):
         agentic.generate(**settings, max_context=preamble)
+
+
+def test_concurrency_bounds_the_agentic_sessions_at_once_and_defaults_to_all(monkeypatch, tmp_path):
+    """`--concurrency` reached the agentic runner as 0 (every session at once) whatever was asked: a GPU run of
+    8 long sessions could not keep fewer in D's memory at a time."""
+    from pdserve.bench import session
+    seen = []
+    monkeypatch.setattr(agentic, "run_arm", lambda arm, ep, wl, max_tokens, concurrency, *a, **k:
+                        seen.append(concurrency) or ([], {}))
+    ep = Endpoints("http://r", ["http://p"], "m")
+    for asked, expected in ((3, 3), (None, 0)):
+        s = session.prepare(session.Settings(workload=Path("agentic"), concurrency=asked, warmup=0,
+                                             out=tmp_path / str(asked), arms="on"))
+        assert s.workload.concurrency == expected
+        session._measure("on", ep, s.workload, lambda row: None, "x")
+    assert seen == [3, 0]
+    assert session.prepare(session.Settings(out=tmp_path / "plain", arms="on")).workload.concurrency == 1
