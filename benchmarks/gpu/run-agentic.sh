@@ -22,7 +22,7 @@ tiers() {   # the servers' connector lines: which connectors vLLM built, the tie
   done
 }
 counters() {   # P's own counters: prompt tokens by source, the tier's bytes, NIXL's reads
-  curl -s localhost:8100/metrics | grep -a -E "^vllm:(prompt_tokens_by_source_total|kv_offload_(load|store)_bytes|nixl_xfer_time_seconds_count|nixl_num_failed)" | cut -c1-200
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8100/metrics', timeout=10).read().decode())" | grep -a -E "^vllm:(prompt_tokens_by_source_total|kv_offload_(load|store)_bytes|nixl_xfer_time_seconds_count|nixl_num_failed)" | cut -c1-200
 }
 bench() {   # STEP, bench arguments: the run, its summary as $OUT/STEP.txt, its files as $OUT/STEP.tgz
   local step=$1; shift
@@ -47,7 +47,7 @@ case $1 in
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv ;;
   on)
     bench on --attach "$name"
-    counters; tiers "$name" | tail -8 ;;
+    counters; tiers "$name" | tail -8; pd status "$name" | tail -14 ;;
   arm)
     arm=$2; [ -n "${3:-}" ] && WL=$code/benchmarks/gpu/$3
     pd down "$name" >/dev/null 2>&1
