@@ -5,6 +5,11 @@ code=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=${OUT:-/tmp/out}
 export PDSERVE_HOME=/tmp/pdhome NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 [ -d /tmp/site/vllm ] || bash "$code/scripts/gpu/install-wheels.sh" /tmp/parts /tmp/site || exit 1
+# Wheels carried loose beside the parts (one a wheelhouse made before they were listed lacks, e.g. orjson).
+for w in /tmp/parts/*.whl; do
+  [ -f "$w" ] && [ ! -f "$w.installed" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w" \
+    && touch "$w.installed"
+done
 export PYTHONPATH=/tmp/site:$code
 [ -f /tmp/pdserve-model/config.json ] || python3 "$code/benchmarks/gpu/mkcfg.py" /tmp/pdserve-model >/dev/null || exit 1
 pd() { python3 -m pdserve "$@"; }
