@@ -129,6 +129,8 @@ def _view(st: ops.ClusterView, sampler: ops.Usage | None = None) -> Group:
     if st.transfers:
         rates = "; ".join(f"{direction} {_rate(t)}" for direction, t in sorted(st.transfers.items()))
         parts.append(Text(f"KV transfers (bytes over transfer time, servers' NIXL totals): {rates}"))
+    if st.cpu_tiers:
+        parts.append(_tier_line(st.cpu_tiers))
     return Group(*parts)
 
 
@@ -201,6 +203,16 @@ def _held_lines(r: dict) -> list[Text]:
         out.append(Text(f"no held-KV control on {', '.join(blind)}: held blocks wait for decoder_kv_blocks_ttl "
                         "(not budgeted, released or renewed)", style="bold red"))
     return out
+
+
+def _tier_line(tiers: dict[str, dict]) -> Text:
+    """The servers' CPU KV tiers (engine/tier.py): tokens stored of their capacity, those in use by a load or a
+    store; why one could not be read."""
+    def server(name: str, t: dict) -> str:
+        if "capacity_tokens" not in t:
+            return f"{name} unread ({t.get('error') or 'no answer'})"
+        return f"{name} {t['stored_tokens']}/{t['capacity_tokens']} ({t['in_use_tokens']} in use)"
+    return Text("CPU KV tier (tokens stored/capacity): " + ", ".join(server(n, t) for n, t in sorted(tiers.items())))
 
 
 def _warnings(st: ops.ClusterView) -> None:

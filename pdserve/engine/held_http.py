@@ -11,7 +11,7 @@ import logging
 import math
 from typing import Any
 
-from pdserve.engine import held
+from pdserve.engine import held, tier
 from pdserve.router.wire import CONTROL_TOKEN_ENV
 from pdserve.engine.held import (APP_MODULE, CALL_TIMEOUT_S, CLOCK, ENGINE_METHOD, MAX_GRACE_S, MAX_IDS, MAX_TTL_S,
                                  P_READ_MARGIN_S, PATH, ROUTER_MODULE, Unsupported, merge_answers)
@@ -180,17 +180,22 @@ def server_role(args: Any) -> tuple[str | None, bool]:
 
 
 def add_routes(app: Any, args: Any) -> str:
-    role, bidirectional = server_role(args)
-    if not bidirectional or role not in ("kv_consumer", "kv_both"):
-        return f"none (kv_role {role}, bidirectional_kv_xfer {bidirectional}: not a decode server holding turns)"
     if not hasattr(app, "include_router"):
         return "none (the app has no include_router)"
     tokens = api_tokens(args)
+    # A server with a CPU KV tier (engine/tier.py), whatever its role: its occupancy for `status`.
+    with_tier = tier.has_tier(args)
+    if with_tier:
+        app.include_router(tier.make_router(lambda header: authorized(header, tokens)))
+    role, bidirectional = server_role(args)
+    if not bidirectional or role not in ("kv_consumer", "kv_both"):
+        return (f"{tier.PATH}; " if with_tier else "") + \
+            f"none (kv_role {role}, bidirectional_kv_xfer {bidirectional}: not a decode server holding turns)"
     app.include_router(make_router(tokens))
     import os
     guard = " (control token required)" if os.environ.get(CONTROL_TOKEN_ENV) else \
         " (API key required)" if tokens else " (open: no control token nor API key)"
-    return f"{PATH}, {PATH}/release, {PATH}/renew" + guard
+    return (f"{tier.PATH}, " if with_tier else "") + f"{PATH}, {PATH}/release, {PATH}/renew" + guard
 
 
 def _adding_routes(fn, app_and_args):
@@ -274,6 +279,7 @@ def patch_held_kv() -> str:
         log.warning("pdserve held-KV control not installed: %s", e)
         return "no (the NIXL worker's expiry could not be kept in deadline order)"
     EngineCore.pdserve_held = held.engine_method
+    EngineCore.pdserve_tier = tier.engine_method      # a CPU KV tier's occupancy (engine/tier.py)
     WorkerWrapperBase.pdserve_held_worker = held.worker_method
     if not (patch_build_app() or patch_attach_router()):
         log.warning("pdserve held-KV control: no %s.build_app nor %s.attach_router, so no HTTP routes",

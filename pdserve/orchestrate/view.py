@@ -1,22 +1,27 @@
 """`status`: a cluster as it is now, one typed record (ClusterView) that the CLI renders and `status --json`
 prints through to_json(): its phase, each process (state file, liveness of its tree, uptime), what the router
-reports and the KV transfer rates of the ready servers."""
+reports, the KV transfer rates of the ready servers and their CPU KV tiers."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from pdserve.observe import transfer
 from pdserve.observe.promtext import api_key_of
 from pdserve.observe.routerstats import read_router, read_routers
 from pdserve.orchestrate.lookup import live_processes, stored_plan, supervisor_process
-from pdserve.plan.records import ClusterPlan
+from pdserve.engine import tier
+from pdserve.plan.records import ClusterPlan, ProcessPlan
 from pdserve.roles import ROUTER, SERVER_ROLES
 from pdserve.state.folder import ClusterDir
+from pdserve.state.secret import control_token
 from pdserve.state.records import ClusterState, Phase, ProcState
 
 
@@ -57,6 +62,9 @@ class ClusterView:
     # The variable router.api_key_env names, when it is not exported here: the router's /metrics wants the key,
     # so `router` (turns, reuse) could not be read.
     router_key_missing: str | None = None
+    # Servers with a CPU KV tier (a role's kv_offloading_size), by name: engine/tier.py's answer (capacity and
+    # stored tokens), or {"error": why} when it could not be read.
+    cpu_tiers: dict[str, dict] | None = None
 
     @property
     def ready(self) -> int:
@@ -97,6 +105,7 @@ def cluster_view(cdir: ClusterDir) -> ClusterView:
         router=router_view(plan, router_url) if running and router_url else None,
         router_key_missing=key_missing(plan) if running and router_url else None,
         transfers=_transfers(plan, state) if running and plan else None,
+        cpu_tiers=_cpu_tiers(plan, state, control_token(cdir.root)) if running and plan else None,
         state_dir=str(cdir.root), scrape_targets=str(cdir.targets_path))
 
 
@@ -112,6 +121,31 @@ def _transfers(plan: ClusterPlan, state: ClusterState) -> dict[str, dict]:
     with ThreadPoolExecutor(len(servers)) as pool:
         reads = list(pool.map(lambda p: transfer.read(p.url, TRANSFER_READ_TIMEOUT), servers))
     return transfer.by_direction([(p.role, got) for p, got in zip(servers, reads)])
+
+
+def _cpu_tiers(plan: ClusterPlan, state: ClusterState, token: str | None) -> dict[str, dict]:
+    """Each ready server's CPU KV tier, read from its own /pdserve/tier (engine/tier.py) with the control token."""
+    servers = [p for p in plan.processes if p.role in SERVER_ROLES and (rec := state.processes.get(p.name))
+               and rec.state == ProcState.READY and tier.has_tier(SimpleNamespace(kv_transfer_config=_kv_config(p)))]
+    if not servers:
+        return {}
+    with ThreadPoolExecutor(len(servers)) as pool:
+        reads = list(pool.map(lambda p: read_tier(p.url, token, TRANSFER_READ_TIMEOUT), servers))
+    return {p.name: got for p, got in zip(servers, reads)}
+
+
+def _kv_config(process: ProcessPlan) -> str | None:
+    argv = process.argv
+    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--kv-transfer-config"), None)
+
+
+def read_tier(url: str, token: str | None, timeout: float) -> dict[str, Any]:
+    request = urllib.request.Request(url + tier.PATH, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except Exception as e:      # a status line, never a failed `status`
+        return {"error": str(getattr(e, "reason", None) or e)[:200]}
 
 
 def key_missing(plan: ClusterPlan | None) -> str | None:
