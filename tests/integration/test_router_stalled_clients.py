@@ -135,4 +135,5 @@ async def test_a_client_that_never_reads_a_large_whole_answer_is_dropped():
         sock.close()
         async with aiohttp.ClientSession() as fresh:               # others still served
             async with fresh.post(dep.url + CHAT, json=BODY) as resp:
-                assert resp.status == 200 and len(await resp.read()) >= 8 << 20
+                # the whole answer: D's 8 MiB less the few bytes of its handles and separators (compact JSON)
+                assert resp.status == 200 and len(await resp.read()) >= (8 << 20) - 1024

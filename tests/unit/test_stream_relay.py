@@ -89,6 +89,8 @@ def test_a_block_of_many_events_parses_only_the_lines_with_router_fields_and_the
     stream, calls = chat_stream(128), []
     real = json.loads
     monkeypatch.setattr(base.json, "loads", lambda s, *a, **k: calls.append(1) or real(s, *a, **k))
+    fast = base.fastjson.loads          # the reply's one parse (router/fastjson.py)
+    monkeypatch.setattr(base.fastjson, "loads", lambda s: calls.append(1) or fast(s))
     collector = SequenceCollector(keep_for_client=False)
     relay = StreamRelay(collector, keep_lines=True)
     out = relay.feed(stream) + relay.close()

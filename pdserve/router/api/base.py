@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.router import fastjson
 from pdserve.router.errors import error_body
 from pdserve.router.wire import TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY
 
@@ -156,7 +157,7 @@ def stream_events(stream: bytes) -> list[dict[str, Any]]:
     parser, not one a line); a line that is not one JSON object is left out, as sse_event leaves it out."""
     payloads = DATA_OBJECT.findall(stream)
     try:
-        events = json.loads(b"[" + b",".join(payloads) + b"]")
+        events = fastjson.loads(b"[" + b",".join(payloads) + b"]")
     except ValueError:
         events = None
     if not isinstance(events, list) or len(events) != len(payloads):   # a bad line (or lines that only parse

@@ -4,13 +4,13 @@ reaches code that would crash on it, and costs bounded time and memory."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.router import fastjson
 from pdserve.router.buffers import CHARGE, Charge, OverBudget
 from pdserve.router.errors import json_error
 
@@ -108,7 +108,7 @@ async def _read_charged(request: web.Request, charge: Charge) -> bytes:
 def checked(raw: bytes, validate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Parse the body and check what the router relies on (`validate`: the wire format's); raises BadInput."""
     try:
-        body = json.loads(raw)
+        body = fastjson.loads(raw)
     except (ValueError, RecursionError):   # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadInput(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):

@@ -19,6 +19,8 @@ import re
 import secrets
 from typing import Any
 
+from pdserve.router import fastjson
+
 LARGE = 1 << 20                 # answers at least this large go through here
 SLICE = 256 * 1024              # bytes of ids parsed between two turns of the loop
 KEYS = (b'"prompt_token_ids"', b'"token_ids"')
@@ -31,10 +33,10 @@ _locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 async def loads(raw: bytes) -> Any:
     """json.loads(raw), yielding to the loop while it parses long token-id arrays."""
     if len(raw) < LARGE:
-        return json.loads(raw)
+        return fastjson.loads(raw)
     spans = _long_arrays(raw)
     if not spans:
-        return json.loads(raw)
+        return fastjson.loads(raw)
     loop = asyncio.get_running_loop()
     lock = _locks.get(loop) or _locks.setdefault(loop, asyncio.Lock())
     async with lock:                         # one at a time: a slice parsed is memory held (2M ids: ~72 MB)

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.router import fastjson
 from pdserve.router.api import WireFormat
 from pdserve.router.conversation import Conversation
 from pdserve.router.route.backends import Suspects
@@ -130,4 +131,5 @@ def json_answer(turn: Turn, data: dict[str, Any], status: int, decode_ms: float 
     """A whole answer; an error in the shape the client's wire format uses."""
     if status >= 400:
         data = turn.fmt.client_error(data, status)
-    return web.json_response(data, status=status, headers=headers(turn, decode_ms))
+    return web.Response(body=fastjson.dumps(data), status=status, headers=headers(turn, decode_ms),
+                        content_type="application/json", charset="utf-8")

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.router import fastjson
 from pdserve.router.errors import UpstreamError, backend_at_fault, error_body
 from pdserve.router.legs import bigjson
 from pdserve.router.legs.client import AiohttpClient, BackendClient, read_bounded
@@ -118,7 +119,7 @@ class Upstream:
 
     async def _post(self, backend: Backend, route: str, body: dict[str, Any],
                     headers: dict[str, str]) -> tuple[int, Any]:
-        status, _, raw = await self.client.post(backend.url, route, json.dumps(body).encode(),
+        status, _, raw = await self.client.post(backend.url, route, fastjson.dumps(body),
                                                 {**headers, **self.auth}, self.request_timeout, self.pool_timeout)
         try:
             return status, await bigjson.loads(raw)   # a large answer's token ids parsed with the loop running
@@ -128,7 +129,7 @@ class Upstream:
     def stream(self, backend: Backend, route: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         """A streamed POST (the D leg's), as `async with`: the caller reads the events and accounts for the
         backend (acquire, count, failure), since a stream's outcome is known only at its end (decode.py)."""
-        return self.client.stream(backend.url, route, json.dumps(body).encode(), {**headers, **self.auth},
+        return self.client.stream(backend.url, route, fastjson.dumps(body), {**headers, **self.auth},
                                   self.request_timeout, self.pool_timeout)
 
     async def get_text(self, backend: Backend, path: str) -> str | None:
