@@ -8,6 +8,7 @@
 #   benchmarks/gpu/run-agentic.sh arm ARM [WL]  down, then bench's own up/down of arm ARM (prefix-cache: P's
 #                                              cache + the CPU tier, no D->P; off: neither, P recomputes) on
 #                                              workload WL (default agentic-128k.json)
+#   benchmarks/gpu/run-agentic.sh finish STEP   a step's bench runs in the background: wait for it again
 # Each step leaves $OUT/STEP.txt (bench's summary + the servers' tier/NIXL lines) and $OUT/STEP.tgz (results).
 source "$(dirname "$0")/env.sh"
 name=agent
@@ -24,17 +25,25 @@ tiers() {   # the servers' connector lines: which connectors vLLM built, the tie
 counters() {   # P's own counters: prompt tokens by source, the tier's bytes, NIXL's reads
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8100/metrics', timeout=10).read().decode())" | grep -a -E "^vllm:(prompt_tokens_by_source_total|kv_offload_(load|store)_bytes|nixl_xfer_time_seconds_count|nixl_num_failed)" | cut -c1-200
 }
-bench() {   # STEP, bench arguments: the run, its summary as $OUT/STEP.txt, its files as $OUT/STEP.tgz
+bench() {   # STEP, bench arguments: started in the background (a device call lasts 10 minutes at most), then
+            # `finish STEP` waits for it
   local step=$1; shift
   local dir=/tmp/agentic-runs/$step
   rm -rf "$dir"; mkdir -p "$dir"
-  local t0; t0=$(date +%s)
-  pd bench "$@" --workload "${WL:-$wl}" "${flags[@]}" --out "$dir/out" > "$dir/bench.txt" 2>&1
-  local rc=$?
-  { echo "bench $step: rc $rc, $(( $(date +%s) - t0 )) s"; tail -c 6000 "$dir/bench.txt"; } > "$out/$step.txt"
+  date +%s > "$dir/t0"
+  # its own session, so that it outlives the device call that started it (as pdserve's supervisor does)
+  setsid bash -c 'python3 -m pdserve bench "$@" > "$0/bench.txt" 2>&1; echo $? > "$0/rc"' \
+    "$dir" "$@" --workload "${WL:-$wl}" "${flags[@]}" --out "$dir/out" < /dev/null &
+  finish "$step"
+}
+finish() {  # STEP: wait (up to WAIT_S, 540 s) for its bench; when done, its summary as $OUT/STEP.txt and its files
+            # as $OUT/STEP.tgz; else say so (call `finish STEP` again)
+  local step=$1 dir=/tmp/agentic-runs/$1 waited=0
+  while [ ! -f "$dir/rc" ] && [ $waited -lt "${WAIT_S:-540}" ]; do sleep 5; waited=$((waited + 5)); done
+  if [ ! -f "$dir/rc" ]; then echo "bench $step still running after $(( $(date +%s) - $(cat "$dir/t0") )) s"; tail -5 "$dir/bench.txt"; return 0; fi
+  { echo "bench $step: rc $(cat "$dir/rc"), $(( $(date +%s) - $(cat "$dir/t0") )) s"; tail -c 6000 "$dir/bench.txt"; } > "$out/$step.txt"
   cat "$out/$step.txt"
   tar czf "$out/$step.tgz" -C /tmp/agentic-runs "$step"
-  return $rc
 }
 case $1 in
   up)
@@ -52,6 +61,8 @@ case $1 in
     arm=$2; [ -n "${3:-}" ] && WL=$code/benchmarks/gpu/$3
     pd down "$name" >/dev/null 2>&1
     bench "$arm" "$cfg" --arms "$arm" ;;
+  finish)
+    finish "$2"; [ -f "/tmp/agentic-runs/$2/rc" ] && [ "$2" = on ] && { counters; pd status "$name" | tail -14; } ;;
   down)
     pd down "$name"; nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null ;;
 esac
