@@ -10,11 +10,12 @@ previous turn's prompt plus one block (P's own counters). Each turn prints its f
 the agent, P and D.
 
 Cost: in the suite (a router restart, fresh clone at de67c9f) 36 s for Claude Code's turns and 75 s for Codex's
-(24 s since Codex's replies are capped at 32 tokens: CODEX_REPLY_CAP); alone at 0c58714 146 s with the
-cluster's start. First turns are 31k and 25k tokens of prompt (P's prefill 16 s and 11 s); the rest is D
-decoding the random model's replies, at most router.max_output_tokens (256, the embedded default's) at 25-32k
-tokens of context. Before that bound (181f3e4) the turns took 297 s: only the model's end token stopped a
-reply, 200 to 11k characters."""
+(30 s since Codex's replies are capped: CODEX_REPLY_CAP); alone at 0c58714 146 s with the cluster's start.
+First turns are 31k and 25k tokens of prompt (P's prefill 16 s and 11 s); the rest is D decoding the random
+model's replies at 25-32k tokens of context. The shared cluster's router has no router.max_output_tokens
+(tests/kits/vllm_cluster.base_config replaces the embedded default's router section, whose 256 it drops):
+Claude Code's replies end at the model's end token. Before 181f3e4 the turns took 297 s: only the model's end
+token stopped a reply, 200 to 11k characters."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ from tests.kits import loopback_bridge
 from tests.kits.vllm_cluster import BLOCK, SHARED, status
 
 pytestmark = pytest.mark.e2e
-# router.max_output_tokens for Codex's turns (the embedded default's 256 for Claude Code's): Codex's replies end
-# at the cap either way, and D's decode at 25k tokens of context was most of their time (75 s for the three
-# turns, 24 s at 32). Claude Code answers replies cut at 32 with more model calls (2-4 a turn) and exits 1.
+# router.max_output_tokens for Codex's turns (Claude Code's have none): D's decode of Codex's replies at 25k
+# tokens of context was most of their time (75 s for the three turns, 30 s at 32, turns 28.1 + 0.9 + 1.1 s).
+# Claude Code answers replies cut at 32 with more model calls (2-4 a turn) and exits 1.
 CODEX_REPLY_CAP = 32
 
 
