@@ -18,12 +18,15 @@ FAKE_SERVER = str(Path(__file__).resolve().parent / "fake_vllm.py")     # run as
 
 def write_config(tmp_path: Path, name: str, server_args=(), server_command=None, **extra) -> tuple[Path, dict]:
     ports = free_ports(5)
+    # The cost guard (cost_aware) prices pulls from measured times, which on fakes are scheduler noise: under
+    # load it declined a canary's pull (`pull_slower`) and `doctor` failed; its own tests turn it on.
+    router = {"port": ports[4], "cost_aware": False, **extra.pop("router", {})}
     cfg: dict = {
         "name": name, "model": "fake-model",
         "server_command": server_command or [sys.executable, FAKE_SERVER, *server_args],
         "prefill": {"port": ports[0], "nixl_side_channel_port": ports[1]},
         "decode": {"port": ports[2], "nixl_side_channel_port": ports[3]},
-        "router": {"port": ports[4]},
+        "router": router,
         "supervisor": {"backoff_initial": 0.2, "stop_timeout": 5, "health_interval": 0.5},
         **extra,
     }
