@@ -18,34 +18,37 @@ from pdserve.router.wire import LOCAL_KEY, PULLED_KEY, TIER_KEY
 multi_connector = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
 
 
-class NixlConnector:
-    """As vLLM's NIXL pull scheduler on P: it loads what D offered beyond P's own prefix-cache hits, or 0."""
+class _Child:
+    """A MultiConnector child as vLLM's schedulers on P answer: it loads the tokens it holds beyond P's own
+    prefix-cache hits, or 0."""
 
-    def __init__(self, offered: int = 0):
-        self.offered = offered
-        self.connector_scheduler = SimpleNamespace(name="nixl")
+    def __init__(self, holds: int, name: str):
+        self.holds = holds
+        self.connector_scheduler = SimpleNamespace(name=name)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        count = self.offered - num_computed_tokens
+        count = self.holds - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+
+class NixlConnector(_Child):
+    """As vLLM's NIXL pull scheduler on P: it holds what D offered; it returns the handles for D."""
+
+    def __init__(self, offered: int = 0):
+        super().__init__(offered, "nixl")
 
     def request_finished(self, request, block_ids):
         return False, {"do_remote_prefill": True, "remote_block_ids": block_ids}
 
 
-class OffloadingConnector:
-    """As vLLM's CPU tier: it loads the blocks it stored beyond P's prefix-cache hits; no params."""
+class OffloadingConnector(_Child):
+    """As vLLM's CPU tier: it holds the blocks it stored; no params."""
 
     def __init__(self, stored: int = 0):
-        self.stored = stored
-        self.connector_scheduler = SimpleNamespace(name="offloading")
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        count = self.stored - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
-
-    def request_finished(self, request, block_ids):
-        return False, None
+        super().__init__(stored, "offloading")
 
 
 def multi(*children):
