@@ -9,6 +9,8 @@
 #                                              cache + the CPU tier, no D->P; off: neither, P recomputes) on
 #                                              workload WL (default agentic-128k.json)
 #   benchmarks/gpu/run-agentic.sh finish STEP   a step's bench runs in the background: wait for it again
+# WL=FILE picks another workload for `on` (agentic-128k-resumed.json: sessions resumed at 75-100k tokens, then
+# turns of the published size; agentic-128k-resumed-off.json: its first session's first 8 turns, for `off`).
 # Each step leaves $OUT/STEP.txt (bench's summary + the servers' tier/NIXL lines) and $OUT/STEP.tgz (results).
 source "$(dirname "$0")/env.sh"
 name=agent

@@ -15,7 +15,10 @@ requests; llm-d's agentic guide, SemiAnalysis' AgentX), scaled down by flags to 
 Sizes are in words, each standing for a token of the published shape, times `scale`; the turns' (not the
 preamble's) also times `turn_scale`, so that sessions reach long contexts in few turns. The assumptions the
 published figures leave open (the spread of turn sizes and group sizes, the shortest and longest gap, the
-preamble's size, how many turns a sub-agent runs) are the constants below. The generator is deterministic
+preamble's size, how many turns a sub-agent runs) are the constants below. `resume_context` opens each session
+with an earlier transcript of about that many tokens (RESUME_SPREAD either side), as `claude --resume` sends
+one: sessions then reach 100k tokens in tens of turns of the published size, not the ~100 a session from the
+preamble alone takes. The generator is deterministic
 in its seed, and a run of fewer sessions is the first sessions of a run of more (the same texts, gaps and
 forks), so arms run with different `sessions` compare the same sessions; `run_arm` sends it (every session at once, up to `concurrency`; a group's agents together) and
 returns rows that `agentic_report` reads.
@@ -50,6 +53,7 @@ DECODER_TTL_S = 480.0           # D's default decoder_kv_blocks_ttl: a longer ga
 AGENTS_P50 = 7                  # sub-agents per group, median (published); log-normal spread AGENTS_SIGMA
 AGENTS_SIGMA = 0.5
 SUBAGENT_SHARE = 0.5            # half the requests come in sub-agent groups (published)
+RESUME_SPREAD = 0.15            # a resumed transcript's size: resume_context times 1 +- this, uniform (assumed)
 SESSION_HEADER, AGENT_HEADER = "X-Claude-Code-Session-Id", "X-Claude-Code-Agent-Id"
 
 
@@ -125,12 +129,14 @@ def _turns(rng: random.Random, n: int, scale: float, time_scale: float, max_gap:
 
 def generate(seed: int = 0, sessions: int = 2, turns: int = 8, scale: float = 1 / 32, time_scale: float = 0.01,
              max_agents: int = 16, agent_turns: int = 3, max_gap: float = 0.0,
-             turn_scale: float = 1.0, max_context: int = 0) -> AgenticWorkload:
+             turn_scale: float = 1.0, max_context: int = 0, resume_context: int = 0) -> AgenticWorkload:
     """Sessions of `turns` main turns; sub-agent groups of `agent_turns` turns each, forked after main turns
     (never the last; at most one group per turn) while each brings the sub-agents' share of the session's
     requests nearer SUBAGENT_SHARE. `scale` sizes the preamble and the turns, `turn_scale` the turns alone.
     `max_context` (words; 0: none) ends each chain before the turn that would take the preamble and its turns
-    past it (the replies come on top), so that no request passes the model's context."""
+    past it (the replies come on top), so that no request passes the model's context. `resume_context`
+    (tokens of the published shape, times `scale`; 0: none) puts an earlier transcript before each session's
+    first turn (new to every cache: that turn computes it)."""
     rng = random.Random(seed)
     preamble = "You are a coding agent. Tools: read_file, edit_file, search, run_tests, bash. " + _words(
         rng, round(PREAMBLE_TOKENS * scale))
@@ -138,7 +144,12 @@ def generate(seed: int = 0, sessions: int = 2, turns: int = 8, scale: float = 1 
     out = []
     for s in range(sessions):           # one rng in session order: session s never depends on `sessions`
         root = f"agentic-{seed}-{s}"
+        own = random.Random(f"{seed}-{s}-resume")     # its own draws: the same transcript whatever `turns`
+        resumed = _words(own, round(resume_context * scale * own.uniform(1 - RESUME_SPREAD, 1 + RESUME_SPREAD))
+                         ) if resume_context else ""
         main = Chain(root, root, None, _turns(rng, turns, turn_size, time_scale, max_gap, "Task step"))
+        if resumed:
+            main.turns[0].text = f"Resumed session, earlier transcript: {resumed}\n{main.turns[0].text}"
         wanted = SUBAGENT_SHARE / (1 - SUBAGENT_SHARE) * turns
         forkable = list(range(turns - 1))
         rng.shuffle(forkable)
@@ -159,7 +170,7 @@ def generate(seed: int = 0, sessions: int = 2, turns: int = 8, scale: float = 1 
         out.append(main)
     settings = {"sessions": sessions, "turns": turns, "scale": scale, "turn_scale": turn_scale,
                 "time_scale": time_scale, "max_agents": max_agents, "agent_turns": agent_turns,
-                "max_gap_s": max_gap, "max_context": max_context, "seed": seed}
+                "max_gap_s": max_gap, "max_context": max_context, "resume_context": resume_context, "seed": seed}
     return AgenticWorkload(preamble, out, settings)
 
 
@@ -186,7 +197,7 @@ def from_config(cfg: dict[str, Any], seed: int = 0) -> AgenticWorkload:
     """A workload file's settings (results.json's `agentic_workload`, with "filetype": "agentic"); those it
     leaves out take generate's defaults, `seed` the command's."""
     known = {"sessions", "turns", "scale", "turn_scale", "time_scale", "max_agents", "agent_turns", "max_gap_s",
-             "max_context", "seed"}
+             "max_context", "resume_context", "seed"}
     unknown = sorted(set(cfg) - known - {"filetype"})
     if unknown:
         raise ValueError(f"unknown agentic setting {unknown[0]!r} (known: {', '.join(sorted(known))})")

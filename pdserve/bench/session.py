@@ -59,6 +59,7 @@ class Settings:
     agent_turns: int = 3              # agentic: turns per sub-agent
     max_gap: float = 0.0              # agentic: every gap at most this long (0: no cap)
     max_context: int = 0              # agentic: a chain ends before its words pass this (0: no cap)
+    resume_context: int = 0           # agentic: an earlier transcript of this many tokens opens each session
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def _agentic(s: Settings) -> agentic.AgenticWorkload | None:
     if str(s.workload) == AGENTIC:
         try:
             return agentic.generate(s.seed, s.conversations, s.turns, s.scale, s.time_scale, s.max_agents,
-                                    s.agent_turns, s.max_gap, s.turn_scale, s.max_context)
+                                    s.agent_turns, s.max_gap, s.turn_scale, s.max_context, s.resume_context)
         except ValueError as exc:     # a --max-context below the preamble and a first turn
             raise UsageError(f"--max-context: {exc}") from None
     try:

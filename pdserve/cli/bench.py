@@ -68,6 +68,10 @@ def command(
                                                                     "(preamble + turns, replies not counted) "
                                                                     "past this, so that no request passes the "
                                                                     "model's context (0: no cap)."),
+    resume_context: int = typer.Option(0, "--resume-context", min=0, help="Agentic: each session opens with an "
+                                                                          "earlier transcript of about this many "
+                                                                          "tokens (times --scale, +-15%), as a "
+                                                                          "resumed session sends one (0: none)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
     attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),
     verbatim: bool = typer.Option(False, "--verbatim-replies", help="Sample replies only from whole-word tokens "
@@ -104,7 +108,8 @@ def command(
         verbatim=verbatim, restart_after=restart_after, stream=stream, api=api,
         user_words=user_words, tool_words=tool_words, system_words=system_words, request_timeout=request_timeout,
         give_up_after=give_up_after, scale=scale, turn_scale=turn_scale, time_scale=time_scale,
-        max_agents=max_agents, agent_turns=agent_turns, max_gap=max_gap, max_context=max_context))
+        max_agents=max_agents, agent_turns=agent_turns, max_gap=max_gap, max_context=max_context,
+        resume_context=resume_context))
     with Progress(console=console.err, transient=False) as progress:
         task = progress.add_task("bench", total=prepared.requests_per_arm * len(prepared.arms))
         outcome = bench.run(prepared, lambda arm: progress.update(task, description=f"arm {arm}"),

@@ -190,3 +190,41 @@ def test_concurrency_bounds_the_agentic_sessions_at_once_and_defaults_to_all(mon
         session._measure("on", ep, s.workload, lambda row: None, "x")
     assert seen == [3, 0]
     assert session.prepare(session.Settings(out=tmp_path / "plain", arms="on")).workload.concurrency == 1
+
+
+def test_resume_context_opens_each_session_with_an_earlier_transcript_and_fewer_turns_keep_it():
+    """`resume_context` (tokens of the published shape, times `scale`) puts an earlier transcript before each
+    session's first turn, as `claude --resume` sends one, so sessions pass 100k tokens in tens of turns; a run
+    of fewer turns (the expensive `off` arm) starts with the same transcripts and turns."""
+    settings = {"seed": 2, "sessions": 6, "scale": 0.25, "agent_turns": 3, "max_agents": 3}
+    plain = agentic.generate(turns=10, **settings)
+    resumed = agentic.generate(turns=10, resume_context=60_000, **settings)
+    fewer = agentic.generate(turns=4, resume_context=60_000, **settings)
+    assert plain.preamble == resumed.preamble
+    for s, f in zip(resumed.sessions, fewer.sessions, strict=True):
+        head, _, first = s.turns[0].text.partition("\n")
+        assert head.startswith("Resumed session, earlier transcript: ") and first.startswith("Task step 1: ")
+        words = len(head.split()) - 4
+        assert 60_000 * 0.25 * 0.85 <= words <= 60_000 * 0.25 * 1.15
+        assert f.turns[0].text.partition("\n")[0] == head               # the same transcript, whatever `turns`
+        assert all("Resumed" not in t.text for t in s.turns[1:])
+        assert all("Resumed" not in t.text for g in s.forks.values() for a in g for t in a.turns)
+    # session 0 (the `off` arm's one session) starts with the same turns
+    assert [t.text for t in fewer.sessions[0].turns] == [t.text for t in resumed.sessions[0].turns[:4]]
+    sizes = [len(s.turns[0].text.split()) for s in resumed.sessions]
+    assert len(set(sizes)) == len(sizes)                  # drawn per session
+    assert resumed.settings["resume_context"] == 60_000 and plain.settings["resume_context"] == 0
+    again = agentic.from_config({"filetype": agentic.FILETYPE, **resumed.settings})
+    assert [t.text for c in again.chains() for t in c.turns] == [t.text for c in resumed.chains() for t in c.turns]
+    # left out, the workload is the one before the setting existed (no draw taken)
+    old = {k: v for k, v in plain.settings.items() if k != "resume_context"}
+    assert [t.text for c in agentic.from_config({"filetype": "agentic", **old}).chains() for t in c.turns] == \
+        [t.text for c in plain.chains() for t in c.turns]
+
+
+def test_the_resume_context_flag_reaches_the_workload(tmp_path):
+    from pdserve.bench import session
+    s = session.prepare(session.Settings(workload=Path("agentic"), resume_context=4000, warmup=0,
+                                         out=tmp_path / "r", arms="on"))
+    assert s.workload.agentic.settings["resume_context"] == 4000
+    assert all(c.turns[0].text.startswith("Resumed session") for c in s.workload.agentic.sessions)
