@@ -50,6 +50,7 @@ from pdserve.router.wire import (  # noqa: E402
     PULLED_KEY,
     TOKENS_KEY,
     WANT_TOKENS_KEY,
+    pack_ids,
 )
 
 THRESHOLD = 64           # configs/local-cpu.yaml kv_recompute_threshold (P's prefix cache is off: computed 0)
@@ -119,7 +120,7 @@ class Check(PairCheck):
         expected_pull = common if common >= THRESHOLD else 0
         held_before = d_params["remote_request_id"] in self.held_ids()
         before = external(self.p)
-        status, p2 = post_json(self.p + path, {**b, "kv_transfer_params": {**d_params, EXPECT_KEY: seq}})
+        status, p2 = post_json(self.p + path, {**b, "kv_transfer_params": {**d_params, EXPECT_KEY: pack_ids(seq)}})
         pulled = external(self.p) - before
         back = p2.get("kv_transfer_params") or {}
         fig = {"d_sequence": len(seq), "d_remote_num_tokens": offered, "prompt_2": len(prompt_ids),

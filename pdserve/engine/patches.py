@@ -35,13 +35,14 @@ import importlib
 import inspect
 import json
 import logging
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pdserve.engine.held import is_nixl, nixl_part
 from pdserve.router.kv.reuse import common_prefix_len
 from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, TIER_KEY,
-                                 TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY)
+                                 TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY, id_array, unpack_ids)
 
 log = logging.getLogger("pdserve.engine")
 
@@ -198,6 +199,20 @@ def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _ids(value: Any, packed: bool = False) -> array | None:
+    """Token ids as an array of uint32 (wire.pack_ids' type), so that the check compares them in C: a string of
+    pack_ids (`packed`: D's sequence from the router), or a list of ids (P's prompt; an older router's
+    sequence). None: neither."""
+    if packed and isinstance(value, str):
+        return unpack_ids(value)
+    if not isinstance(value, list):
+        return None
+    try:
+        return id_array(value)
+    except (TypeError, OverflowError):  # not ints, or not ids (negative, 2**32 or more)
+        return None
+
+
 def _block_size(connector: Any) -> int | None:
     """The KV block size D's remote_block_ids are counted in: NIXL's scheduler keeps
     vllm_config.cache_config.block_size (NixlBaseConnectorScheduler.block_size, 0.26 and 0.32); every
@@ -242,10 +257,11 @@ def cut_offer(params: dict[str, Any], prompt: Sequence[int] | None, block_size: 
     if not (params.get("do_remote_decode") and params.get("remote_block_ids") and "remote_num_tokens" in params):
         return None                     # no offer of D's blocks here: nothing for vLLM to read, nothing to cut
     offered = params.get("remote_num_tokens")
-    if not _is_token_list(expect) or not _is_token_list(prompt) or not isinstance(offered, int):
+    expected, ids = _ids(expect, packed=True), _ids(prompt)
+    if expected is None or ids is None or not isinstance(offered, int):
         params["remote_num_tokens"] = 0     # cannot verify: read nothing
         return None
-    common = max(0, min(common_prefix_len(prompt, expect[:offered]), len(prompt) - 1))
+    common = max(0, min(common_prefix_len(ids, expected[:offered]), len(ids) - 1))
     blocks = _cut_blocks(params["remote_block_ids"], -(-common // block_size), -(-offered // block_size)) \
         if common and block_size else None
     if blocks is not None:

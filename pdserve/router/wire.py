@@ -1,8 +1,16 @@
-"""Names on the wire between the router and pdserve's vLLM entry (pdserve/engine/patches.py adds them).
+"""Names on the wire between the router and pdserve's vLLM entry (pdserve/engine/patches.py adds them), and the
+packing of the one long token-id list that crosses it (EXPECT_KEY).
 
 Keys the entry's connector patch adds to P's kv_transfer_params: tokens P loaded from D, and P's own
 prefix-cache hits before that. The router removes them before D sees P's params.
 """
+
+import base64
+import sys
+from array import array
+from collections.abc import Sequence
+
+_ID_TYPE = next(t for t in "IL" if array(t).itemsize == 4)    # an unsigned 32-bit array item
 
 PULLED_KEY = "pdserve_pulled_tokens"
 LOCAL_KEY = "pdserve_local_cached_tokens"
@@ -21,6 +29,10 @@ TOKENS_KEY = "pdserve_token_ids"
 # e.g. /v1/messages and /v1/responses on vLLM 0.26), the router hands P D's sequence under EXPECT_KEY in the
 # offered kv_transfer_params; the entry's connector patch on P cuts the offer to the common token prefix of
 # that sequence and P's own prompt (remote_num_tokens and the blocks) before vLLM's NIXL connector reads it.
+# Its value is pack_ids(...): one string, not a JSON list. At agent scale the sequence is ~100k ids, and as a list
+# P's API server parsed it (JSON, pydantic, msgpack to the engine core) and the engine core's scheduler checked
+# it id by id on every offered turn: ~45 ms of CPU here at 106k tokens, on the P leg (docs/router.md, "What an
+# offer costs P"). A list is still read (an older router).
 EXPECT_KEY = "pdserve_expect_token_ids"
 # ... and adds to P's returned params the common prefix it found (before vLLM's recompute threshold).
 CHECKED_KEY = "pdserve_checked_tokens"
@@ -33,6 +45,37 @@ CHECKED_KEY = "pdserve_checked_tokens"
 # pdserve's entry does the same: engine/prompt_ids.py).
 WANT_PROMPT_IDS_KEY = "pdserve_return_prompt_ids"
 PROMPT_IDS_KEY = "prompt_token_ids"
+
+
+def id_array(ids: Sequence[int]) -> array:
+    """Token ids as an array of uint32 (compared and sliced in C, like a list); TypeError or OverflowError for
+    anything that is not ids below 2**32."""
+    return array(_ID_TYPE, ids)
+
+
+def pack_ids(ids: Sequence[int]) -> str:
+    """Token ids as base64 of little-endian uint32 (ids are below 2**32): one JSON string."""
+    packed = id_array(ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def unpack_ids(text: object) -> array | None:
+    """pack_ids' ids back (an array of uint32, compared and sliced like a list), or None for anything else."""
+    if not isinstance(text, str):
+        return None
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:                      # binascii.Error: not base64
+        return None
+    if len(raw) % 4:
+        return None
+    ids = array(_ID_TYPE)
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids
 
 # Response headers for benchmarks, scripts and the supervisor's canary. The tokens of this turn's prompt
 # that P read from D's KV instead of computing (a count, no handles):

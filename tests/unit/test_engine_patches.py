@@ -10,7 +10,8 @@ import json
 from types import SimpleNamespace
 
 from pdserve.engine import patches
-from pdserve.router.wire import CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY
+from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PULLED_KEY, TOKENS_KEY, WANT_TOKENS_KEY,
+                                 pack_ids)
 
 PARAMS = {"remote_block_ids": [[1, 2]], "remote_num_tokens": 40, "do_remote_decode": True}
 
@@ -149,7 +150,7 @@ def offer(blocks=None, num_tokens: int = 39, expect=D_SEQ) -> dict:
               "remote_port": 1, "remote_request_id": "d-1", "remote_num_tokens": num_tokens,
               "remote_block_ids": [[10, 11, 12]] if blocks is None else blocks}
     if expect is not None:
-        params[EXPECT_KEY] = list(expect)
+        params[EXPECT_KEY] = pack_ids(expect)          # as the router sends it (reuse.engine_checked)
     return params
 
 
@@ -251,6 +252,23 @@ def test_a_cut_that_cannot_be_made_safely_declines():
     # a sequence that is not a list of ids cannot be checked: nothing is read, nothing reported as checked
     conn = patches.wrap_connector(FakeNixl())
     got, back = pulled(conn, p_request(D_SEQ + [1], offer(expect=None) | {EXPECT_KEY: "x"}))
+    assert got == (0, False) and CHECKED_KEY not in back
+
+
+def test_the_packed_sequence_an_older_routers_list_and_what_is_neither():
+    prompt = D_SEQ[:21] + [7] * 30
+    # a list of ids (a router from before pack_ids) is checked the same way
+    conn = patches.wrap_connector(FakeNixl())
+    assert pulled(conn, p_request(prompt, offer(expect=None) | {EXPECT_KEY: list(D_SEQ)}))[0] == (21, True)
+    assert conn.seen[0]["remote_num_tokens"] == 21 and EXPECT_KEY not in conn.seen[0]
+    # not base64, not whole uint32s, not ids: nothing is read and nothing reported as checked
+    for bad in ("AQID", pack_ids(D_SEQ)[:-4] + "!!!=", [1, "2"], [-1] + D_SEQ, 5, None):
+        conn = patches.wrap_connector(FakeNixl())
+        got, back = pulled(conn, p_request(prompt, offer(expect=None) | {EXPECT_KEY: bad}))
+        assert got == (0, False) and conn.seen[0]["remote_num_tokens"] == 0 and CHECKED_KEY not in back, bad
+    # a prompt that is not ids (never from vLLM) cannot be checked either
+    conn = patches.wrap_connector(FakeNixl())
+    got, back = pulled(conn, p_request([0.5] * 50, offer()))
     assert got == (0, False) and CHECKED_KEY not in back
 
 

@@ -107,6 +107,27 @@ def test_common_prefix_len():
     assert common_prefix_len([], [1]) == 0
 
 
+def test_common_prefix_len_by_slices_agrees_with_an_id_by_id_scan():
+    """It compares by halving slices (C loops); the answer must be the scan's for every place of the first
+    difference, for lists, for uint32 arrays (P's engine) and for a list against an array."""
+    import random
+    from pdserve.router.wire import id_array
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+    rng = random.Random(7)
+    for _ in range(400):
+        a = [rng.randrange(50) for _ in range(rng.randrange(0, 300))]
+        b = list(a[:rng.randrange(0, len(a) + 1)]) + [rng.randrange(50) for _ in range(rng.randrange(0, 40))]
+        want = scan(a, b)
+        assert common_prefix_len(a, b) == want == common_prefix_len(b, a)
+        assert common_prefix_len(id_array(a), id_array(b)) == want
+        assert common_prefix_len(a, id_array(b)) == want
+
+
 def test_new_engine_id_from_a_decode_server_drops_its_old_handles():
     store = ReuseStore(ttl=10)
     store.put(("", "a"), PARAMS, "decode-0", 0)
@@ -196,11 +217,13 @@ def test_store_operations_do_not_scan_the_table():
 
 def test_engine_checked_offer_hands_p_ds_sequence_and_reads_its_outcome():
     from pdserve.router.kv.reuse import ENGINE_CHECKED, engine_checked, engine_outcome
-    from pdserve.router.wire import EXPECT_KEY
+    from pdserve.router.wire import EXPECT_KEY, unpack_ids
     seq = list(range(61))
     d = engine_checked(entry(seq), holder_healthy=True, holder_generation=0, threshold=16)
     assert d.result == HIT and d.reason == ENGINE_CHECKED and d.tokens == 60
-    assert d.params[EXPECT_KEY] == seq[:60] and d.params["remote_block_ids"] == [[10, 11, 12, 13]]
+    # one string, not a list: P's API server parses a 100k-id list in tens of ms (wire.pack_ids)
+    assert isinstance(d.params[EXPECT_KEY], str) and unpack_ids(d.params[EXPECT_KEY]).tolist() == seq[:60]
+    assert d.params["remote_block_ids"] == [[10, 11, 12, 13]]
     assert EXPECT_KEY not in PARAMS                                       # the stored entry is untouched
     assert engine_checked(entry(None), holder_healthy=True, holder_generation=0, threshold=16).reason == "unverifiable"
     assert engine_checked(entry(seq), holder_healthy=True, holder_generation=1, threshold=16).result == MISS
