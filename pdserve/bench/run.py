@@ -30,7 +30,7 @@ from typing import Any
 from pdserve.bench.metrics import prefill_deltas
 from pdserve.bench.workload import Conversation
 from pdserve.observe.promtext import Samples, auth_headers, parse
-from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER, TIER_HEADER
+from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER, REUSE_HEADER, TIER_HEADER
 
 TIMING_RE = re.compile(r"(\w+);dur=([0-9.]+)")
 REQUEST_TIMEOUT_S = 60.0     # `--request-timeout`: a turn stalled on D fails instead of hanging the bench
@@ -224,7 +224,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         data = json.loads(resp.read())
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
-        plan = resp.headers.get(PLAN_HEADER, "")
+        plan, reuse = resp.headers.get(PLAN_HEADER, ""), resp.headers.get(REUSE_HEADER, "")
         pulled, tier = _pulled(resp.headers), _pulled(resp.headers, TIER_HEADER)
     latency = time.perf_counter() - started
     reply, prompt, completion = read_answer(ep.api, data)
@@ -233,6 +233,7 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
     return {"reply": reply, "latency_s": latency, "ttft_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
+            "decide_s": _seconds(timing, "decide"), "reuse": reuse,
             "plan": plan, "pulled": pulled, "tier_tokens": tier, "prompt_tokens": prompt,
             "completion_tokens": completion,
             **({"items": data.get("output")} if ep.api == "responses" else {})}
@@ -243,6 +244,7 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     ttft, reader = None, StreamReader(api)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         plan, pulled = resp.headers.get(PLAN_HEADER, ""), _pulled(resp.headers)
+        reuse = resp.headers.get(REUSE_HEADER, "")
         tier = _pulled(resp.headers, TIER_HEADER)
         timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
         for raw in resp:
@@ -257,10 +259,16 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
                 ttft = time.perf_counter() - started
     latency = time.perf_counter() - started
     return {"reply": reader.reply, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
-            "prefill_s": timing["prefill"] / 1000 if "prefill" in timing else None, "decode_s": None, "plan": plan,
+            "prefill_s": _seconds(timing, "prefill"), "decode_s": None, "decide_s": _seconds(timing, "decide"),
+            "reuse": reuse, "plan": plan,
             "pulled": pulled, "tier_tokens": tier, "prompt_tokens": reader.prompt_tokens,
             "completion_tokens": reader.completion_tokens,
             **({"items": reader.output} if api == "responses" else {})}
+
+
+def _seconds(timing: dict[str, float], part: str) -> float | None:
+    """A Server-Timing part (ms) in seconds; None where the router did not report it."""
+    return timing[part] / 1000 if part in timing else None
 
 
 def failure(exc: BaseException) -> str:

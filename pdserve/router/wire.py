@@ -82,6 +82,10 @@ def unpack_ids(text: object) -> array | None:
 PULLED_HEADER = "X-PDServe-Pulled-Tokens"
 # ... and those P loaded from its own CPU KV tier (TIER_KEY; 0 on a P without one):
 TIER_HEADER = "X-PDServe-Tier-Tokens"
+# The turn's reuse outcome as pdserve_router_reuse_decisions_total counts it, "result/reason" (e.g.
+# "hit/continuation", "miss/prefix_cached", "first/no_entry"; docs/router.md, "Safe reuse"): absent when the
+# router followed no conversation for it. Benchmarks group turns by it:
+REUSE_HEADER = "X-PDServe-Reuse"
 # Where the turn was served, one of PLANS (the route policy's names; also pdserve_router_turn_plans_total{plan}
 # and `status`):
 PLAN_HEADER = "X-PDServe-Plan"

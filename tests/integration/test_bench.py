@@ -75,6 +75,11 @@ def test_bench_agentic_workload_reports_reuse_by_source(tmp_path, home, monkeypa
     assert len(rows) == a["requests"] == data["requests_per_arm"] == 14 and a["subagent_requests"] == 8
     assert a["failed"] == 0 and a["theoretical_reuse_tokens"] > 0 and 0 < a["achieved_share"] <= 1
     assert a["turns_by_kv_source"]["d_pull"] > 0 and a["preamble_tokens"] > 0
+    # each row names the router's outcome for it (X-PDServe-Reuse) and its decision time (Server-Timing)
+    assert all(r["reuse"].startswith("hit/") for r in rows if r["kv_source"] == "d_pull")
+    assert {r["reuse"] for r in rows if r["turn"] == 1 and not r["agent"]} == {"first/no_entry"}
+    assert all(r["decide_s"] is None or 0 <= r["decide_s"] < r["ttft_s"] for r in rows)
+    assert any(r["decide_s"] is not None for r in rows if r["turn"] > 1)
     assert data["agentic_workload"]["agent_turns"] == 2
     assert (data["agentic_workload"]["turn_scale"], data["agentic_workload"]["max_context"]) == (2.0, 100000)
     assert "Agentic sessions per arm" in res.stdout and "achieved / theoretical reuse" in res.stdout

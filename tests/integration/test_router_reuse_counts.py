@@ -91,6 +91,44 @@ async def test_a_turn_served_on_d_alone_counts_as_reused():
         assert _api_reuse(stats["by_api"]["chat"]) == "3 turns, 2/2 reused (1 on D alone), 1 first"
 
 
+async def test_each_answer_names_its_reuse_outcome_streamed_or_not():
+    """X-PDServe-Reuse: the turn's (result, reason) as the decisions counter has it, so a benchmark can group
+    turns by it (a first turn, a pull, D alone); none for a request no conversation was followed for, nor on a
+    streamed turn on D alone, whose outcome is known only at its end (X-PDServe-Plan says decode_only)."""
+    async with deployment(decode_only=True) as dep:
+        history: list = []
+        seen = []
+        plans = []
+        for words, stream in (("alpha " * 400, False), ("yes " * 5, False), ("tool output " * 400, False),
+                              ("no " * 5, True)):
+            body = {"model": "fake", "messages": history + [{"role": "user", "content": words}], "max_tokens": 4,
+                    "conversation_id": "c-header", "stream": stream}
+            async with dep.session.post(dep.url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                seen.append(resp.headers.get("X-PDServe-Reuse"))
+                plans.append(resp.headers.get("X-PDServe-Plan"))
+                text = await resp.text()
+            reply = json.loads(text)["choices"][0]["message"] if not stream else {"role": "assistant", "content": "".join(
+                json.loads(line[5:])["choices"][0]["delta"].get("content") or "" for line in text.splitlines()
+                if line.startswith("data: {") and json.loads(line[5:]).get("choices"))}
+            history = body["messages"] + [reply]
+        assert seen[:2] == ["first/no_entry", "hit/decode_only"] and seen[3] is None, seen
+        assert plans[3] == "decode_only"
+        assert seen[2].startswith("hit/"), seen                                    # P pulled
+        body = {"model": "fake", "messages": [{"role": "user", "content": "gamma " * 400}], "max_tokens": 4,
+                "conversation_id": "c-header-2", "stream": True}
+        async with dep.session.post(dep.url + CHAT, json=body) as resp:      # a stream's headers follow P's leg
+            assert resp.status == 200 and resp.headers.get("X-PDServe-Reuse") == "first/no_entry"
+            await resp.read()
+        m = parse(await dep.metrics())
+        for header in seen[:3]:
+            result, reason = header.split("/")
+            assert total(m, DECISIONS, result=result, reason=reason, api="chat") >= 1
+        async with dep.session.post(dep.url + "/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                                        "max_tokens": 2}) as resp:
+            assert resp.status == 200 and "X-PDServe-Reuse" not in resp.headers
+
+
 async def test_a_fresh_router_exports_the_first_turn_series_at_zero():
     async with deployment() as dep:
         m = parse(await dep.metrics())

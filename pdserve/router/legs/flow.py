@@ -27,7 +27,7 @@ from pdserve.router.legs.turn import CLIENT_GONE, FAILED, TURN, UNTRACKED, Turn,
 from pdserve.router.legs.upstream import Upstream
 from pdserve.router.route.backends import Backend, Pool
 from pdserve.router.route.policy import LOCAL_PARAMS, TOO_LONG, DecodeOnly, Degraded, PrefillThenDecode
-from pdserve.router.wire import DECODE_ONLY
+from pdserve.router.wire import DECODE_ONLY, REUSE_HEADER
 from pdserve.router.telemetry import tracing
 from pdserve.router.telemetry.metrics import RouterMetrics
 from pdserve.roles import PREFILL
@@ -142,6 +142,8 @@ class Flow:
         if isinstance(plan, DecodeOnly):   # reused when D answered it alone (else served elsewhere or failed)
             alone = resp.status == 200 and not turn.degraded
             count_reuse(self.metrics, turn, Decision(HIT, DECODE_ONLY) if alone else Decision(MISS, DECODE_FAILED))
+            if not resp.prepared:       # a whole answer not sent yet (a stream's headers left before D was done)
+                resp.headers[REUSE_HEADER] = "/".join(turn.reuse)
         return resp
 
     async def _degraded(self, request: web.Request, turn: Turn, pool: Pool, why: str) -> web.StreamResponse:

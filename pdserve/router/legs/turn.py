@@ -17,7 +17,7 @@ from pdserve.router.conversation import Conversation
 from pdserve.router.route.backends import Suspects
 from pdserve.router.route.policy import template_digest
 from pdserve.router.telemetry.metrics import RouterMetrics
-from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER, TIER_HEADER
+from pdserve.router.wire import PLAN_HEADER, PULLED_HEADER, REUSE_HEADER, TIER_HEADER
 
 log = logging.getLogger("pdserve.router")
 WRITE_STALLED = "write_stalled"    # pdserve_router_connections_dropped_total's reason for a client that stops reading
@@ -112,8 +112,9 @@ def template(turn: Turn) -> str:
 
 
 def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
-    """X-Request-Id, Server-Timing with the P leg (and D leg) durations, and the tokens P pulled from D and
-    loaded from its CPU tier: for benchmarks, tracing and scripts/reuse_check.py."""
+    """X-Request-Id, Server-Timing with the decision's and the P leg's (and D leg's) durations, the tokens P
+    pulled from D and loaded from its CPU tier, the plan and the reuse outcome: for benchmarks, tracing and
+    scripts/reuse_check.py."""
     out = {"X-Request-Id": turn.reply_id}
     timing = [f"{leg};dur={ms:.1f}" for leg, ms in (("decide", turn.decide_ms), ("prefill", turn.prefill_ms),
                                                      ("decode", decode_ms)) if ms is not None]
@@ -124,6 +125,8 @@ def headers(turn: Turn, decode_ms: float | None = None) -> dict[str, str]:
         out[TIER_HEADER] = str(turn.tier or 0)
     if turn.plan:
         out[PLAN_HEADER] = "degraded" if turn.degraded else turn.plan
+    if turn.reuse:
+        out[REUSE_HEADER] = "/".join(turn.reuse)
     return out
 
 
