@@ -210,6 +210,17 @@ def _pulled(headers: Any, name: str = PULLED_HEADER) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+def _router_facts(headers: Any) -> dict[str, Any]:
+    """What pdserve's router says of a turn in its answer's headers (docs/router.md, "Metrics"): the decision's,
+    the P leg's and, on a whole answer, the D leg's times (Server-Timing, in seconds; None where not reported),
+    the plan, the reuse outcome, the tokens P pulled from D and loaded from its CPU tier. Another router sends
+    none: empty and None."""
+    timing = dict((k, float(v) / 1000) for k, v in TIMING_RE.findall(headers.get("Server-Timing", "")))
+    return {"prefill_s": timing.get("prefill"), "decode_s": timing.get("decode"), "decide_s": timing.get("decide"),
+            "reuse": headers.get(REUSE_HEADER, ""), "plan": headers.get(PLAN_HEADER, ""),
+            "pulled": _pulled(headers), "tier_tokens": _pulled(headers, TIER_HEADER)}
+
+
 def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout: float = 600.0,
          extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
     """One turn (a chat history), sent as `ep.api`'s request (with `headers`: an agent's session headers).
@@ -223,19 +234,15 @@ def chat(ep: Endpoints, messages: list[dict[str, Any]], max_tokens: int, timeout
     started = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         data = json.loads(resp.read())
-        timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
-        plan, reuse = resp.headers.get(PLAN_HEADER, ""), resp.headers.get(REUSE_HEADER, "")
-        pulled, tier = _pulled(resp.headers), _pulled(resp.headers, TIER_HEADER)
+        facts = _router_facts(resp.headers)
     latency = time.perf_counter() - started
     reply, prompt, completion = read_answer(ep.api, data)
-    prefill_s, decode_s = ((timing[leg] / 1000 if leg in timing else None) for leg in ("prefill", "decode"))
+    decode_s = facts["decode_s"]
     # The D leg reads P's KV, produces the first token, then the rest: the first token arrived about
     # (completion - 1) / completion of the D leg before the response ended.
     ttft = latency - decode_s * (completion - 1) / completion if decode_s and completion else latency
-    return {"reply": reply, "latency_s": latency, "ttft_s": ttft, "prefill_s": prefill_s, "decode_s": decode_s,
-            "decide_s": _seconds(timing, "decide"), "reuse": reuse,
-            "plan": plan, "pulled": pulled, "tier_tokens": tier, "prompt_tokens": prompt,
-            "completion_tokens": completion,
+    return {"reply": reply, "latency_s": latency, "ttft_s": ttft, **facts,
+            "prompt_tokens": prompt, "completion_tokens": completion,
             **({"items": data.get("output")} if ep.api == "responses" else {})}
 
 
@@ -243,10 +250,7 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
     started = time.perf_counter()
     ttft, reader = None, StreamReader(api)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        plan, pulled = resp.headers.get(PLAN_HEADER, ""), _pulled(resp.headers)
-        reuse = resp.headers.get(REUSE_HEADER, "")
-        tier = _pulled(resp.headers, TIER_HEADER)
-        timing = dict((k, float(v)) for k, v in TIMING_RE.findall(resp.headers.get("Server-Timing", "")))
+        facts = _router_facts(resp.headers)
         for raw in resp:
             if time.perf_counter() - started > timeout:
                 raise TimeoutError(f"no whole answer within {timeout:g} s")
@@ -259,16 +263,10 @@ def _streamed(api: str, req: urllib.request.Request, timeout: float) -> dict[str
                 ttft = time.perf_counter() - started
     latency = time.perf_counter() - started
     return {"reply": reader.reply, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
-            "prefill_s": _seconds(timing, "prefill"), "decode_s": None, "decide_s": _seconds(timing, "decide"),
-            "reuse": reuse, "plan": plan,
-            "pulled": pulled, "tier_tokens": tier, "prompt_tokens": reader.prompt_tokens,
+            **facts, "decode_s": None,      # its first token is timed here, not derived from the D leg
+            "prompt_tokens": reader.prompt_tokens,
             "completion_tokens": reader.completion_tokens,
             **({"items": reader.output} if api == "responses" else {})}
-
-
-def _seconds(timing: dict[str, float], part: str) -> float | None:
-    """A Server-Timing part (ms) in seconds; None where the router did not report it."""
-    return timing[part] / 1000 if part in timing else None
 
 
 def failure(exc: BaseException) -> str:
