@@ -21,6 +21,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
+from pdserve.bench import agentic
 from pdserve.bench import session as bench
 from pdserve.ui import console
 
@@ -70,7 +71,8 @@ def command(
                                                                     "model's context (0: no cap)."),
     resume_context: int = typer.Option(0, "--resume-context", min=0, help="Agentic: each session opens with an "
                                                                           "earlier transcript of about this many "
-                                                                          "tokens (times --scale, +-15%), as a "
+                                                                          "tokens (times --scale, "
+                                                                          f"+-{agentic.RESUME_SPREAD:.0%}), as a "
                                                                           "resumed session sends one (0: none)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default: bench-<name>-<time>)."),
     attach: str = typer.Option(None, "--attach", help="Measure this running cluster as it is (no up/down)."),

@@ -31,7 +31,7 @@ TOKENS_KEY = "pdserve_token_ids"
 # that sequence and P's own prompt (remote_num_tokens and the blocks) before vLLM's NIXL connector reads it.
 # Its value is pack_ids(...): one string, not a JSON list. At agent scale the sequence is ~100k ids, and as a list
 # P's API server parsed it (JSON, pydantic, msgpack to the engine core) and the engine core's scheduler checked
-# it id by id on every offered turn: ~45 ms of CPU here at 106k tokens, on the P leg (docs/router.md, "What an
+# it id by id on every offered turn: ~37 ms of CPU on a 2-core VM at 106k tokens, on the P leg (docs/router.md, "What an
 # offer costs P"). A list is still read (an older router).
 EXPECT_KEY = "pdserve_expect_token_ids"
 # ... and adds to P's returned params the common prefix it found (before vLLM's recompute threshold).
