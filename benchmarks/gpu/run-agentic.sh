@@ -58,7 +58,11 @@ case $1 in
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv ;;
   on)
     bench on --attach "$name"
-    counters; tiers "$name" | tail -8; pd status "$name" | tail -14 ;;
+    counters; tiers "$name" | tail -8; pd status "$name" | tail -14
+    for port in 8100 8200; do   # P's and D's whole /metrics after the run: queue, prefill and step histograms
+      python3 -c "import urllib.request,sys; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
+        "http://127.0.0.1:$port/metrics" > "$out/on-metrics-$port.txt" 2>&1
+    done ;;
   arm)
     arm=$2; [ -n "${3:-}" ] && WL=$code/benchmarks/gpu/$3
     pd down "$name" >/dev/null 2>&1
