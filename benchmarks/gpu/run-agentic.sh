@@ -66,6 +66,8 @@ case $1 in
   arm)
     arm=$2; [ -n "${3:-}" ] && WL=$code/benchmarks/gpu/$3
     pd down "$name" >/dev/null 2>&1
+    # on a fresh machine (no `up` before): the config first
+    [ -f "$cfg" ] || python3 "$code/benchmarks/gpu/cluster.py" "$cfg" "$name" --base gpu-1p1d-agent-128k.yaml > "$out/$name.yaml"
     bench "$arm" "$cfg" --arms "$arm" ;;
   finish)
     finish "$2"; [ -f "/tmp/agentic-runs/$2/rc" ] && [ "$2" = on ] && { counters; pd status "$name" | tail -14; } ;;
