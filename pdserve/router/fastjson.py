@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import orjson
 
-LONG_DIGITS = re.compile(rb"\d{19}")      # an integer orjson might read as a float (past 64 bits)
+# An integer orjson might read as a float (past 64 bits) has a run of 19 digits: found by mapping every digit
+# to 0 and looking for 19 zeros, both C loops (re's \d{19} retried at every digit: 9 ms on a 250 KB answer of
+# 37k token ids, a third of the router's CPU on a 36k-token turn, against 0.5 ms).
+DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+NINETEEN_DIGITS = b"0" * 19
 DecodeError = (ValueError, RecursionError)  # what either parser raises on a bad body (JSONDecodeError is one)
 _PASS = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 
@@ -38,12 +41,17 @@ def _float(text: str) -> float:
 
 def loads(raw: bytes | str) -> Any:
     """json.loads(raw), faster where orjson reads the same values."""
-    if not LONG_DIGITS.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
+    if not long_digit_run(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass                                          # json decides: it takes more, or raises as before
     return json.loads(raw, parse_float=_float, parse_constant=_Nonfinite)
+
+
+def long_digit_run(raw: bytes) -> bool:
+    """raw holds 19 or more digits in a row."""
+    return NINETEEN_DIGITS in raw.translate(DIGITS_AS_ZERO)
 
 
 def dumps(value: Any) -> bytes:

@@ -61,3 +61,21 @@ def test_encodes_the_values_json_encodes_and_refuses_what_json_refuses():
     for refused in ({"s": {1, 2}}, {"p": Point(1)}):                    # json refused them: so does this
         with pytest.raises(TypeError):
             fastjson.dumps(refused)
+
+
+def test_a_run_of_19_digits_is_found_wherever_it_is_and_nothing_shorter():
+    import random
+    import re
+    rng = random.Random(7)
+    regex = re.compile(rb"\d{19}")                    # what the check meant, at any byte string
+    cases = [b"1" * 18, b"1" * 19, b"0" * 19, b"x" + b"9" * 19 + b"x", b"123456789012345678,9",
+             b"[" + b",".join(b"%d" % i for i in range(10 ** 17, 10 ** 17 + 50)) + b"]", b"\xd9\xa0" * 20]
+    cases += [bytes(rng.choice(b"0123456789,0x ") for _ in range(rng.randrange(1, 80))) for _ in range(3000)]
+    for raw in cases:
+        assert fastjson.long_digit_run(raw) == bool(regex.search(raw)), raw
+
+
+def test_a_long_integer_in_ids_still_parses_as_json_does():
+    raw = b'{"prompt_token_ids": [' + b",".join(b"%d" % i for i in range(5000)) + b', 123456789012345678901]}'
+    assert fastjson.loads(raw) == json.loads(raw)
+    assert fastjson.loads(raw)["prompt_token_ids"][-1] == 123456789012345678901

@@ -179,8 +179,8 @@ def sse_event(line: bytes) -> dict[str, Any] | None:
     if not payload or payload == b"[DONE]":
         return None
     try:
-        event = json.loads(payload)
-    except ValueError:
+        event = fastjson.loads(payload)      # the first chunk carries the prompt's ids (return_token_ids)
+    except fastjson.DecodeError:
         return None
     return event if isinstance(event, dict) else None
 
