@@ -11,7 +11,8 @@ sent to the first content chunk read, through the router, and "direct" (this scr
 itself, bodies of the same size); one request at a time, conversations alternated with direct. Printed: p50s and
 the router's added ms, the router's own Server-Timing legs and its CPU ms a turn (psutil).
 
-    .venv/bin/python benchmarks/router/bench_long_turn.py [--tokens 36864] [--messages 40] [--turns 20]
+    .venv/bin/python benchmarks/router/bench_long_turn.py [--api chat|messages] [--tokens 36864] [--messages 40]
+        [--turns 20]
 
 The router runs on core 0, this script and the fake servers on core 1 (as bench_router.py).
 """
@@ -40,6 +41,7 @@ from bench_router_backends import run  # noqa: E402
 WORDS_PER_TOKEN = 0.75        # the fake's count: one token a 4/3 words, as English text runs
 REPLY_TOKENS = 16
 JSON = {"Content-Type": "application/json"}
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
 
 
 def text(tokens: int, seed: int) -> str:
@@ -63,8 +65,28 @@ def count(body: dict) -> int:
 def serve_fakes(port: int) -> None:
     from aiohttp import web
 
-    def sse(obj: dict) -> bytes:
-        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    def sse(obj: dict, event: str | None = None) -> bytes:
+        return (f"event: {event}\n".encode() if event else b"") + b"data: " + \
+            json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def p_params(request: web.Request, kv: dict, n: int, ids: list[int]) -> dict:
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p",
+                  "remote_request_id": request.headers.get("X-Request-Id", "r"), "remote_block_ids": [[1, 2]],
+                  "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": n}
+        if kv.get("pdserve_return_prompt_ids"):
+            params["prompt_token_ids"] = ids
+        # As P with pdserve's connector patch: its counts on every answer (so the router offers D's blocks
+        # with D's sequence for P's engine to check), an offer read whole.
+        offered = kv.get("remote_num_tokens", 0) if "pdserve_expect_token_ids" in kv else 0
+        params.update(pdserve_pulled_tokens=offered, pdserve_local_cached_tokens=0,
+                      **({"pdserve_checked_tokens": offered} if offered else {}))
+        return params
+
+    def d_params(request: web.Request, n: int) -> dict:
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "d",
+                "remote_request_id": request.headers.get("X-Request-Id", "d"),
+                "remote_block_ids": [list(range(0, n // 16))], "remote_host": "127.0.0.1", "remote_port": 2,
+                "remote_num_tokens": n + REPLY_TOKENS}
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -72,19 +94,10 @@ def serve_fakes(port: int) -> None:
         n = count(body)
         ids = list(range(1000, 1000 + n))
         if kv.get("do_remote_decode"):
-            params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p",
-                      "remote_request_id": request.headers.get("X-Request-Id", "r"), "remote_block_ids": [[1, 2]],
-                      "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": n}
-            if kv.get("pdserve_return_prompt_ids"):
-                params["prompt_token_ids"] = ids
-            # As P with pdserve's connector patch: its counts on every answer (so the router offers D's blocks
-            # with D's sequence for P's engine to check), an offer read whole.
-            offered = kv.get("remote_num_tokens", 0) if "pdserve_expect_token_ids" in kv else 0
-            params.update(pdserve_pulled_tokens=offered, pdserve_local_cached_tokens=0,
-                          **({"pdserve_checked_tokens": offered} if offered else {}))
             return web.json_response({"id": "p", "object": "chat.completion", "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": n, "completion_tokens": 1}, "kv_transfer_params": params},
+                "usage": {"prompt_tokens": n, "completion_tokens": 1},
+                "kv_transfer_params": p_params(request, kv, n, ids)},
                 dumps=lambda o: json.dumps(o, separators=(",", ":")))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -96,13 +109,42 @@ def serve_fakes(port: int) -> None:
             await out.write(sse({"id": "d", "object": "chat.completion.chunk", "choices": [
                 {"index": 0, "delta": {"content": f" r{i}"}, "finish_reason": None,
                  **({"token_ids": [7 + i]} if want else {})}]}))
-        d_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "d",
-                    "remote_request_id": request.headers.get("X-Request-Id", "d"),
-                    "remote_block_ids": [list(range(0, n // 16))], "remote_host": "127.0.0.1", "remote_port": 2,
-                    "remote_num_tokens": n + REPLY_TOKENS}
         await out.write(sse({"id": "d", "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": d_params}))
+            {"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": d_params(request, n)}))
         await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        """Anthropic Messages as vLLM serves them; D's handles and, when asked (pdserve_return_token_ids), its
+        sequence on message_stop, as pdserve's entry puts them there."""
+        body = await request.json()
+        kv = body.get("kv_transfer_params") or {}
+        n = count(body)
+        ids = list(range(1000, 1000 + n))
+        if kv.get("do_remote_decode"):
+            return web.json_response({"id": "msg_p", "type": "message", "role": "assistant", "model": "m",
+                                      "content": [{"type": "text", "text": "x"}], "stop_reason": "max_tokens",
+                                      "usage": {"input_tokens": n, "output_tokens": 1},
+                                      "kv_transfer_params": p_params(request, kv, n, ids)},
+                                     dumps=lambda o: json.dumps(o, separators=(",", ":")))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse({"type": "message_start", "message": {
+            "id": "msg_d", "type": "message", "role": "assistant", "content": [], "model": "m", "stop_reason": None,
+            "stop_sequence": None, "usage": {"input_tokens": n, "output_tokens": 0}}}, "message_start"))
+        await out.write(sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                            "content_block_start"))
+        for i in range(REPLY_TOKENS):
+            await out.write(sse({"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": f" r{i}"}}, "content_block_delta"))
+        params = d_params(request, n)
+        if kv.get("pdserve_return_token_ids"):
+            params["pdserve_token_ids"] = ids + [7 + i for i in range(REPLY_TOKENS)]
+        await out.write(sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                        + sse({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                               "usage": {"input_tokens": n, "output_tokens": REPLY_TOKENS}}, "message_delta")
+                        + sse({"type": "message_stop", "kv_transfer_params": params}, "message_stop"))
         await out.write_eof()
         return out
 
@@ -118,7 +160,8 @@ def serve_fakes(port: int) -> None:
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.on_response_prepare.append(echo_id)
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post(PATHS["chat"], chat)
+    app.router.add_post(PATHS["messages"], messages)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
 
@@ -144,26 +187,29 @@ async def first_chunk(session: aiohttp.ClientSession, url: str, body: dict) -> t
         async for line in r.content:
             if not line.startswith(b"data: {"):
                 continue
-            for choice in orjson.loads(line[6:]).get("choices", []):
-                content = choice.get("delta", {}).get("content")
+            event = orjson.loads(line[6:])
+            pieces = [c.get("delta", {}).get("content") for c in event.get("choices", [])] + \
+                [(event.get("delta") or {}).get("text")] * (event.get("type") == "content_block_delta")
+            for content in pieces:
                 if content:
                     ttft = ttft or time.perf_counter() - t0
                     reply.append(content)
     return ttft or float("nan"), "".join(reply), timing
 
 
-async def direct(session: aiohttp.ClientSession, p_url: str, d_url: str, body: dict) -> float:
+async def direct(session: aiohttp.ClientSession, p_url: str, d_url: str, body: dict, api: str) -> float:
     """Both legs by this script (orjson, as the router): P's (its prompt ids asked), then D's stream with P's
     params and ids. No reuse decision, no history digest, no store: what any two-leg proxy must do at least."""
     t0 = time.perf_counter()
-    async with session.post(p_url + "/v1/chat/completions", headers=JSON, data=orjson.dumps({
+    async with session.post(p_url + PATHS[api], headers=JSON, data=orjson.dumps({
             **body, "max_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                    "pdserve_return_prompt_ids": True}})) as r:
         params = orjson.loads(await r.read())["kv_transfer_params"]
     p_leg = time.perf_counter() - t0
-    took, _, _ = await first_chunk(session, d_url + "/v1/chat/completions",
-                                   {**body, "return_token_ids": True, "kv_transfer_params": params})
+    ids = {"return_token_ids": True} if api == "chat" else {}    # Messages asks in the params (the entry's patch)
+    took, _, _ = await first_chunk(session, d_url + PATHS[api], {**body, **ids, "kv_transfer_params": {
+        **params, **({} if ids else {"pdserve_return_token_ids": True})}})
     return p_leg + took
 
 
@@ -192,13 +238,13 @@ async def measure(args) -> dict:
             for turn in range(args.turns + 1):      # the first pair unrecorded: connections and caches warm
                 first = {"model": "m", "messages": history(args.tokens, args.messages, turn), "max_tokens": 32,
                          "stream": True}
-                _, reply, _ = await first_chunk(session, url + "/v1/chat/completions", first)
+                _, reply, _ = await first_chunk(session, url + PATHS[args.api], first)
                 second = {**first, "messages": first["messages"] + [
                     {"role": "assistant", "content": reply}, {"role": "user", "content": text(1000, -turn - 1)}]}
                 cpu0 = sum(proc.cpu_times()[:2])
-                took, _, timing = await first_chunk(session, url + "/v1/chat/completions", second)
+                took, _, timing = await first_chunk(session, url + PATHS[args.api], second)
                 cpu = sum(proc.cpu_times()[:2]) - cpu0
-                alone = await direct(session, p_url, d_url, second)
+                alone = await direct(session, p_url, d_url, second, args.api)
                 if turn:
                     rows["router"].append(1000 * took)
                     rows["direct"].append(1000 * alone)
@@ -211,7 +257,8 @@ async def measure(args) -> dict:
         fakes.wait(10)
     reused = sum("reuse hit" in t for t in rows["timing"])
     body_kb = len(json.dumps(second)) / 1024
-    print(f"turn 2 of ~{count(second)} tokens ({body_kb:.0f} KB body), {args.turns} turns, one at a time:")
+    print(f"{args.api}: turn 2 of ~{count(second)} tokens ({body_kb:.0f} KB body), {args.turns} turns, one at a "
+          f"time:")
     print(f"  TTFT p50: router {statistics.median(rows['router']):.1f} ms, direct "
           f"{statistics.median(rows['direct']):.1f} ms; router added (median of pairs) "
           f"{statistics.median(r - d for r, d in zip(rows['router'], rows['direct'])):.1f} ms; router CPU a turn 2 "
@@ -229,6 +276,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=36864, help="turn 1's history, tokens")
     ap.add_argument("--messages", type=int, default=40, help="messages in turn 1's history")
     ap.add_argument("--turns", type=int, default=20, help="conversations measured (turn 2 of each)")
+    ap.add_argument("--api", choices=sorted(PATHS), default="chat", help="chat completions or Anthropic Messages")
     ap.add_argument("--json", action="store_true", help="print every figure as JSON at the end")
     args = ap.parse_args()
     out = asyncio.run(measure(args))
