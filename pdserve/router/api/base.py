@@ -166,9 +166,10 @@ def stream_events(stream: bytes) -> list[dict[str, Any]]:
 
 
 def _object(payload: bytes) -> Any:
+    """One data line's JSON, None when it is not JSON (a stream's first chunk carries the prompt's ids)."""
     try:
-        return json.loads(payload)
-    except ValueError:
+        return fastjson.loads(payload)
+    except fastjson.DecodeError:
         return None
 
 
@@ -178,10 +179,7 @@ def sse_event(line: bytes) -> dict[str, Any] | None:
     payload = line[5:].strip()
     if not payload or payload == b"[DONE]":
         return None
-    try:
-        event = fastjson.loads(payload)      # the first chunk carries the prompt's ids (return_token_ids)
-    except fastjson.DecodeError:
-        return None
+    event = _object(payload)
     return event if isinstance(event, dict) else None
 
 
