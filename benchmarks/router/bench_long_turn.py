@@ -24,9 +24,7 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +33,8 @@ import orjson
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_router import LOAD_CORE, PROXY_CORE, free_port, free_port_pair, spawn, wait_up  # noqa: E402
-from bench_router_backends import run  # noqa: E402
+from bench_router import LOAD_CORE, free_port_pair, spawn, start_arm, wait_up  # noqa: E402
+from bench_router_backends import fake_vllm_app, serve_on_two_ports  # noqa: E402
 
 WORDS_PER_TOKEN = 0.75        # the fake's count: one token a 4/3 words, as English text runs
 REPLY_TOKENS = 16
@@ -148,30 +146,10 @@ def serve_fakes(port: int) -> None:
         await out.write_eof()
         return out
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text='vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="65536"} 1.0\n')
-
-    async def echo_id(request: web.Request, response: web.StreamResponse) -> None:
-        if "X-Request-Id" in request.headers:
-            response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
-
-    app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.on_response_prepare.append(echo_id)
+    app = fake_vllm_app(256 * 1024 * 1024)
     app.router.add_post(PATHS["chat"], chat)
     app.router.add_post(PATHS["messages"], messages)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-
-    async def main() -> None:
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        for p in (port, port + 1):
-            await web.TCPSite(runner, "127.0.0.1", p).start()
-        await asyncio.Event().wait()
-    run(main())
+    serve_on_two_ports(app, port)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,19 +196,10 @@ async def measure(args) -> dict:
     port = free_port_pair()
     fakes = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-fakes", str(port)], LOAD_CORE)
     p_url, d_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
-    tmp = tempfile.mkdtemp()
-    rport = free_port()
-    cfg = Path(tmp) / "router.json"
-    cfg.write_text(json.dumps({"prefill": [{"name": "prefill-0", "url": p_url}],
-                               "decode": [{"name": "decode-0", "url": d_url}], "model": "m", "port": rport}))
-    log = open(Path(tmp) / "router.log", "ab")
-    repo = Path(__file__).resolve().parents[2]
-    router = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--config", str(cfg)], cwd=repo,
-                              stdout=log, stderr=log, preexec_fn=lambda: os.sched_setaffinity(0, PROXY_CORE))
+    url, router, cfg = start_arm("pdserve", p_url, d_url, {}, [])
     rows: dict[str, list] = {"router": [], "direct": [], "cpu_ms": [], "timing": []}
     try:
         await wait_up(p_url)
-        url = f"http://127.0.0.1:{rport}"
         await wait_up(url)
         await asyncio.sleep(2.5)               # the first health probe marks the servers healthy
         proc = psutil.Process(router.pid)
@@ -253,6 +222,7 @@ async def measure(args) -> dict:
     finally:
         router.terminate()
         router.wait(10)
+        os.unlink(cfg)
         fakes.terminate()
         fakes.wait(10)
     reused = sum("reuse hit" in t for t in rows["timing"])

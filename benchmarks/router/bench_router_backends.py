@@ -172,6 +172,22 @@ def run_backend(port: int) -> None:
             return out
         return answer
 
+    async def traces(request: web.Request) -> web.Response:    # an OTLP/HTTP sink for --tracing
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = fake_vllm_app(64 * 1024 * 1024)   # the huge-body case of --cpu reaches it
+    for path in answers:
+        app.router.add_post(path, completions(path))
+    app.router.add_post("/v1/traces", traces)
+    serve_on_two_ports(app, port)
+
+
+def fake_vllm_app(max_body: int):
+    """An app answering as vLLM does beside its completion routes (the caller adds those): /health, /metrics
+    with its KV capacity, request ids echoed."""
+    from aiohttp import web
+
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
 
@@ -181,27 +197,26 @@ def run_backend(port: int) -> None:
         # backend and ~4% of the router's CPU (py-spy) that no vLLM causes.
         return web.Response(text='vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="65536"} 1.0\n')
 
-    async def traces(request: web.Request) -> web.Response:    # an OTLP/HTTP sink for --tracing
-        await request.read()
-        return web.Response(body=b"", content_type="application/x-protobuf")
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)   # the huge-body case of --cpu reaches it
-
     async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
         # As vLLM with --enable-request-id-headers, which pdserve's engine entry always passes: the router's
         # client keeps a connection only when its answer names the request (legs/http1.py), so a backend
         # without the echo would have it connect afresh for every leg, and the bench measure the connects.
         if "X-Request-Id" in request.headers:
             response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
+
+    app = web.Application(client_max_size=max_body)
     app.on_response_prepare.append(echo_request_id)
-    for path in answers:
-        app.router.add_post(path, completions(path))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/traces", traces)
+    return app
+
+
+def serve_on_two_ports(app, port: int) -> None:
+    """Serve `app` on `port` and `port + 1`, one as P and one as D (vllm-router takes one URL as one worker of
+    one role), until killed."""
+    from aiohttp import web
 
     async def serve() -> None:
-        # Two ports, one as P and one as D: vllm-router takes one URL as one worker of one role.
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         for p in (port, port + 1):
