@@ -1,6 +1,6 @@
 #!/bin/bash
 # Offline wheelhouse for a GPU node that reaches no package index: download vLLM, NIXL (nixl + nixl-cu13) and
-# what they import that the node's image lacks, for one Python/platform, into tar parts of at most 58 MB
+# what they import that the node's image lacks, for one Python/platform, into tar parts of at most 52 MiB
 # (the device tool carries 64 MiB per call). Install there with scripts/gpu/install-wheels.sh.
 #   scripts/gpu/wheelhouse.sh [WHEELS_TXT] [OUT_DIR] [PYTHON_VERSION]
 # Defaults: scripts/gpu/wheels.txt (vLLM 0.26.0 + NIXL 1.5.1, CUDA 13, torch 2.11 already on the image),
@@ -21,7 +21,7 @@ pip download -q --no-deps --only-binary=:all: --python-version "$py" --implement
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 $plats -d "$w" -r "$list"
 rm -rf "$out" && mkdir -p "$out"
 tar cf "$w/all.tar" -C "$w" --exclude all.tar .
-split -b 58m -d "$w/all.tar" "$out/part"
+split -b 52m -d "$w/all.tar" "$out/part"
 (cd "$out" && sha256sum part* > SHA256SUMS)
 rm -rf "$w"
 ls -la "$out"
