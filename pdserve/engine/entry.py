@@ -36,7 +36,7 @@ import os
 import runpy
 import sys
 
-from pdserve.engine.names import CORES_ENV, DELAY_ENV, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
+from pdserve.engine.names import CORES_ENV, DELAY_ENV, FORK_ENV, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
 
 
 def own_cores(bind: str | None) -> list[int]:
@@ -172,4 +172,8 @@ if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child
     apply_reuse_patches(sys.argv if __name__ == "__main__" else None)
 
 if __name__ == "__main__":
+    if os.environ.get(FORK_ENV) == "1":
+        from pdserve.engine.fork_start import start_children_by_fork
+        print(f"pdserve-fork: engine children by fork: {'yes' if start_children_by_fork(sys.argv) else 'no'}",
+              flush=True)
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")

@@ -15,3 +15,5 @@ DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # "1": the entry applies the reuse patches (set by the planner when bidirectional_kv_xfer is on).
 REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"
+# "1": the entry has vLLM start a CPU server's engine core and workers by fork instead of spawn (engine/fork_start.py).
+FORK_ENV = "PDSERVE_ENGINE_FORK"

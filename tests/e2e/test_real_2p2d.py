@@ -22,7 +22,7 @@ def two_by_two(cfg: dict, ports: list[int]) -> None:
     for role, core in (("prefill", "0"), ("decode", "1")):
         cfg[role].update(replicas=2)
         cfg[role].pop("cpus", None)
-        cfg[role]["env"] = {"VLLM_CPU_OMP_THREADS_BIND": core}
+        cfg[role]["env"] = {**cfg[role].get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": core}
         cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--kv-cache-memory-bytes", str(256 * 1024 * 1024)]
     cfg["prefill"]["nixl_side_channel_port"] = ports[2]
     cfg["decode"].update(port=ports[1] + 2, nixl_side_channel_port=ports[2] + 2)

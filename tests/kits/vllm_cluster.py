@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.engine.names import FORK_ENV
 from pdserve.observe.promtext import scrape, total
 from pdserve.spec.load import DEFAULT_CONFIG
 from tests.kits.ports import free_ports
@@ -63,8 +64,10 @@ def status(name: str) -> dict:
 
 
 def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
-    """The embedded CPU default on free ports. `eager`: no torch.compile at start (compile is what one
-    module, on the shipped config, tests; the others test what runs after start)."""
+    """The embedded CPU default on free ports. `eager`: no torch.compile at start, and the servers' engine
+    core and workers started by fork (engine/fork_start.py: a server starts in ~25 s instead of ~45 s on
+    2 cores). Compile and spawn are what one module, on the shipped config, tests; the others test what runs
+    after start."""
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
     # These tests assert that every later turn pulls from D. The cost model would (rightly) stop pulling
     # if a noisy 2-core box made one pull look slow; it has its own test with a controllable fake.
@@ -74,6 +77,7 @@ def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
     if eager:
         for role in ("prefill", "decode"):
             cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager"]
+            cfg[role]["env"] = {**cfg[role].get("env", {}), FORK_ENV: "1"}
     return cfg
 
 
