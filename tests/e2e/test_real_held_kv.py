@@ -20,7 +20,7 @@ from tests.kits.vllm_cluster import SHARED, external_tokens, held_on_d
 
 pytestmark = pytest.mark.e2e
 NAME = SHARED
-D_KV_BYTES = 6_000_000       # ~5.8k tokens of the tiny model (1 KiB a token): above --max-model-len 4096
+D_KV_BYTES = 12_000_000      # ~5.8k tokens of the tiny model in float32 (2 KiB a token): above --max-model-len 4096
 MAX_LEN = 4096
 TTL = 20.0                   # decoder_kv_blocks_ttl: short, so that idling past it fits in a test
 CONVERSATIONS = 8            # ~1.2k tokens a turn 1: D's budget (half its cache) holds two; all 8 overfill D

@@ -24,6 +24,7 @@ from tests.kits.waits import wait_for
 EXTERNAL = {"source": "external_kv_transfer"}
 LOCAL = {"source": "local_compute"}
 BLOCK = 32                                            # the embedded default's --block-size
+EAGER_DTYPE = "float32"                               # base_config's eager clusters: 2 KiB of KV a token
 # an agent's system prompt and a file it reads (the agents and engine-check modules)
 SYSTEM = "You are a coding agent working in a repository. " + " ".join(
     f"Rule {i}: keep change {i} small and tested." for i in range(40))
@@ -64,10 +65,11 @@ def status(name: str) -> dict:
 
 
 def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
-    """The embedded CPU default on free ports. `eager`: no torch.compile at start, and the servers' engine
-    core and workers started by fork (engine/fork_start.py: a server starts in ~25 s instead of ~45 s on
-    2 cores). Compile and spawn are what one module, on the shipped config, tests; the others test what runs
-    after start."""
+    """The embedded CPU default on free ports. `eager`: no torch.compile at start, the servers' engine core and
+    workers started by fork (engine/fork_start.py: a server starts in ~17 s instead of 45-65 s on 2 cores), and
+    the tiny model in float32 (this VM's CPU has AVX2 but no bf16 instructions: a 16k-token prefill takes 18 s
+    instead of 29 s; KV is then 2 KiB a token). Compile, spawn and bf16 are what one module, on the shipped
+    config, tests; the others test what runs after start."""
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
     # These tests assert that every later turn pulls from D. The cost model would (rightly) stop pulling
     # if a noisy 2-core box made one pull look slow; it has its own test with a controllable fake.
@@ -76,7 +78,7 @@ def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
     cfg["decode"].update(port=ports[3], nixl_side_channel_port=ports[4])
     if eager:
         for role in ("prefill", "decode"):
-            cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager"]
+            cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager", "--dtype", EAGER_DTYPE]
             cfg[role]["env"] = {**cfg[role].get("env", {}), FORK_ENV: "1"}
     return cfg
 
