@@ -145,13 +145,14 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     """The reuse patches; with argv (the server process's own), also the scale-out option."""
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
-    from pdserve.engine import descs, held_http, patches, prompt_ids
+    from pdserve.engine import descs, held_http, patches, prompt_ids, segment_tokens
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
     held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
     message_stop = patches.patch_message_stop_kv_params()
     pull_order = descs.patch_pull_order() and descs.patch_free_order()   # NIXL reads in few descriptors
     forwarded_ids = prompt_ids.patch_forwarded_prompt_ids()   # D skips rendering what P tokenized
+    pieces = segment_tokens.patch_segment_tokens()    # a follow-up's history is not tokenized again
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
         os.environ[REQUEST_IDS_STATE_ENV] = add_flag(argv, REQUEST_IDS_FLAG,
@@ -163,7 +164,8 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
           f"message_stop kv_transfer_params: {','.join(message_stop) or 'none'}; "
           f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}; "
           f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}; "
-          f"reads in local order: {'yes' if pull_order else 'no'}; prompt ids from P: {forwarded_ids}", flush=True)
+          f"reads in local order: {'yes' if pull_order else 'no'}; prompt ids from P: {forwarded_ids}; "
+          f"tokenized-piece cache: {pieces}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in

@@ -17,3 +17,5 @@ CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"
 # "1": the entry has vLLM start a CPU server's engine core and workers by fork instead of spawn (engine/fork_start.py).
 FORK_ENV = "PDSERVE_ENGINE_FORK"
+# Token budget of a server's tokenized-piece cache (engine/segment_tokens.py); 0 turns it off.
+TOKENIZE_CACHE_ENV = "PDSERVE_TOKENIZE_CACHE_TOKENS"

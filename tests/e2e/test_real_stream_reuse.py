@@ -20,6 +20,7 @@ pytestmark = pytest.mark.e2e
 NAME = SHARED
 LOCAL = {"source": "local_cache_hit"}
 EXTERNAL = {"source": "external_kv_transfer"}
+TOKENIZED = "pdserve_engine_prompt_tokens_tokenized_total"
 
 
 def prefix_cache_on(cfg: dict, ports: list[int]) -> None:
@@ -69,16 +70,22 @@ def test_both_servers_run_nixl_inside_a_multiconnector(cluster):
 
 def test_streamed_chat_turns_store_and_use_decodes_blocks(cluster):
     before = router_stats()
-    d = cluster["decode"][0]
+    d, p = cluster["decode"][0], cluster["prefill"][0]
     from_ids = metric(d, "pdserve_engine_prompt_ids_reused_total")
     history: list = []
     for turn in range(3):
         history.append(long_user_turn(turn))
+        pieces = {s: metric(p, TOKENIZED, source=s) for s in ("cached", "encoded")}
         events, raw = stream(cluster, "/v1/chat/completions",
                              {"model": "tiny", "messages": history, "max_tokens": 8, "conversation_id": "chat-s"})
         assert "kv_transfer_params" not in raw and "token_ids" not in raw    # never forwarded to the client
         history.append({"role": "assistant", "content": "".join(
             (c.get("delta") or {}).get("content") or "" for e in events for c in e.get("choices", []))})
+    # P's front end encoded the last turn's new messages; the two turns before it came from its piece cache
+    # (engine/segment_tokens.py), each piece checked against the tokenizer on the server's first calls
+    cached, encoded = (metric(p, TOKENIZED, source=s) - pieces[s] for s in ("cached", "encoded"))
+    assert cached > encoded > 0, (cached, encoded)
+    assert metric(p, "pdserve_engine_tokenize_mismatches_total") == 0
     after = router_stats()
     # Before the entry's patch every streamed turn was "unavailable" and no later turn could hit.
     assert after["entries_unavailable"] == before["entries_unavailable"]
