@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.kits.ports import consecutive_free
 from tests.kits.vllm_cluster import SHARED, converse, metric, pdserve, status
 
 pytestmark = pytest.mark.e2e
@@ -24,8 +25,12 @@ def two_by_two(cfg: dict, ports: list[int]) -> None:
         cfg[role].pop("cpus", None)
         cfg[role]["env"] = {**cfg[role].get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": core}
         cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--kv-cache-memory-bytes", str(256 * 1024 * 1024)]
-    cfg["prefill"]["nixl_side_channel_port"] = ports[2]
-    cfg["decode"].update(port=ports[1] + 2, nixl_side_channel_port=ports[2] + 2)
+    # Each role's replicas take the ports after its own: two blocks of four free ports, apart from each other
+    # and the router's (ports picked one by one at random could fall inside a block: setup failed on it once)
+    http = consecutive_free(4, avoid=ports)
+    side = consecutive_free(4, avoid=[*ports, *range(http, http + 4)])
+    cfg["prefill"].update(port=http, nixl_side_channel_port=side)
+    cfg["decode"].update(port=http + 2, nixl_side_channel_port=side + 2)
     cfg["supervisor"] = {"unhealthy_grace": 300}   # a busy 2-core box may miss probes; don't restart for it
 
 

@@ -23,7 +23,8 @@ NAME = SHARED
 
 
 def two_replicas_on_managed_redis(cfg: dict, ports: list[int]) -> None:
-    cfg["router"].update(port=consecutive_free(4), replicas=2, store="managed")
+    # not the servers' ports, which may be unbound while the shared cluster restarts
+    cfg["router"].update(port=consecutive_free(4, avoid=ports), replicas=2, store="managed")
 
 
 @pytest.fixture(scope="module")

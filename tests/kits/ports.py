@@ -32,11 +32,12 @@ def port_free(port: int) -> bool:
             return False
 
 
-def consecutive_free(n: int) -> int:
-    """The first of n free ports in a row (a router's replicas take the ports after its own)."""
+def consecutive_free(n: int, avoid: tuple[int, ...] | list[int] = ()) -> int:
+    """The first of n free ports in a row (a router's replicas take the ports after its own), none of them in
+    `avoid` (ports already given out but not bound yet)."""
     while True:
         base = free_ports(1)[0]
-        if all(port_free(base + i) for i in range(n)):
+        if all(base + i not in avoid and port_free(base + i) for i in range(n)):
             return base
 
 
