@@ -145,7 +145,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     """The reuse patches; with argv (the server process's own), also the scale-out option."""
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
-    from pdserve.engine import descs, held_http, patches, prompt_ids, segment_tokens
+    from pdserve.engine import decode_stream, descs, held_http, patches, prompt_ids, segment_tokens
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
     held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
@@ -153,6 +153,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     pull_order = descs.patch_pull_order() and descs.patch_free_order()   # NIXL reads in few descriptors
     forwarded_ids = prompt_ids.patch_forwarded_prompt_ids()   # D skips rendering what P tokenized
     pieces = segment_tokens.patch_segment_tokens()    # a follow-up's history is not tokenized again
+    first_token = decode_stream.patch_decode_stream_prefill()   # nor decoded again for its first token
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
         os.environ[REQUEST_IDS_STATE_ENV] = add_flag(argv, REQUEST_IDS_FLAG,
@@ -165,7 +166,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
           f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}; "
           f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}; "
           f"reads in local order: {'yes' if pull_order else 'no'}; prompt ids from P: {forwarded_ids}; "
-          f"tokenized-piece cache: {pieces}", flush=True)
+          f"tokenized-piece cache: {pieces}; decode stream from a prompt suffix: {first_token}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
