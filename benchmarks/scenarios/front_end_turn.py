@@ -24,14 +24,13 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.scenarios.tokenize_pieces import conversation, text  # noqa: E402
-from benchmarks.scenarios.vllm_pair import Pair  # noqa: E402
+from benchmarks.scenarios.vllm_pair import Pair, timed_post  # noqa: E402
 from pdserve.engine.names import ENTRY_MODULE, TOKENIZE_CACHE_ENV, VLLM_SERVER_MODULE  # noqa: E402
 
 ARMS = ("vllm", "entry-nocache", "entry")
@@ -56,12 +55,9 @@ class PrefillArm(Pair):
 
 
 def chat(url: str, messages: list) -> float:
-    body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 1}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
-    return (time.perf_counter() - t) * 1e3
+    seconds, _ = timed_post(url + "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 1},
+                            timeout=600)
+    return seconds * 1e3
 
 
 def run_arm(arm: str, tokenizer, size: int, seconds: float) -> dict:

@@ -29,8 +29,6 @@ import json
 import random
 import statistics
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "scenarios"))
 
 from engine_agent_check import post_json  # noqa: E402
-from vllm_pair import Pair, PairCheck, run_checks  # noqa: E402
+from vllm_pair import Pair, PairCheck, run_checks, timed_post  # noqa: E402
 
 from pdserve.router.wire import (  # noqa: E402
     CHECKED_KEY,
@@ -63,15 +61,6 @@ class CachedPair(Pair):
         args = cfg["prefill"]["vllm_args"]
         cfg["prefill"]["vllm_args"] = [a for a in args if a != "--no-enable-prefix-caching"] + \
             ["--enable-prefix-caching"]
-
-
-def timed_post(url: str, body: dict) -> tuple[float, dict]:
-    data = json.dumps(body).encode()       # encoded before the clock starts: the client's JSON is not P's cost
-    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=300) as r:
-        text = r.read()
-    return time.perf_counter() - t0, json.loads(text)
 
 
 class Check(PairCheck):

@@ -25,13 +25,13 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.scenarios.vllm_pair import Pair  # noqa: E402
+from benchmarks.scenarios.vllm_pair import Pair, timed_post  # noqa: E402
+from pdserve.observe.promtext import scrape, total  # noqa: E402
 from pdserve.engine.names import TOKENIZE_CACHE_ENV  # noqa: E402
 from pdserve.engine.segment_tokens import SegmentTokenizer, cached_ids  # noqa: E402
 
@@ -93,26 +93,17 @@ class CacheOffOnD(Pair):
 
 
 def render(url: str, messages: list) -> tuple[float, list[int]]:
-    body = json.dumps({"model": "tiny", "messages": messages}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions/render", data=body,
-                                 headers={"Content-Type": "application/json"})
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=120) as r:
-        answer = json.loads(r.read())
-    ms = (time.perf_counter() - t) * 1e3
+    seconds, answer = timed_post(url + "/v1/chat/completions/render", {"model": "tiny", "messages": messages})
     first = answer[0] if isinstance(answer, list) else answer
-    return ms, list(first.get("token_ids") or first.get("prompt_token_ids") or [])
+    return seconds * 1e3, list(first.get("token_ids") or first.get("prompt_token_ids") or [])
 
 
 def counters(url: str) -> dict[str, float]:
-    out = {"cached": 0.0, "encoded": 0.0}
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("pdserve_engine_prompt_tokens_tokenized_total{"):
-                for source in out:
-                    if f'source="{source}"' in line:
-                        out[source] = float(line.rsplit(" ", 1)[1])
-    return out
+    samples = scrape(url)
+    if samples is None:
+        raise RuntimeError(f"{url}/metrics did not answer")
+    return {source: total(samples, "pdserve_engine_prompt_tokens_tokenized_total", source=source)
+            for source in ("cached", "encoded")}
 
 
 def server_arm(tokenizer, sizes: list[int], new: int, reps: int) -> tuple[list[dict], bool]:

@@ -23,6 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("prefill", "decode")
 
 
+def timed_post(url: str, body: dict, timeout: float = 300) -> tuple[float, dict]:
+    """(seconds from the request's first byte sent to its answer read, the answer parsed)."""
+    data = json.dumps(body).encode()       # encoded before the clock starts: the client's JSON is not the server's
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read()
+    return time.perf_counter() - t0, json.loads(text)
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
