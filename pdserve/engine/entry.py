@@ -151,6 +151,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
     message_stop = patches.patch_message_stop_kv_params()
     pull_order = descs.patch_pull_order() and descs.patch_free_order()   # NIXL reads in few descriptors
+    ascending = descs.patch_alloc_order()   # each allocation's blocks upwards, as P's pulls expect
     forwarded_ids = prompt_ids.patch_forwarded_prompt_ids()   # D skips rendering what P tokenized
     pieces = segment_tokens.patch_segment_tokens()    # a follow-up's history is not tokenized again
     first_token = decode_stream.patch_decode_stream_prefill()   # nor decoded again for its first token
@@ -165,7 +166,8 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
           f"message_stop kv_transfer_params: {','.join(message_stop) or 'none'}; "
           f"render endpoints: {os.environ.get(SCALE_OUT_STATE_ENV, 'unknown')}; held KV: {held_kv}; "
           f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}; "
-          f"reads in local order: {'yes' if pull_order else 'no'}; prompt ids from P: {forwarded_ids}; "
+          f"reads in local order: {'yes' if pull_order else 'no'}; "
+          f"allocations ascending: {'yes' if ascending else 'no'}; prompt ids from P: {forwarded_ids}; "
           f"tokenized-piece cache: {pieces}; decode stream from a prompt suffix: {first_token}", flush=True)
 
 

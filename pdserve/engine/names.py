@@ -19,3 +19,5 @@ REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"
 FORK_ENV = "PDSERVE_ENGINE_FORK"
 # Token budget of a server's tokenized-piece cache (engine/segment_tokens.py); 0 turns it off.
 TOKENIZE_CACHE_ENV = "PDSERVE_TOKENIZE_CACHE_TOKENS"
+# "0" leaves each block allocation in vLLM's order instead of ascending block ids (engine/descs.py).
+ASCENDING_ALLOC_ENV = "PDSERVE_ASCENDING_ALLOC"

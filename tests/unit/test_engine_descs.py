@@ -112,9 +112,9 @@ def test_the_patched_agent_posts_reads_in_local_order_and_says_so(nixl_agent_cls
 def block_pool_cls():
     block_pool = pytest.importorskip("vllm.v1.core.block_pool")
     cls = block_pool.BlockPool
-    original = cls.free_blocks
+    original = cls.free_blocks, cls.get_new_blocks
     yield cls
-    cls.free_blocks = original
+    cls.free_blocks, cls.get_new_blocks = original
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -132,3 +132,23 @@ def test_a_pool_without_prefix_caching_hands_the_next_request_its_blocks_upwards
         assert again != list(range(1, 9))
     else:
         assert again == list(range(1, 9))
+
+
+def test_each_allocation_hands_out_its_blocks_upwards_and_takes_the_same_blocks(block_pool_cls, monkeypatch):
+    # With prefix caching on (D) a request's blocks go back to the free queue reversed, their eviction order; a
+    # later request took them downwards, against P's upward run, so P's pulls could not merge them (on one H200
+    # under load ~3,600 descriptors a pull against 72 alone)
+    def freed_and_taken_again(pool):
+        blocks = pool.get_new_blocks(8)
+        pool.free_blocks(reversed(blocks))
+        return [b.block_id for b in pool.get_new_blocks(6)]
+
+    vllms = freed_and_taken_again(block_pool_cls(num_gpu_blocks=32, enable_caching=True, hash_block_size=16))
+    assert vllms == sorted(vllms, reverse=True)
+    monkeypatch.setenv("PDSERVE_ASCENDING_ALLOC", "0")
+    assert descs.patch_alloc_order() is False          # turned off: vLLM's order
+    monkeypatch.delenv("PDSERVE_ASCENDING_ALLOC")
+    assert descs.patch_alloc_order() is True
+    assert descs.patch_alloc_order() is True           # once only
+    ours = freed_and_taken_again(block_pool_cls(num_gpu_blocks=32, enable_caching=True, hash_block_size=16))
+    assert ours == sorted(vllms)                       # the same blocks leave the queue, upwards
