@@ -120,6 +120,37 @@ def test_cost_model_prices_a_pull_by_pulled_tokens_only():
     assert abs(m.pull[("p", "d")] - 0.002) < 1e-9
 
 
+def test_cost_model_pulls_that_queued_behind_other_prefills_do_not_stop_pulls():
+    # Under load a follow-up's P leg also waits in P's queue; spread over its few pulled tokens, that wait priced
+    # the pull above recompute (one H200, 32k workload: 15 follow-ups sent to recompute 20-30k tokens each).
+    clock = Clock()
+    m = CostModel(clock=clock)
+    m.observe("p", None, 1.5, 36000, 0, False)        # ~42 us a computed token
+    m.observe("p", "d", 0.5, 36000, 35000, True)      # the pair's first pull (handshake)
+    clock.t += 10
+    m.observe("p", "d", 0.12, 36000, 35000, True)     # alone: ~2 us a pulled token
+    for _ in range(2):
+        clock.t += 1
+        m.observe("p", "d", 0.9, 8000, 5500, True)    # waited ~0.7 s: ~145 us a pulled token
+    assert m.pull[("p", "d")] < 3e-6
+    assert m.should_pull("p", "d")
+
+
+def test_cost_model_forgets_a_fast_pull_after_a_window_of_slow_ones():
+    clock = Clock()
+    m = CostModel(clock=clock, window=3)
+    m.observe("p", None, 1.0, 1000, 0, False)         # 1 ms a computed token
+    m.observe("p", "d", 0.5, 1000, 900, True)         # handshake
+    clock.t += 10
+    m.observe("p", "d", 0.19, 1000, 900, True)        # 0.1 ms a pulled token
+    verdicts = []
+    for _ in range(3):
+        clock.t += 1
+        m.observe("p", "d", 4.6, 1000, 900, True)     # 5 ms a pulled token: the transport got slow
+        verdicts.append(m.should_pull("p", "d"))
+    assert verdicts == [True, True, False]
+
+
 def test_history_keys_match_the_stored_reply_only():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
     reply = {"role": "assistant", "content": "a1", "tool_calls": []}

@@ -9,17 +9,23 @@ the P legs it times itself:
   still computed) / tokens P pulled, on turns with a pull.
 
 The P leg is timed as P experiences it, transfer included; P's own `vllm:nixl_xfer_time_seconds` sums all
-decode servers and overlapping requests, so it cannot be attributed to a pair or a turn. Both rates are
-exponential moving averages; a pair's first pull (NIXL handshake included) is not a sample, nor is any
-pull that started before it ended (concurrent first turns all wait for the same handshake). D's blocks
-are offered unless the pull is predicted clearly (1.5x) slower than recompute; while it is, every `probe_every`-th candidate turn (or one after
-`probe_interval` seconds) pulls anyway, and that measurement replaces the estimate, so the router
+decode servers and overlapping requests, so it cannot be attributed to a pair or a turn. The recompute rate
+is an exponential moving average. A pull's sample also carries whatever the turn waited in P's queue, and
+under load that wait, spread over a follow-up's few pulled tokens, priced pulls as slower than recompute:
+on one H200 under the 32k workload the guard sent 15 follow-ups to recompute 20-30k tokens each, which
+lengthened P's queue for every other turn. Waiting only ever adds to a sample, so a pair's pull cost is the
+fastest of its last `window` samples: what the transport did when nothing stood in front of it. A pair's
+first pull (NIXL handshake included) is not a sample, nor is any pull that started before it ended
+(concurrent first turns all wait for the same handshake). D's blocks are offered unless the pull is
+predicted clearly (1.5x) slower than recompute; while it is, every `probe_every`-th candidate turn (or one
+after `probe_interval` seconds) pulls anyway, and that measurement replaces the samples, so the router
 follows the hardware both ways.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 MIN_SAMPLE_TOKENS = 32      # shorter legs are dominated by fixed overheads and would skew the rates
@@ -28,13 +34,15 @@ SLOWER_MARGIN = 1.5         # stop pulling only when a pull is predicted clearly
 
 class CostModel:
     def __init__(self, alpha: float = 0.3, probe_every: int = 8, probe_interval: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, window: int = 8):
         self.alpha = alpha
+        self.window = window
         self.probe_every = probe_every
         self.probe_interval = probe_interval
         self.clock = clock
         self.recompute: dict[str, float] = {}             # prefill -> seconds per computed token
         self.pull: dict[tuple[str, str], float] = {}      # (prefill, decode) -> seconds per pulled token
+        self._pull_samples: dict[tuple[str, str], deque[float]] = {}   # the pair's last `window` samples
         self._skipped: dict[tuple[str, str], int] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
         self._probing: set[tuple[str, str]] = set()
@@ -66,10 +74,13 @@ class CostModel:
         if moved < MIN_SAMPLE_TOKENS:
             return
         transfer = max(0.0, seconds - self.recompute.get(prefill, 0.0) * computed)
-        # A re-probe measures hardware the estimate may no longer describe: it replaces the estimate.
-        old = None if pair in self._probing else self.pull.get(pair)
+        samples = self._pull_samples.get(pair)
+        if samples is None or pair in self._probing:
+            # A re-probe measures hardware the samples may no longer describe: it replaces them.
+            samples = self._pull_samples[pair] = deque(maxlen=self.window)
         self._probing.discard(pair)
-        self.pull[pair] = self._ewma(old, transfer / moved)
+        samples.append(transfer / moved)
+        self.pull[pair] = min(samples)
 
     def should_pull(self, prefill: str, decode: str) -> bool:
         pair = (prefill, decode)
