@@ -64,27 +64,32 @@ def merge_order(local: Any, remote: Any) -> tuple[Any, Any, int, int]:
     return loc2.astype(loc.dtype, copy=False), rem2.astype(rem.dtype, copy=False), before, after
 
 
-def patch_free_order() -> bool:
-    """Blocks freed by a vLLM engine without prefix caching go back in ascending id order. False without the
-    block pool (another vLLM layout)."""
+def _wrap_block_pool(name: str, wrap) -> bool:
+    """Replace BlockPool.<name> with wrap(original), once. False without the block pool (another vLLM layout)."""
     try:
         from vllm.v1.core.block_pool import BlockPool
     except ImportError:
         return False
-    original = getattr(BlockPool, "free_blocks", None)
+    original = getattr(BlockPool, name, None)
     if original is None:
         return False
-    if getattr(original, PATCHED_ATTR, False):
-        return True
-
-    def free_blocks(self, ordered_blocks, *args, **kwargs):
-        if getattr(self, "enable_caching", True) is False:
-            ordered_blocks = sorted(ordered_blocks, key=lambda block: block.block_id)
-        return original(self, ordered_blocks, *args, **kwargs)
-
-    setattr(free_blocks, PATCHED_ATTR, True)
-    BlockPool.free_blocks = free_blocks
+    if not getattr(original, PATCHED_ATTR, False):
+        wrapped = wrap(original)
+        setattr(wrapped, PATCHED_ATTR, True)
+        setattr(BlockPool, name, wrapped)
     return True
+
+
+def patch_free_order() -> bool:
+    """Blocks freed by a vLLM engine without prefix caching go back in ascending id order. False without the
+    block pool (another vLLM layout)."""
+    def wrap(original):
+        def free_blocks(self, ordered_blocks, *args, **kwargs):
+            if getattr(self, "enable_caching", True) is False:
+                ordered_blocks = sorted(ordered_blocks, key=_block_id)
+            return original(self, ordered_blocks, *args, **kwargs)
+        return free_blocks
+    return _wrap_block_pool("free_blocks", wrap)
 
 
 def patch_alloc_order() -> bool:
@@ -92,25 +97,15 @@ def patch_alloc_order() -> bool:
     or without the block pool (another vLLM layout)."""
     if os.environ.get(ASCENDING_ALLOC_ENV, "1").strip() == "0":
         return False
-    try:
-        from vllm.v1.core.block_pool import BlockPool
-    except ImportError:
-        return False
-    original = getattr(BlockPool, "get_new_blocks", None)
-    if original is None:
-        return False
-    if getattr(original, PATCHED_ATTR, False):
-        return True
 
-    def get_new_blocks(self, num_blocks, *args, **kwargs):
-        blocks = original(self, num_blocks, *args, **kwargs)
-        if len(blocks) > 1:
-            blocks.sort(key=_block_id)
-        return blocks
-
-    setattr(get_new_blocks, PATCHED_ATTR, True)
-    BlockPool.get_new_blocks = get_new_blocks
-    return True
+    def wrap(original):
+        def get_new_blocks(self, num_blocks, *args, **kwargs):
+            blocks = original(self, num_blocks, *args, **kwargs)
+            if len(blocks) > 1:
+                blocks.sort(key=_block_id)
+            return blocks
+        return get_new_blocks
+    return _wrap_block_pool("get_new_blocks", wrap)
 
 
 def _block_id(block) -> int:
