@@ -236,6 +236,46 @@ async def test_a_kept_alive_connection_the_backend_closed_is_retried_once_on_a_n
         server.close()
 
 
+class HandleClosed:
+    """A transport as uvloop leaves it when the backend went away between two answers: its handle closed, the
+    protocol's connection_lost not run yet, so `write` raises RuntimeError."""
+
+    def __init__(self, transport):
+        self.transport = transport
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+async def test_a_kept_alive_connection_whose_handle_closed_under_it_is_retried_on_a_new_one():
+    # CI: a SIGKILL of decode-0's API server made the router answer a 500 (uvloop's RuntimeError from the write
+    # on a pooled connection); the request never left, so it goes once more on a new connection
+    async def answer(writer, n, body, head):
+        writer.write(ok(body))
+
+    server, url, peers = await raw_server(answer)
+    client = Http1Client(1)
+    try:
+        assert (await client.post(url, "/a", b'{"n": 0}', {}, 5))[2] == b'{"n": 0}'
+        conn = client._pool(url).idle[-1]
+        conn.transport = HandleClosed(conn.transport)
+        assert (await client.post(url, "/a", b'{"n": 1}', {}, 5))[2] == b'{"n": 1}'
+        assert len(peers) == 2
+        closing = client._pool(url).idle[-1]
+        closing.transport.close()          # closing, its connection_lost not run yet: not taken from the pool
+        assert (await client.post(url, "/a", b'{"n": 2}', {}, 5))[2] == b'{"n": 2}'
+        assert len(peers) == 3
+    finally:
+        await client.close()
+        server.close()
+
+
 async def test_an_answer_over_the_bound_is_refused_at_once_and_the_connection_closed():
     from pdserve.router.legs.http1 import AnswerTooLarge
 

@@ -250,9 +250,22 @@ class _Connection(asyncio.Protocol):
         self._reset()
         self.request_id = request_id.lower().encode("latin-1")
         self.parser = httptools.HttpResponseParser(self)
-        assert self.transport is not None
-        self.transport.write(data)
+        try:
+            if self.gone():
+                raise RuntimeError("closed")
+            self.transport.write(data)      # type: ignore[union-attr]
+        except RuntimeError:                # uvloop: its handle closed, connection_lost not run (nothing was sent)
+            self.close()
+            self._fail(self._gone_before_sending())
         return self.answer
+
+    def gone(self) -> bool:
+        """Closed, or closing before its connection_lost ran (uvloop then raises on a write: a decode server's
+        SIGKILL made the router answer a 500 so). A request on it never left: stale when kept alive."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
+    def _gone_before_sending(self) -> Disconnected:
+        return Disconnected("the backend closed the connection before the request was sent", stale=self.answers > 0)
 
     def close(self) -> None:
         self.closed = True
@@ -354,7 +367,7 @@ class Http1Client:
             now = self.clock()
             while pool.idle and not fresh:
                 conn = pool.idle.pop()                     # the most recently used: the warmest
-                if not conn.closed and now - conn.idle_since < self.keepalive:
+                if not conn.gone() and now - conn.idle_since < self.keepalive:
                     return conn
                 conn.close()
                 pool.open -= 1
