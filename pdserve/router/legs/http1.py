@@ -251,21 +251,21 @@ class _Connection(asyncio.Protocol):
         self.request_id = request_id.lower().encode("latin-1")
         self.parser = httptools.HttpResponseParser(self)
         try:
-            if self.gone():
-                raise RuntimeError("closed")
-            self.transport.write(data)      # type: ignore[union-attr]
-        except RuntimeError:                # uvloop: its handle closed, connection_lost not run (nothing was sent)
-            self.close()
-            self._fail(self._gone_before_sending())
+            if not self.gone():
+                self.transport.write(data)      # type: ignore[union-attr]
+                return self.answer
+        except RuntimeError:                    # uvloop: its handle closed, connection_lost not run yet
+            pass
+        # Nothing was sent: stale when kept alive, so the caller sends it once more on a new connection.
+        self.close()
+        self._fail(Disconnected("the backend closed the connection before the request was sent",
+                                stale=self.answers > 0))
         return self.answer
 
     def gone(self) -> bool:
         """Closed, or closing before its connection_lost ran (uvloop then raises on a write: a decode server's
-        SIGKILL made the router answer a 500 so). A request on it never left: stale when kept alive."""
+        SIGKILL made the router answer a 500 so)."""
         return self.closed or self.transport is None or self.transport.is_closing()
-
-    def _gone_before_sending(self) -> Disconnected:
-        return Disconnected("the backend closed the connection before the request was sent", stale=self.answers > 0)
 
     def close(self) -> None:
         self.closed = True
