@@ -15,10 +15,13 @@ tokens) requests at 1 and 64 concurrent clients:
 
 Added latency = proxy p50/p99 minus direct p50/p99 at 1 client. Throughput = requests per second at 64
 clients. The proxy under test runs alone on core 0; the backend and the load generator share core 1, and
-the proxy's CPU use is printed so a run where the proxy was not the bottleneck is visible.
+the proxy's CPU use is printed so a run where the proxy was not the bottleneck is visible. On a host with cores
+to spare, `--load-cores 2 3 4 5 --backend-cores 6 7` spreads the load side (bench_router_spread.py) so that it
+is not what limits a fast proxy.
 
 Usage: .venv/bin/python benchmarks/router/bench_router.py [--duration 5] [--out out/bench-router.json]
        [--arms pdserve vllm-router] [--runs N] [--clients 1 64] [--no-stream] [--api chat messages responses]
+       [--proxy-core 0] [--load-cores 1 ...] [--backend-cores ...]
 
 `--runs N` repeats the measurement N times, the arms interleaved in each run (a noisy neighbour hits both
 alike), and prints every run's figures, not only a mean. Every cell prints the proxy's CPU microseconds per
@@ -60,7 +63,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_router_backends import APIS, CAP, REMOTE_DECODE, request_body, run, run_backend, run_baseline  # noqa: E402
-PROXY_CORE, LOAD_CORE = {0}, {1}
+from bench_router_spread import snapshot, spread_load  # noqa: E402
+# Where each side runs (--proxy-core, --load-cores, --backend-cores; the defaults fit a 2-core box).
+PROXY_CORE, LOAD_CORE, LOAD_CORES, BACKEND_CORES = {0}, {1}, [1], [1]
 
 # ---------------------------------------------------------------------------------------------------------
 # Load generation
@@ -123,35 +128,11 @@ async def one_request(session: aiohttp.ClientSession, target: str, stream: bool,
             await r.read()
 
 
-def snapshot(proc: psutil.Process | None) -> dict[str, float]:
-    """CPU seconds and involuntary context switches (another process took the core) of the proxy and of
-    this load generator (the backend shares its core)."""
-    out = {}
-    for core, t in enumerate(psutil.cpu_times(percpu=True)):     # the whole machine, neighbours included
-        out[f"core{core}_busy_s"] = sum(t) - t.idle - getattr(t, "iowait", 0.0)
-    for who, p in (("proxy", proc), ("load", psutil.Process())):
-        if p is not None:
-            t = p.cpu_times()
-            out[who + "_cpu_s"] = t.user + t.system
-            out[who + "_preempted"] = preemptions(p.pid)
-    return out
-
-
-def preemptions(pid: int) -> int:
-    """Involuntary context switches of all the process's threads (psutil counts the main thread only)."""
-    n = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            n += int(next(line for line in (task / "status").read_text().splitlines()
-                          if line.startswith("nonvoluntary_ctxt_switches")).split()[1])
-        except (OSError, StopIteration):
-            pass
-    return n
-
-
 async def load(target: str, clients: int, stream: bool, direct: bool, duration: float,
                proc: psutil.Process | None = None, api: str = "chat") -> tuple[list[float], dict[str, float]]:
     """Latencies of the measured phase, and what the proxy and the load generator used during it."""
+    if len(LOAD_CORES) > 1:
+        return await spread_load(target, clients, stream, direct, duration, api, LOAD_CORES, proc)
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -239,7 +220,9 @@ async def main_async(args) -> dict:
     me = [sys.executable, str(Path(__file__).resolve())]
     backend_port = free_port_pair()
     backend_url, decode_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{backend_port + 1}"
-    procs = [spawn([*me, "--serve-backend", str(backend_port)], LOAD_CORE)]
+    # one backend a core, sharing the two ports (SO_REUSEPORT) when there are several
+    procs = [spawn([*me, "--serve-backend", str(backend_port), *(["reuse"] if len(BACKEND_CORES) > 1 else [])],
+                   {core}) for core in BACKEND_CORES]
     arms: list[tuple[str, str, subprocess.Popen | None]] = []
     files: list[str] = []
     try:
@@ -438,7 +421,7 @@ DEFAULT_OUT = Path(__file__).resolve().parents[2] / "out" / "bench-router.json"
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve-backend":
-        return run_backend(int(sys.argv[2]))
+        return run_backend(int(sys.argv[2]), reuse_port=sys.argv[3:] == ["reuse"])
     if len(sys.argv) > 3 and sys.argv[1] == "--serve-baseline":
         return run_baseline(int(sys.argv[2]), sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -458,7 +441,15 @@ def main() -> None:
     ap.add_argument("--tracing", action="store_true", help="with --cpu: each revision with tracing off and on")
     ap.add_argument("--api", nargs="+", choices=tuple(APIS), default=["chat"],
                     help="wire formats to send (chat completions, Anthropic Messages, OpenAI Responses), interleaved")
+    ap.add_argument("--proxy-core", type=int, default=0, help="the core the router under test runs on")
+    ap.add_argument("--load-cores", type=int, nargs="+", default=[1], help="one load-generator process a core "
+                    "(several: bench_router_spread.py; this process stays on the first)")
+    ap.add_argument("--backend-cores", type=int, nargs="+", help="one fake backend a core (default: the first "
+                    "load core, shared with the load generator)")
     args = ap.parse_args()
+    global PROXY_CORE, LOAD_CORE, LOAD_CORES, BACKEND_CORES
+    PROXY_CORE, LOAD_CORE, LOAD_CORES = {args.proxy_core}, {args.load_cores[0]}, args.load_cores
+    BACKEND_CORES = args.backend_cores or args.load_cores[:1]
     if args.cpu:
         rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api), args.reps,
                                json.loads(args.router_config)))

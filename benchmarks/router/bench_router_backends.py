@@ -138,7 +138,7 @@ def responses_shapes(p_params: dict, d_params: dict) -> tuple[bytes, bytes, tupl
 BACKEND_SHAPES = {CHAT: chat_shapes, MESSAGES: messages_shapes, RESPONSES: responses_shapes}
 
 
-def run_backend(port: int) -> None:
+def run_backend(port: int, reuse_port: bool = False) -> None:
     from aiohttp import web
 
     p_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
@@ -180,7 +180,7 @@ def run_backend(port: int) -> None:
     for path in answers:
         app.router.add_post(path, completions(path))
     app.router.add_post("/v1/traces", traces)
-    serve_on_two_ports(app, port)
+    serve_on_two_ports(app, port, reuse_port)
 
 
 def fake_vllm_app(max_body: int):
@@ -211,16 +211,16 @@ def fake_vllm_app(max_body: int):
     return app
 
 
-def serve_on_two_ports(app, port: int) -> None:
+def serve_on_two_ports(app, port: int, reuse_port: bool = False) -> None:
     """Serve `app` on `port` and `port + 1`, one as P and one as D (vllm-router takes one URL as one worker of
-    one role), until killed."""
+    one role), until killed; with `reuse_port`, beside other processes serving the same ports."""
     from aiohttp import web
 
     async def serve() -> None:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         for p in (port, port + 1):
-            await web.TCPSite(runner, "127.0.0.1", p).start()
+            await web.TCPSite(runner, "127.0.0.1", p, reuse_port=reuse_port or None).start()
         await asyncio.Event().wait()
     run(serve())
 
