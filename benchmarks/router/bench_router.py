@@ -163,7 +163,9 @@ async def measure(name: str, target: str, proc: psutil.Process | None, stream: b
          "proxy_cpu_us_per_request": 1e6 * used["proxy_cpu_s"] / n if proc else None,
          "proxy_preempted_per_s": used["proxy_preempted"] / args.duration if proc else None,
          "load_cpu_percent": 100 * used["load_cpu_s"] / args.duration,
-         "cores_busy_percent": [round(100 * v / args.duration) for k, v in sorted(used.items()) if k.startswith("core")]}
+         # by core number ("core10_" sorts before "core1_" as text)
+         "cores_busy_percent": [round(100 * used[f"core{i}_busy_s"] / args.duration)
+                                for i in range(sum(k.startswith("core") for k in used))]}
     print(f"  {name:11s} {api:9s} stream={str(stream):5s} clients={clients:2d}: {r['rps']:7.0f} req/s  "
           f"p50 {r['p50_ms']:6.2f} ms  p99 {r['p99_ms']:6.2f} ms  load cpu {r['load_cpu_percent']:.0f}%"
           + (f"  proxy cpu {r['proxy_cpu_percent']:.0f}%, {r['proxy_cpu_us_per_request']:.0f} us/req, "
