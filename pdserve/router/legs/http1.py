@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 try:
     import httptools
-except ImportError:      # an image without it (the GPU nodes' wheel list): the router stays on aiohttp
+except ImportError:      # an environment without it: the router stays on aiohttp's client
     httptools = None
 AVAILABLE = httptools is not None
 
