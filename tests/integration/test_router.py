@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.router.wire import WANT_PROMPT_IDS_KEY
+from pdserve.router.wire import WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY
 from tests.kits.fake_vllm import FAKE
 from tests.kits.metric_text import reuse_hits
 from tests.kits.router_rig import deployment
@@ -47,7 +47,9 @@ async def test_conversation_reuse_offers_only_the_common_prefix():
         status, data = await dep.post(CHAT, first)
         assert status == 200
         assert "conversation_id" not in leg_bodies(dep.prefill[0])[0]
-        assert leg_bodies(dep.decode[0])[0]["return_token_ids"] is True
+        # D's sequence is asked of the entry's patch (once, with D's handles), not of vLLM's return_token_ids
+        d_body = leg_bodies(dep.decode[0])[0]
+        assert d_body["kv_transfer_params"][WANT_TOKENS_KEY] is True and "return_token_ids" not in d_body
         history = first["messages"] + [data["choices"][0]["message"]]
         status, _ = await dep.post(CHAT, chat("beta " * 5, history, conversation_id="conv-1"))
         assert status == 200

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router.front.app import FLOW
+from pdserve.router.wire import WANT_TOKENS_KEY
 from tests.kits.fake_vllm import FAKE
 from tests.kits.router_rig import deployment
 
@@ -39,8 +40,9 @@ async def test_a_short_follow_up_is_served_on_d_alone_and_the_next_long_turn_pul
         assert plan2 == "decode_only"
         assert len(p.received) == 1                          # no P leg (P's /tokenize for the decision only)
         d_body = d.received[-1]["body"]
-        assert d_body["kv_transfer_params"] == {"do_remote_prefill": False}   # D keeps and publishes its blocks
-        assert d_body["return_token_ids"] is True and "kv_transfer_params" not in data
+        # D keeps and publishes its blocks, and its sequence with them
+        assert d_body["kv_transfer_params"] == {"do_remote_prefill": False, WANT_TOKENS_KEY: True}
+        assert "return_token_ids" not in d_body and "kv_transfer_params" not in data
         published = d.received[-1]
         _, plan3 = await turn(dep, "tool output " * LONG, history)
         assert plan3 == "prefill_then_decode"

@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.engine.patches import cut_offer
+from pdserve.router import wire
 from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, WANT_PROMPT_IDS_KEY
 try:
     from tests.kits import fake_context, fake_tier, hostile
@@ -46,8 +47,6 @@ except ModuleNotFoundError:      # run as a script (python tests/kits/fake_vllm.
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 147456    # an 8B-class model in bf16 (36 layers x 8 KV heads x 128 x 2 x 2 bytes ~ 144 KiB)
 FAKE = web.AppKey("fake", object)
-
-
 LONG_WORD = 24     # longer words split into 8-character pieces, as a BPE vocabulary splits a rare long word
 
 
@@ -301,7 +300,8 @@ class FakeVLLM:
                       "remote_request_id": rid, "remote_block_ids": [list(range(blocks))],
                       "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": total,
                       "remote_blocks_expiry_time": self.hold(rid, total, blocks), "transfer_mode": "pull",
-                      "tp_size": 1, "fake_d_url": f"http://{request.host}"}
+                      "tp_size": 1, "fake_d_url": f"http://{request.host}",   # and the entry's patch, when asked:
+                      **({wire.TOKENS_KEY: prompt + generated} if kv.get(wire.WANT_TOKENS_KEY) is True else {})}
         chat = "messages" in body
         ids = bool(body.get("return_token_ids"))
         if body.get("stream"):

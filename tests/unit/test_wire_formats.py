@@ -94,6 +94,21 @@ def test_messages_bodies_for_each_leg():
     assert WANT_TOKENS_KEY not in MESSAGES.decode_body(REQUEST, {"x": 1}, False, "r")["kv_transfer_params"]
 
 
+def test_chat_asks_d_for_its_sequence_beside_its_handles_not_with_return_token_ids():
+    """vLLM's return_token_ids put the prompt's ids in D's first chunk (on the way to the first token) and a
+    token id in every chunk; the entry's patch returns the sequence once, with D's handles."""
+    chat, completions = api.for_path("/v1/chat/completions"), api.for_path("/v1/completions")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    d_body = chat.decode_body(body, {"remote_block_ids": [1]}, True, "r")
+    assert d_body["kv_transfer_params"] == {"remote_block_ids": [1], WANT_TOKENS_KEY: True}
+    assert "return_token_ids" not in d_body
+    # no handles to ask beside (a degraded turn): vLLM's own ids, as before
+    assert chat.decode_body(body, None, True, "r")["return_token_ids"] is True
+    # completions: each prompt of a request is its own engine request, so vLLM's per-choice ids
+    d_body = completions.decode_body({"model": "m", "prompt": "hi"}, {"remote_block_ids": [1]}, True, "r")
+    assert d_body["return_token_ids"] is True and WANT_TOKENS_KEY not in d_body["kv_transfer_params"]
+
+
 def test_messages_errors_in_anthropics_shape():
     assert MESSAGES.client_error({"error": {"message": "no server", "type": "server_error", "code": 503}}, 503) == \
         {"type": "error", "error": {"type": "overloaded_error", "message": "no server"}}

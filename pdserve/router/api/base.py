@@ -192,8 +192,14 @@ class WireFormat:
     max_tokens_field = "max_tokens"  # the output cap set to 1 on the P leg
     # Every output-token cap the format has (chat has two): fitted on D's request to what the context leaves.
     output_fields: tuple[str, ...] = ("max_tokens",)
-    # D's sequence from vLLM's return_token_ids (chat, completions) or from the entry's patch (the others).
+    # The format takes vLLM's return_token_ids (chat, completions): a client may ask for them, the body may carry
+    # the prompt's ids, and a turn's stamp applies (book.py, plan.py).
     native_token_ids = False
+    # A tracked turn's D sequence asked of the entry's patch (WANT_TOKENS_KEY: once, beside D's handles at the
+    # answer's end) where D has handles to answer with, not through return_token_ids: that puts the prompt's ids
+    # in the first chunk, on the way to the first token (37.8k ids at 36k tokens), and each token's id in its
+    # chunk, cut out of every chunk by the router. True for every format but completions.
+    sequence_from_entry = True
     # D takes P's prompt ids instead of rendering and tokenizing the prompt again (wire.PROMPT_IDS_KEY): vLLM's
     # chat path, which /v1/messages goes through too; not /v1/responses or /v1/completions.
     forwards_prompt_ids = False
@@ -243,10 +249,10 @@ class WireFormat:
         if params is not None:
             out["kv_transfer_params"] = params
         if track:
-            if self.native_token_ids:
-                out["return_token_ids"] = True
-            elif params is not None:
+            if params is not None and self.sequence_from_entry:
                 out["kv_transfer_params"] = {**params, WANT_TOKENS_KEY: True}
+            elif self.native_token_ids:
+                out["return_token_ids"] = True
         return out
 
     def fit_output(self, body: dict[str, Any], room: int, fill: bool = False) -> dict[str, Any] | None:

@@ -22,6 +22,8 @@ class CompletionsFormat(WireFormat):
     routes = ("/v1/completions",)
     collector_class = ChoicesCollector
     native_token_ids = True
+    # vLLM's own ids, per choice: a completions request may hold several prompts, each its own engine request
+    sequence_from_entry = False
 
     def validate(self, body: dict[str, Any]) -> None:
         if "prompt" not in body:
