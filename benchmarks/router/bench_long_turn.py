@@ -2,7 +2,8 @@
 """What the router adds to one long streamed chat turn (issue 44 item 2: "router: relay and HTTP" was 31 ms of
 the H200's 252 ms 36k-token "on" turn), against fake P and D servers that answer at once in vLLM's shapes, with
 everything the router asks of them at that length: P's prompt ids (PROMPT_IDS_KEY, N ids) in its params, D's
-prompt ids in its first chunk and its sequence in its last (return_token_ids), D's handles for the next turn.
+sequence beside its handles at the end of its answer (WANT_TOKENS_KEY, as pdserve's entry adds it; when a client
+asks for return_token_ids, vLLM's own: the prompt's ids in the first chunk and each token's in its chunk).
 
 Per conversation: turn 1 (a chat of ~N tokens: --messages messages of --tokens / --messages tokens' worth of
 text each), stored by the router; then turn 2 = turn 1 + the reply + one user message, which the router finds
@@ -58,7 +59,7 @@ def count(body: dict) -> int:
 
 # ---------------------------------------------------------------------------------------------------------
 # The fake servers: P answers its leg with its params (and its prompt ids when asked), D streams REPLY_TOKENS
-# tokens with return_token_ids' ids and its handles at the end.
+# tokens (with return_token_ids' ids when asked) and its handles at the end (with its sequence when asked).
 
 def serve_fakes(port: int) -> None:
     from aiohttp import web
@@ -107,8 +108,11 @@ def serve_fakes(port: int) -> None:
             await out.write(sse({"id": "d", "object": "chat.completion.chunk", "choices": [
                 {"index": 0, "delta": {"content": f" r{i}"}, "finish_reason": None,
                  **({"token_ids": [7 + i]} if want else {})}]}))
+        params = d_params(request, n)
+        if kv.get("pdserve_return_token_ids"):
+            params["pdserve_token_ids"] = ids + [7 + i for i in range(REPLY_TOKENS)]
         await out.write(sse({"id": "d", "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": d_params(request, n)}))
+            {"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": params}))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -185,9 +189,9 @@ async def direct(session: aiohttp.ClientSession, p_url: str, d_url: str, body: d
                                    "pdserve_return_prompt_ids": True}})) as r:
         params = orjson.loads(await r.read())["kv_transfer_params"]
     p_leg = time.perf_counter() - t0
-    ids = {"return_token_ids": True} if api == "chat" else {}    # Messages asks in the params (the entry's patch)
-    took, _, _ = await first_chunk(session, d_url + PATHS[api], {**body, **ids, "kv_transfer_params": {
-        **params, **({} if ids else {"pdserve_return_token_ids": True})}})
+    # D's sequence asked in the params (the entry's patch), as the router asks on every format but completions
+    took, _, _ = await first_chunk(session, d_url + PATHS[api], {**body, "kv_transfer_params": {
+        **params, "pdserve_return_token_ids": True}})
     return p_leg + took
 
 

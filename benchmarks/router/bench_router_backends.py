@@ -141,6 +141,8 @@ BACKEND_SHAPES = {CHAT: chat_shapes, MESSAGES: messages_shapes, RESPONSES: respo
 def run_backend(port: int, reuse_port: bool = False) -> None:
     from aiohttp import web
 
+    from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
+
     p_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
                 "remote_request_id": "r", "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1",
                 "remote_port": 1}
@@ -152,12 +154,16 @@ def run_backend(port: int, reuse_port: bool = False) -> None:
     # Every answer of every API, made once: (P's answer, D's whole answer, D's stream as (head, token, tail)).
     answers = {path: shapes(p_params, d_params) for path, shapes in BACKEND_SHAPES.items()}
     with_ids = chat_shapes(p_params, d_params, ids=True)     # chat's D leg with return_token_ids
+    # ... and with D's sequence beside its handles, as pdserve's entry adds it when the router asks (wire.py)
+    sequence = {**d_params, TOKENS_KEY: list(range(8 + TOKENS))}
+    with_sequence = {path: shapes(p_params, sequence) for path, shapes in BACKEND_SHAPES.items()}
 
     def completions(path: str):
         async def answer(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             kv = body.get("kv_transfer_params") or {}
-            p_answer, d_answer, (head, token, tail) = with_ids if body.get("return_token_ids") else answers[path]
+            p_answer, d_answer, (head, token, tail) = with_ids if body.get("return_token_ids") else \
+                with_sequence[path] if kv.get(WANT_TOKENS_KEY) else answers[path]
             if kv.get("do_remote_decode"):
                 return web.Response(body=p_answer, content_type="application/json")
             if not body.get("stream"):
