@@ -37,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_router import LOAD_CORE, free_port_pair, spawn, start_arm, wait_up  # noqa: E402
 from bench_router_backends import fake_vllm_app, serve_on_two_ports  # noqa: E402
 
+from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY,  # noqa: E402
+                                 TOKENS_KEY, WANT_PROMPT_IDS_KEY, WANT_TOKENS_KEY)
+
 WORDS_PER_TOKEN = 0.75        # the fake's count: one token a 4/3 words, as English text runs
 REPLY_TOKENS = 16
 JSON = {"Content-Type": "application/json"}
@@ -72,20 +75,23 @@ def serve_fakes(port: int) -> None:
         params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p",
                   "remote_request_id": request.headers.get("X-Request-Id", "r"), "remote_block_ids": [[1, 2]],
                   "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": n}
-        if kv.get("pdserve_return_prompt_ids"):
-            params["prompt_token_ids"] = ids
+        if kv.get(WANT_PROMPT_IDS_KEY):
+            params[PROMPT_IDS_KEY] = ids
         # As P with pdserve's connector patch: its counts on every answer (so the router offers D's blocks
         # with D's sequence for P's engine to check), an offer read whole.
-        offered = kv.get("remote_num_tokens", 0) if "pdserve_expect_token_ids" in kv else 0
-        params.update(pdserve_pulled_tokens=offered, pdserve_local_cached_tokens=0,
-                      **({"pdserve_checked_tokens": offered} if offered else {}))
+        offered = kv.get("remote_num_tokens", 0) if EXPECT_KEY in kv else 0
+        params.update({PULLED_KEY: offered, LOCAL_KEY: 0, **({CHECKED_KEY: offered} if offered else {})})
         return params
 
-    def d_params(request: web.Request, n: int) -> dict:
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "d",
-                "remote_request_id": request.headers.get("X-Request-Id", "d"),
-                "remote_block_ids": [list(range(0, n // 16))], "remote_host": "127.0.0.1", "remote_port": 2,
-                "remote_num_tokens": n + REPLY_TOKENS}
+    def d_params(request: web.Request, kv: dict, n: int, ids: list[int]) -> dict:
+        """D's handles, and its sequence when asked, as pdserve's entry adds it."""
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "d",
+                  "remote_request_id": request.headers.get("X-Request-Id", "d"),
+                  "remote_block_ids": [list(range(0, n // 16))], "remote_host": "127.0.0.1", "remote_port": 2,
+                  "remote_num_tokens": n + REPLY_TOKENS}
+        if kv.get(WANT_TOKENS_KEY):
+            params[TOKENS_KEY] = ids + [7 + i for i in range(REPLY_TOKENS)]
+        return params
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -108,11 +114,8 @@ def serve_fakes(port: int) -> None:
             await out.write(sse({"id": "d", "object": "chat.completion.chunk", "choices": [
                 {"index": 0, "delta": {"content": f" r{i}"}, "finish_reason": None,
                  **({"token_ids": [7 + i]} if want else {})}]}))
-        params = d_params(request, n)
-        if kv.get("pdserve_return_token_ids"):
-            params["pdserve_token_ids"] = ids + [7 + i for i in range(REPLY_TOKENS)]
         await out.write(sse({"id": "d", "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": params}))
+            {"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": d_params(request, kv, n, ids)}))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -140,9 +143,7 @@ def serve_fakes(port: int) -> None:
         for i in range(REPLY_TOKENS):
             await out.write(sse({"type": "content_block_delta", "index": 0,
                                  "delta": {"type": "text_delta", "text": f" r{i}"}}, "content_block_delta"))
-        params = d_params(request, n)
-        if kv.get("pdserve_return_token_ids"):
-            params["pdserve_token_ids"] = ids + [7 + i for i in range(REPLY_TOKENS)]
+        params = d_params(request, kv, n, ids)
         await out.write(sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
                         + sse({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
                                "usage": {"input_tokens": n, "output_tokens": REPLY_TOKENS}}, "message_delta")
@@ -186,12 +187,12 @@ async def direct(session: aiohttp.ClientSession, p_url: str, d_url: str, body: d
     async with session.post(p_url + PATHS[api], headers=JSON, data=orjson.dumps({
             **body, "max_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                   "pdserve_return_prompt_ids": True}})) as r:
+                                   WANT_PROMPT_IDS_KEY: True}})) as r:
         params = orjson.loads(await r.read())["kv_transfer_params"]
     p_leg = time.perf_counter() - t0
     # D's sequence asked in the params (the entry's patch), as the router asks on every format but completions
     took, _, _ = await first_chunk(session, d_url + PATHS[api], {**body, "kv_transfer_params": {
-        **params, "pdserve_return_token_ids": True}})
+        **params, WANT_TOKENS_KEY: True}})
     return p_leg + took
 
 

@@ -14,7 +14,7 @@ handles, pulls, held blocks, faults, delays: everything `FakeVLLM._complete` doe
   `"kv_transfer_params": null`, as vLLM's do), the output item and part events, response.output_text.delta per
   token, then response.completed whose `response` carries the handles.
 - D's token ids: when the request's kv_transfer_params ask (pdserve_return_token_ids), D's returned params get
-  its prompt + generated ids (pdserve_token_ids), as the entry's connector patch adds them.
+  its prompt + generated ids (pdserve_token_ids), as the entry's connector patch adds them (fake_vllm's D leg).
 - `/v1/messages/count_tokens` ({"input_tokens"}), `/v1/messages/render` and `/v1/responses/render`
   ({"token_ids"}: vLLM's with --enable-scale-out).
 
@@ -32,7 +32,6 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
 
 try:
     from tests.kits import fake_context
@@ -144,11 +143,9 @@ class AgentWire:
             return resp, {}
         data = json.loads(resp.body)
         choice = data["choices"][0]
-        params = data.get("kv_transfer_params")
-        if params is not None and kv.get(WANT_TOKENS_KEY):
-            params[TOKENS_KEY] = data["prompt_token_ids"] + choice["token_ids"]   # the entry's connector patch
+        # (with D's sequence when asked: the chat path's D adds it as the entry's connector patch does)
         return None, {"prompt": data["prompt_token_ids"], "generated": choice["token_ids"],
-                      "text": choice["message"]["content"], "params": params}
+                      "text": choice["message"]["content"], "params": data.get("kv_transfer_params")}
 
     async def _stream(self, request: web.Request, head: list[bytes], deltas: list[bytes],
                       tail: list[bytes]) -> web.StreamResponse:
