@@ -136,17 +136,24 @@ async def load(target: str, clients: int, stream: bool, direct: bool, duration: 
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        async def worker(deadline: float, record: bool) -> None:
-            while time.monotonic() < deadline:
-                t = time.perf_counter()
-                await one_request(session, target, stream, direct, api)
-                if record:
-                    latencies.append(time.perf_counter() - t)
-        await asyncio.gather(*(worker(time.monotonic() + 0.5, False) for _ in range(clients)))   # warm up
+        await run_clients(session, clients, time.monotonic() + 0.5, target, stream, direct, api)   # warm up
         before = snapshot(proc)
-        await asyncio.gather(*(worker(time.monotonic() + duration, True) for _ in range(clients)))
+        await run_clients(session, clients, time.monotonic() + duration, target, stream, direct, api, latencies)
         after = snapshot(proc)
     return latencies, {k: after[k] - before[k] for k in before}
+
+
+async def run_clients(session: aiohttp.ClientSession, clients: int, deadline: float, target: str, stream: bool,
+                      direct: bool, api: str, latencies: list[float] | None = None) -> None:
+    """`clients` clients, each sending one request after another until `deadline` (time.monotonic); each
+    request's seconds appended to `latencies` when given."""
+    async def client() -> None:
+        while time.monotonic() < deadline:
+            t = time.perf_counter()
+            await one_request(session, target, stream, direct, api)
+            if latencies is not None:
+                latencies.append(time.perf_counter() - t)
+    await asyncio.gather(*(client() for _ in range(clients)))
 
 
 def pct(values: list[float], q: float) -> float:

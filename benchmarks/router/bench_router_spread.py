@@ -87,20 +87,15 @@ async def spread_load(target: str, clients: int, stream: bool, direct: bool, dur
 
 
 async def worker(spec: dict) -> dict:
-    from bench_router import one_request     # noqa: PLC0415 (this file is run as a script beside it)
+    from bench_router import run_clients     # noqa: PLC0415 (this file is run as a script beside it)
     latencies: list[float] = []
     me = psutil.Process()
+    sends = (spec["target"], spec["stream"], spec["direct"], spec["api"])
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def client(deadline: float, record: bool) -> None:
-            while time.monotonic() < deadline:
-                t = time.perf_counter()
-                await one_request(session, spec["target"], spec["stream"], spec["direct"], spec["api"])
-                if record:
-                    latencies.append(time.perf_counter() - t)
         await asyncio.sleep(max(0.0, spec["start_at"] - WARM_S - time.monotonic()))
-        await asyncio.gather(*(client(spec["start_at"], False) for _ in range(spec["clients"])))
+        await run_clients(session, spec["clients"], spec["start_at"], *sends)     # warm up
         cpu = me.cpu_times()
-        await asyncio.gather(*(client(spec["end_at"], True) for _ in range(spec["clients"])))
+        await run_clients(session, spec["clients"], spec["end_at"], *sends, latencies)
         cpu2 = me.cpu_times()
     return {"latencies": latencies, "cpu_s": cpu2.user + cpu2.system - cpu.user - cpu.system}
 
