@@ -145,7 +145,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     """The reuse patches; with argv (the server process's own), also the scale-out option."""
     if os.environ.get(REUSE_PATCHES_ENV) != "1":
         return
-    from pdserve.engine import decode_stream, descs, held_http, patches, prompt_ids, segment_tokens
+    from pdserve.engine import decode_stream, descs, held_http, patches, prompt_ids, segment_tokens, sync_pull
     streamed = patches.patch_streamed_kv_params()
     counted = patches.patch_pulled_token_counts()
     held_kv = held_http.patch_held_kv()    # D's held KV blocks: release/renew routes (engine/held*.py)
@@ -155,6 +155,7 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
     forwarded_ids = prompt_ids.patch_forwarded_prompt_ids()   # D skips rendering what P tokenized
     pieces = segment_tokens.patch_segment_tokens()    # a follow-up's history is not tokenized again
     first_token = decode_stream.patch_decode_stream_prefill()   # nor decoded again for its first token
+    in_step = sync_pull.patch_sync_pull()    # P's pull of D's KV inside the step that computes the turn
     if argv is not None:
         os.environ[SCALE_OUT_STATE_ENV] = add_scale_out(argv)
         os.environ[REQUEST_IDS_STATE_ENV] = add_flag(argv, REQUEST_IDS_FLAG,
@@ -168,7 +169,8 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
           f"request ids: {os.environ.get(REQUEST_IDS_STATE_ENV, 'unknown')}; "
           f"reads in local order: {'yes' if pull_order else 'no'}; "
           f"allocations ascending: {'yes' if ascending else 'no'}; prompt ids from P: {forwarded_ids}; "
-          f"tokenized-piece cache: {pieces}; decode stream from a prompt suffix: {first_token}", flush=True)
+          f"tokenized-piece cache: {pieces}; decode stream from a prompt suffix: {first_token}; "
+          f"pulls in the step: {in_step}", flush=True)
 
 
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in

@@ -92,6 +92,43 @@ def test_three_turns_pull_kv_from_decode(cluster):
     assert router["reuse_tokens_pulled"] - before["reuse_tokens_pulled"] == sum(r["tokens_from_d"] for r in rows)
 
 
+TOLERANCE = 1e-3
+
+
+def top_logprobs(reply) -> list[dict[str, float]]:
+    return [{t.token: t.logprob for t in position.top_logprobs} for position in reply.choices[0].logprobs.content]
+
+
+def test_a_pulled_turn_is_read_within_its_step_and_answers_as_d_computing_it_all(cluster):
+    # P loads D's blocks in the step that computes the turn's new tokens (engine/sync_pull.py): its log says
+    # so for each pull, and the answer's log-probabilities are those D gives when it computes the whole prompt
+    # itself, so P's new tokens attended to D's KV, not to blocks the read had not filled yet. The tiny
+    # model's greedy text hardly depends on its context, its log-probabilities do: another first turn moves
+    # them by ~1e-3, the same prompt computed either way agrees far closer (TOLERANCE).
+    from openai import OpenAI
+    log = cluster["home"] / "clusters" / NAME / "logs" / "prefill-0.log"
+    said = "pdserve-sync-pull: 1 read(s) of D's KV done before the step"
+    reads = log.read_text().count(said)
+    routed = OpenAI(base_url=cluster["router"] + "/v1", api_key="unused")
+    history = [long_user_turn(0)]
+    greedy = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "logprobs": True, "top_logprobs": 5}
+    first = routed.chat.completions.create(messages=history, **greedy, extra_body={"conversation_id": "e2e-sync"})
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, long_user_turn(1)]
+    before = external_tokens(cluster)
+    pulled = routed.chat.completions.create(messages=history, **greedy, extra_body={"conversation_id": "e2e-sync"})
+    assert external_tokens(cluster) - before > THRESHOLD
+    assert log.read_text().count(said) == reads + 1
+    alone = OpenAI(base_url=cluster["decode"][0] + "/v1", api_key="unused")
+    whole = alone.chat.completions.create(messages=history, **greedy)
+    other = alone.chat.completions.create(messages=[long_user_turn(3), *history[1:]], **greedy)
+    assert pulled.choices[0].message.content == whole.choices[0].message.content
+    got, want, moved = top_logprobs(pulled), top_logprobs(whole), top_logprobs(other)
+    assert [p.keys() for p in got] == [p.keys() for p in want]
+    gap = max(abs(p[t] - w[t]) for p, w in zip(got, want) for t in w)
+    apart = max(abs(p[t] - w.get(t, p[t])) for p, w in zip(moved, want) for t in p)
+    assert gap <= TOLERANCE < apart, (gap, apart)     # measured here: 0.0 and 0.0079
+
+
 def test_doctor_reports_the_measured_transfer_rates(cluster):
     res = pdserve("doctor", str(cluster["path"]))
     assert res.returncode == 0, res.stdout + res.stderr

