@@ -21,3 +21,7 @@ FORK_ENV = "PDSERVE_ENGINE_FORK"
 TOKENIZE_CACHE_ENV = "PDSERVE_TOKENIZE_CACHE_TOKENS"
 # "0" leaves each block allocation in vLLM's order instead of ascending block ids (engine/descs.py).
 ASCENDING_ALLOC_ENV = "PDSERVE_ASCENDING_ALLOC"
+# "0" leaves P's pulls of D's KV on vLLM's asynchronous path instead of inside the step (engine/sync_pull.py).
+SYNC_PULL_ENV = "PDSERVE_SYNC_PULL"
+# Seconds P's worker waits for a pull inside its step before it stops the engine (engine/sync_pull.py).
+SYNC_PULL_TIMEOUT_ENV = "PDSERVE_SYNC_PULL_TIMEOUT_S"

@@ -33,9 +33,10 @@ import os
 import time
 from typing import Any
 
+from pdserve.engine.names import SYNC_PULL_ENV as ENABLE_ENV
+from pdserve.engine.names import SYNC_PULL_TIMEOUT_ENV as TIMEOUT_ENV
+
 SYNC_ATTR = "pdserve_sync_recv"        # on NixlConnectorMetadata: ids whose READ the worker waits for
-ENABLE_ENV = "PDSERVE_SYNC_PULL"
-TIMEOUT_ENV = "PDSERVE_SYNC_PULL_TIMEOUT_S"
 PATCHED_ATTR = "pdserve_sync_pull"
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
