@@ -61,8 +61,10 @@ def is_pull_from_d(params: Any) -> bool:
     return isinstance(params, dict) and bool(params.get("do_remote_decode")) and bool(params.get("remote_block_ids"))
 
 
-def _sync_ids(scheduler: Any) -> dict[str, tuple[float, int]]:
-    """request id -> (when decided, P's own computed tokens then), on the scheduler side."""
+def _sync_ids(scheduler: Any) -> dict[str, tuple[float, int, bool]]:
+    """request id -> (when decided, P's own computed tokens then, whether its READ was set up), on the
+    scheduler side. Only a READ set up for the pulled tokens is waited for and kept from vLLM's scheduler: under
+    a MultiConnector another child may load the request, and NIXL then only notifies D."""
     ids = scheduler.__dict__.get("_pdserve_sync")
     if ids is None:
         ids = scheduler.__dict__["_pdserve_sync"] = {}
@@ -80,7 +82,7 @@ def decide(scheduler: Any, request: Any, num_computed_tokens: int, result: Any) 
         return result
     if num_computed_tokens + count >= getattr(request, "num_tokens", 0):
         return result     # nothing left to compute in the step: vLLM's asynchronous path recomputes the last token
-    _sync_ids(scheduler)[request.request_id] = (time.monotonic(), num_computed_tokens)
+    _sync_ids(scheduler)[request.request_id] = (time.monotonic(), num_computed_tokens, False)
     return count, False
 
 
@@ -90,9 +92,13 @@ def read_into(scheduler: Any, request: Any, blocks: Any, num_external_tokens: in
     is allocated yet, and caching waits for the load), but here the step's new tokens have blocks too, and with
     P's prefix cache on the pulled ones are hashed at once. So the READ goes to the blocks from P's own computed
     tokens (block-aligned) to the end of the pulled ones, as the asynchronous path would have allocated them."""
-    entry = _sync_ids(scheduler).get(request.request_id)
+    ids = _sync_ids(scheduler)
+    entry = ids.get(request.request_id)
+    if entry is None:
+        return
     need = getattr(scheduler, "_reqs_need_recv", {}).get(request.request_id)
-    if entry is None or need is None or num_external_tokens <= 0:
+    if need is None or num_external_tokens <= 0:
+        del ids[request.request_id]      # nothing pulled by NIXL in this step: vLLM's own handling stands
         return
     size = scheduler.block_size
     local = entry[1]
@@ -102,16 +108,17 @@ def read_into(scheduler: Any, request: Any, blocks: Any, num_external_tokens: in
     if len(fixed) == 4 and isinstance(fixed[2], tuple):     # vLLM 0.32: P's own blocks per group (for DCP)
         fixed[2] = tuple(first for _ in groups)
     scheduler._reqs_need_recv[request.request_id] = tuple(fixed)
+    ids[request.request_id] = (entry[0], local, True)
 
 
 def mark(scheduler: Any, metadata: Any) -> Any:
     """List the step's synchronous READs on the metadata the workers get."""
     ids = _sync_ids(scheduler)
     recv = getattr(metadata, "reqs_to_recv", None) or {}
-    setattr(metadata, SYNC_ATTR, {rid for rid in recv if rid in ids})
+    setattr(metadata, SYNC_ATTR, {rid for rid in recv if rid in ids and ids[rid][2]})
     if ids:
         stale = time.monotonic() - FORGET_AFTER_S
-        for rid in [rid for rid, (since, _) in ids.items() if since < stale]:
+        for rid in [rid for rid, (since, _, _) in ids.items() if since < stale]:
             del ids[rid]
     return metadata
 
@@ -122,7 +129,7 @@ def drop_reports(scheduler: Any, output: Any) -> None:
     recv = getattr(output, "finished_recving", None)
     if not ids or not recv:
         return
-    for rid in [rid for rid in recv if rid in ids]:
+    for rid in [rid for rid in recv if rid in ids and ids[rid][2]]:
         recv.discard(rid)
         del ids[rid]
 
@@ -140,10 +147,16 @@ def _merge(kept: Any, new: Any) -> Any:
     return new
 
 
+def _reads_blocks(meta: Any) -> bool:
+    """Whether vLLM's worker holds this request for a READ into local blocks (not a notify-only full hit)."""
+    blocks = getattr(meta, "local_block_ids", None)
+    return meta is not None and (blocks is None or any(len(group) for group in blocks))
+
+
 def wait_for_reads(worker: Any, ids: set[str], collect, limit_s: float) -> None:
     """Block until each listed request's READ is done or failed (vLLM's completion step run early by `collect`,
     its result kept on the worker for the engine's next call)."""
-    pending = {rid for rid in ids if rid in worker._recving_metadata}
+    pending = {rid for rid in ids if _reads_blocks(worker._recving_metadata.get(rid))}
     deadline = time.monotonic() + limit_s
     pause = 0.0001
     while pending:

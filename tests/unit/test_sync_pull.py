@@ -55,9 +55,15 @@ def test_the_read_goes_to_the_pulled_tokens_blocks_not_the_new_ones():
     assert s._reqs_need_recv["x"] == (other, [[1, 2]], (), True)
 
 
+BLOCKS = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))
+
+
 def test_the_step_lists_its_synchronous_reads_and_their_reports_never_reach_vllms_scheduler():
     s = scheduler()
-    decide(s, request(), 0, (90, True))
+    r = request()
+    decide(s, r, 0, (90, True))
+    s._reqs_need_recv["r1"] = (r, [[10, 11, 12, 13]], (0,), True)
+    read_into(s, r, BLOCKS, 90)
     meta = mark(s, SimpleNamespace(reqs_to_recv={"r1": object(), "async": object()}))
     assert getattr(meta, SYNC_ATTR) == {"r1"}
     out = SimpleNamespace(finished_recving={"r1", "async"})
@@ -66,6 +72,18 @@ def test_the_step_lists_its_synchronous_reads_and_their_reports_never_reach_vllm
     out = SimpleNamespace(finished_recving={"r1"})
     drop_reports(s, out)                                        # reported once only: a second one passes
     assert out.finished_recving == {"r1"}
+
+
+def test_a_request_another_connector_loads_is_neither_listed_nor_kept_from_vllm():
+    # Under a MultiConnector (NIXL beside a CPU tier) the tier may load the request: NIXL's scheduler then gets
+    # 0 external tokens and only notifies D, so there is no READ to wait for and vLLM reports nothing.
+    s = scheduler()
+    r = request()
+    decide(s, r, 0, (90, True))
+    s._reqs_need_recv["r1"] = (r, [], (), False)
+    read_into(s, r, BLOCKS, 0)
+    assert s._reqs_need_recv["r1"] == (r, [], (), False) and not s._pdserve_sync
+    assert getattr(mark(s, SimpleNamespace(reqs_to_recv={"r1": object()})), SYNC_ATTR) == set()
 
 
 @dataclass
@@ -105,6 +123,15 @@ def test_the_worker_waits_for_its_reads_and_keeps_every_completion_for_the_engin
     kept = worker._pdserve_kept
     sending, recving = kept if tuple_results else (kept.finished_sending, kept.finished_recving)
     assert sending == {"sent1", "sent2", "sent3"} and recving == {"r1"}
+
+
+def test_a_notify_only_request_is_not_waited_for():
+    # vLLM 0.26 keeps a full local hit's metadata (empty local blocks) and never reports it: waiting for it
+    # would stop the engine.
+    worker = FakeWorker(done_after=10**9)
+    worker._recving_metadata["r1"] = SimpleNamespace(local_block_ids=[])
+    wait_for_reads(worker, {"r1"}, FakeWorker.collect, limit_s=0.05)
+    assert worker.polls == 0
 
 
 def test_a_read_that_never_finishes_stops_the_engine_instead_of_computing_on_it():
