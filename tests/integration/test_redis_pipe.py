@@ -99,3 +99,39 @@ async def test_a_reply_due_on_a_lost_connection_is_never_given_to_a_call_on_the_
         outcomes = await asyncio.gather(lost, fresh, return_exceptions=True)
         assert isinstance(outcomes[0], Exception) and outcomes[1] == b"fresh", outcomes
         assert [await (await pipe.send("ECHO", w)) for w in ("one", "two")] == [b"one", b"two"]
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conns: list) -> None:
+    """A RESP peer that answers +OK to every command but HELLO (redis-py then speaks RESP2)."""
+    conns.append(writer)
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
+        while True:
+            count = int((await reader.readline())[1:])      # *N
+            args = [(await reader.readexactly(int((await reader.readline())[1:]) + 2))[:-2] for _ in range(count)]
+            writer.write(b"-ERR unknown command\r\n" if args[0].upper() == b"HELLO" else b"+OK\r\n")
+            await writer.drain()
+
+
+async def test_a_connection_reset_while_idle_is_not_used_again():
+    """A peer gone with a reset (a Redis killed with a command unread: its kernel answers RST, not FIN) leaves
+    the idle connection's reader holding the error, not at its end: the next call went out on that socket,
+    failed, and took the store down (tests/integration/test_router_store_redis.py's restart, now and then)."""
+    import socket
+    import struct
+    conns: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(lambda r, w: _answer_ok(r, w, conns), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}")
+    pipe = RedisPipe(client, 1.0)
+    try:
+        assert await (await pipe.send("PING")) == b"OK"
+        for writer in conns:       # SO_LINGER 0: close() sends RST
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        await asyncio.sleep(0.2)   # the reset reaches the idle connection
+        assert await (await pipe.send("PING")) == b"OK"    # on a new connection
+        assert len(conns) == 2
+    finally:
+        await pipe.close()
+        await client.aclose()
+        server.close()

@@ -252,12 +252,24 @@ async def test_a_take_after_a_put_returns_finds_the_entry_before_the_put_is_conf
         await store.close()
 
 
+async def _stored(dep, turns: int) -> None:
+    """Until Redis has answered the puts of `turns` turns."""
+    for _ in range(100):
+        if f'pdserve_router_turns_total{{api="chat",outcome="stored"}} {turns:.1f}' in await dep.metrics():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the puts of {turns} turns were never answered")
+
+
 async def test_redis_restarted_while_the_router_is_idle_costs_no_turn(redis_server):
     """Redis restarts between two turns (an upgrade, a failover): the pipe's connection is to the old
     process, closed by it. The next turn reconnects instead of failing its take on the dead socket,
     marking the store down and leaving its follow-up unstored (before: store_up 0 and a miss)."""
     async with deployment(store=redis_server.url) as dep:
         await _turns(dep.url, dep.session, 2, "before-restart", [])         # the pipe's connection is open
+        # Idle: a turn's put is answered after the turn's answer, so the second one may still be in flight
+        # (killed with it, it failed and took the store down: the test failed now and then).
+        await _stored(dep, 2)
         redis_server.kill()
         redis_server.start()                                                 # back, same port, empty
         pre = reuse_hits(await dep.metrics())

@@ -131,7 +131,10 @@ class _Channel:
         if self.failed:
             return False
         reader = getattr(self.conn, "_reader", None)     # None: redis-py closed it on an error not read yet
-        if reader is None or reader.at_eof():
+        # A reset (a Redis killed with a command unread: its kernel sends RST, not FIN) leaves the reader
+        # holding the error, not at its end, and the transport closed.
+        if reader is None or reader.at_eof() or reader.exception() is not None \
+                or self.transport is None or self.transport.is_closing():
             self._fail(ConnectionError("Redis closed the connection"))
             return False
         return True
