@@ -29,6 +29,7 @@ turn on D meanwhile).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import time
 from typing import Any
@@ -244,7 +245,6 @@ def patch_sync_pull() -> str:
     if not enabled():
         return f"no ({ENABLE_ENV}=0)"
     try:
-        import importlib
         scheduler_cls = importlib.import_module(SCHEDULER_MODULE).NixlPullConnectorScheduler
         worker_cls = importlib.import_module(WORKER_MODULE).NixlPullConnectorWorker
     except (ImportError, AttributeError):
