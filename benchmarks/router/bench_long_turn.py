@@ -34,7 +34,7 @@ import orjson
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_router import LOAD_CORE, free_port_pair, spawn, start_arm, wait_up  # noqa: E402
+from bench_router import free_port_pair, load_core, spawn, start_arm, wait_up  # noqa: E402
 from bench_router_backends import fake_vllm_app, serve_on_two_ports  # noqa: E402
 
 from pdserve.router.wire import (CHECKED_KEY, EXPECT_KEY, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY,  # noqa: E402
@@ -197,9 +197,9 @@ async def direct(session: aiohttp.ClientSession, p_url: str, d_url: str, body: d
 
 
 async def measure(args) -> dict:
-    os.sched_setaffinity(0, LOAD_CORE)
+    os.sched_setaffinity(0, load_core())
     port = free_port_pair()
-    fakes = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-fakes", str(port)], LOAD_CORE)
+    fakes = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-fakes", str(port)], load_core())
     p_url, d_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     url, router, cfg = start_arm("pdserve", p_url, d_url, {}, [])
     rows: dict[str, list] = {"router": [], "direct": [], "cpu_ms": [], "timing": []}

@@ -65,7 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_router_backends import APIS, CAP, REMOTE_DECODE, request_body, run, run_backend, run_baseline  # noqa: E402
 from bench_router_spread import snapshot, spread_load  # noqa: E402
 # Where each side runs (--proxy-core, --load-cores, --backend-cores; the defaults fit a 2-core box).
-PROXY_CORE, LOAD_CORE, LOAD_CORES, BACKEND_CORES = {0}, {1}, [1], [1]
+PROXY_CORE, LOAD_CORES, BACKEND_CORES = {0}, [1], [1]
+
+
+def load_core() -> set[int]:
+    """The core of this process (the load generator's first), of Redis and of the baseline's backend."""
+    return {LOAD_CORES[0]}
 
 # ---------------------------------------------------------------------------------------------------------
 # Load generation
@@ -201,7 +206,7 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict, he
             redis_port = free_port()
             # Debian's redis-server, no persistence, on the load side's core (the router keeps core 0 alone)
             helpers.append(spawn(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                                  "--save", "", "--appendonly", "no"], LOAD_CORE))
+                                  "--save", "", "--appendonly", "no"], load_core()))
             extra = {"store": f"redis://127.0.0.1:{redis_port}/0"}
         cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"prefill": [{"name": "prefill-0", "url": backend_url}],
@@ -225,7 +230,7 @@ def start_arm(name: str, backend_url: str, decode_url: str, router_cfg: dict, he
 
 
 async def main_async(args) -> dict:
-    os.sched_setaffinity(0, LOAD_CORE)
+    os.sched_setaffinity(0, load_core())
     me = [sys.executable, str(Path(__file__).resolve())]
     backend_port = free_port_pair()
     backend_url, decode_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{backend_port + 1}"
@@ -367,10 +372,10 @@ async def huge_body_stall(url: str) -> tuple[float, float, int]:
 
 async def compare_cpu(revs: list[str], n: int, tracing: bool = False, apis: tuple[str, ...] = ("chat",),
                       reps: int = 1, router_config: dict | None = None) -> list[dict]:
-    os.sched_setaffinity(0, LOAD_CORE)
+    os.sched_setaffinity(0, load_core())
     backend_port = free_port_pair()     # the backend listens on this port and the next
     backend_url = f"http://127.0.0.1:{backend_port}"
-    backend = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(backend_port)], LOAD_CORE)
+    backend = spawn([sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(backend_port)], load_core())
     rows = []
     try:
         await wait_up(backend_url)
@@ -456,8 +461,8 @@ def main() -> None:
     ap.add_argument("--backend-cores", type=int, nargs="+", help="one fake backend a core (default: the first "
                     "load core, shared with the load generator)")
     args = ap.parse_args()
-    global PROXY_CORE, LOAD_CORE, LOAD_CORES, BACKEND_CORES
-    PROXY_CORE, LOAD_CORE, LOAD_CORES = {args.proxy_core}, {args.load_cores[0]}, args.load_cores
+    global PROXY_CORE, LOAD_CORES, BACKEND_CORES
+    PROXY_CORE, LOAD_CORES = {args.proxy_core}, args.load_cores
     BACKEND_CORES = args.backend_cores or args.load_cores[:1]
     if args.cpu:
         rows = run(compare_cpu(args.cpu, args.n, args.tracing, tuple(args.api), args.reps,

@@ -29,7 +29,7 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_router import LOAD_CORE, PROXY_CORE, free_port, pct, spawn, wait_up  # noqa: E402
+from bench_router import PROXY_CORE, free_port, load_core, pct, spawn, wait_up  # noqa: E402
 from bench_router_backends import TOKENS  # noqa: E402
 
 D_PARAMS = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "e-d",
@@ -135,14 +135,14 @@ async def one_store(store: str, backend_url: str, args) -> list[dict]:
 
 
 async def main_async(args) -> list[dict]:
-    os.sched_setaffinity(0, LOAD_CORE)
+    os.sched_setaffinity(0, load_core())
     backend_port, redis_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     data = tempfile.mkdtemp(prefix="bench-store-redis-")
-    procs = [spawn([sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(backend_port)], LOAD_CORE),
+    procs = [spawn([sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(backend_port)], load_core()),
              spawn([shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
                     "--dir", data, "--save", "", "--appendonly", "no", "--maxmemory", "256mb",
-                    "--maxmemory-policy", "volatile-ttl"], LOAD_CORE)]
+                    "--maxmemory-policy", "volatile-ttl"], load_core())]
     rows: list[dict] = []
     try:
         await wait_up(backend_url)

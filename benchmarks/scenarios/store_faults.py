@@ -33,7 +33,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))   # bench_router, bench_store
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_router import LOAD_CORE, PROXY_CORE, free_port, pct, spawn, wait_up  # noqa: E402
+from bench_router import PROXY_CORE, free_port, load_core, pct, spawn, wait_up  # noqa: E402
 
 HERE = Path(__file__).resolve()
 
@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve()
 def redis_server(port: int, data: str) -> subprocess.Popen:
     return spawn([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
                   "--dir", data, "--save", "", "--appendonly", "no", "--maxmemory", "256mb",
-                  "--maxmemory-policy", "volatile-ttl"], LOAD_CORE)
+                  "--maxmemory-policy", "volatile-ttl"], load_core())
 
 
 async def silent_listener() -> tuple[asyncio.AbstractServer, int]:
@@ -143,12 +143,12 @@ async def big_puts(redis_port: int, redis_proc: subprocess.Popen, args) -> None:
 
 
 async def main_async(args) -> None:
-    os.sched_setaffinity(0, LOAD_CORE)
+    os.sched_setaffinity(0, load_core())
     backend_port, redis_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     data = tempfile.mkdtemp(prefix="store-faults-")
     backend = spawn([sys.executable, str(HERE.parents[1] / "router" / "bench_store.py"), "--serve-backend", str(backend_port)],
-                    LOAD_CORE)
+                    load_core())
     redis = redis_server(redis_port, data)
     bound = args.timeout + 0.5
     try:
