@@ -176,16 +176,9 @@ def wait_for_reads(worker: Any, ids: set[str], collect, limit_s: float) -> None:
         pause = min(pause * 2, 0.002)
 
 
-def _completion_method(worker_cls: type) -> str:
-    return "get_transfer_results" if "get_transfer_results" in _own_and_inherited(worker_cls) else "get_finished"
-
-
-def _own_and_inherited(cls: type) -> set[str]:
-    return {name for klass in cls.__mro__ for name in vars(klass)}
-
-
 def patch_worker(worker_cls: type) -> None:
-    method = _completion_method(worker_cls)
+    # vLLM 0.32's completion step (its get_finished calls it); 0.26 has get_finished alone
+    method = "get_transfer_results" if hasattr(worker_cls, "get_transfer_results") else "get_finished"
     completion = getattr(worker_cls, method)
     start = worker_cls.start_load_kv
 

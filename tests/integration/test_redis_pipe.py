@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 import time
 
 import pytest
@@ -116,8 +118,6 @@ async def test_a_connection_reset_while_idle_is_not_used_again():
     """A peer gone with a reset (a Redis killed with a command unread: its kernel answers RST, not FIN) leaves
     the idle connection's reader holding the error, not at its end: the next call went out on that socket,
     failed, and took the store down (tests/integration/test_router_store_redis.py's restart, now and then)."""
-    import socket
-    import struct
     conns: list[asyncio.StreamWriter] = []
     server = await asyncio.start_server(lambda r, w: _answer_ok(r, w, conns), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

@@ -32,7 +32,6 @@ from typing import Any
 
 from aiohttp import web
 
-
 try:
     from tests.kits import fake_context
 except ModuleNotFoundError:      # run as a script: its folder is on the path
@@ -143,7 +142,7 @@ class AgentWire:
             return resp, {}
         data = json.loads(resp.body)
         choice = data["choices"][0]
-        # (with D's sequence when asked: the chat path's D adds it as the entry's connector patch does)
+        # the params carry D's sequence when asked: fake_vllm's D leg adds it as the entry's connector patch does
         return None, {"prompt": data["prompt_token_ids"], "generated": choice["token_ids"],
                       "text": choice["message"]["content"], "params": data.get("kv_transfer_params")}
 

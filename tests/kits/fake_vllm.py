@@ -33,8 +33,8 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.engine.patches import cut_offer
-from pdserve.router import wire
 from pdserve.router.wire import CHECKED_KEY, CONTROL_TOKEN_ENV, LOCAL_KEY, PROMPT_IDS_KEY, PULLED_KEY, WANT_PROMPT_IDS_KEY
+from pdserve.router.wire import TOKENS_KEY, WANT_TOKENS_KEY
 try:
     from tests.kits import fake_context, fake_tier, hostile
     from tests.kits.fake_agent_wire import AgentWire
@@ -301,7 +301,7 @@ class FakeVLLM:
                       "remote_host": "127.0.0.1", "remote_port": 2, "remote_num_tokens": total,
                       "remote_blocks_expiry_time": self.hold(rid, total, blocks), "transfer_mode": "pull",
                       "tp_size": 1, "fake_d_url": f"http://{request.host}",   # and the entry's patch, when asked:
-                      **({wire.TOKENS_KEY: prompt + generated} if kv.get(wire.WANT_TOKENS_KEY) is True else {})}
+                      **({TOKENS_KEY: prompt + generated} if kv.get(WANT_TOKENS_KEY) is True else {})}
         chat = "messages" in body
         ids = bool(body.get("return_token_ids"))
         if body.get("stream"):
