@@ -16,6 +16,9 @@ prefill many times slower and P's KV leases expire before D can read them (docs/
 - NIXL's progress thread (PDSERVE_NIXL_PROGRESS_DELAY_US): NIXL's Python API creates its agent with a
   delay of 0, a busy loop that holds one core per worker even when idle. Here it sleeps between polls.
 
+On GPUs, with UCX's CUDA IPC mapping cache on, the process that creates NIXL's agent also drops the
+mappings it holds of a peer that died (engine/ipc_sweep.py), so the peer's GPU memory is freed for its restart.
+
 The patches run when this module is a process's main module: as `python -m pdserve.engine.entry`, and as
 `__mp_main__` in the engine core and workers, which vLLM starts with multiprocessing's spawn, so every
 process of the server gets them. Importing it changes nothing.
@@ -176,6 +179,8 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
     pin_to_own_cores()
     patch_nixl_progress_delay()
+    from pdserve.engine import ipc_sweep
+    ipc_sweep.patch_agent_start()
     apply_reuse_patches(sys.argv if __name__ == "__main__" else None)
 
 if __name__ == "__main__":

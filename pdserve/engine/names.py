@@ -25,3 +25,5 @@ ASCENDING_ALLOC_ENV = "PDSERVE_ASCENDING_ALLOC"
 SYNC_PULL_ENV = "PDSERVE_SYNC_PULL"
 # Seconds P's worker waits for a pull inside its step before it stops the engine (engine/sync_pull.py).
 SYNC_PULL_TIMEOUT_ENV = "PDSERVE_SYNC_PULL_TIMEOUT_S"
+# "0": the entry does not drop a dead peer's CUDA IPC mappings from UCX's cache (engine/ipc_sweep.py).
+IPC_SWEEP_ENV = "PDSERVE_IPC_SWEEP"

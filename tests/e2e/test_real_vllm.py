@@ -61,6 +61,16 @@ def test_all_ready(cluster):
                   source="external_kv_transfer") >= THRESHOLD
 
 
+def test_each_server_says_whether_it_drops_a_dead_peers_cuda_ipc_mappings(cluster):
+    # engine/ipc_sweep.py starts in the process that creates NIXL's agent (the engine core here) and says what
+    # it does there: on CPU no CUDA IPC transport is loaded, so it has nothing to drop.
+    for server in ("prefill-0", "decode-0"):
+        log = (cluster["home"] / "clusters" / NAME / "logs" / f"{server}.log").read_text()
+        said = [line for line in log.splitlines() if line.startswith("pdserve-ipc-sweep: ")]
+        assert said == ["pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: not needed (no CUDA IPC "
+                        "transport loaded)"], (server, said)
+
+
 def test_every_thread_of_a_server_stays_on_its_own_cores(cluster):
     # pdserve.engine.entry pins each server, and NIXL's KV thread, to the server's `cpus:`; vLLM alone put
     # P's model thread on D's core (docs/operations.md).

@@ -1,0 +1,289 @@
+"""Drops the CUDA IPC mappings a server holds of a peer that died, so UCX's mapping cache can stay on.
+
+Over CUDA IPC each server maps its peer's KV cache (D reads P's blocks, P pulls D's). With
+`UCX_CUDA_IPC_CACHE` on, UCX keeps every mapping in a per-peer cache (its global `uct_cuda_ipc_remote_cache`,
+a khash keyed by the peer's pid, pid namespace and device) until the process exits: a crashed peer's GPU
+memory stays held by the survivor, and the peer cannot start again beside it (docs/gpu.md, "A crash costs no
+request"). UCX has no call that drops one peer's cache (1.22 closed it at endpoint teardown and reverted that,
+openucx/ucx #11335, #11744). So pdserve plans the cache off, and each transfer maps and unmaps its regions.
+
+Here the survivor does what UCX does not: a thread of the process that holds NIXL's agent looks, every
+second, for caches whose peer is gone (its pid missing or a zombie, in this process's pid namespace); after a
+short grace, and only when none of their regions is in use, it takes the table's lock, destroys the cache
+with UCX's own `uct_cuda_ipc_destroy_cache` (which closes each handle: the dead peer's memory is freed) and
+deletes its entry as `kh_del` does. It reads UCX's structures by offsets read off the disassembly of known
+builds (BUILDS, by the library file's sha256); any other build is left alone and said so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from pdserve.engine.names import IPC_SWEEP_ENV
+
+LIBRARY = "libuct_cuda.so"
+CACHE_ENV = "UCX_CUDA_IPC_CACHE"
+TABLE_SYMBOL = "uct_cuda_ipc_remote_cache"
+DESTROY_SYMBOL = "uct_cuda_ipc_destroy_cache"
+NS_TYPE_PID = 3                  # UCS_SYS_NS_TYPE_PID, as ucs_sys_get_ns takes it
+LOCK_WRITE = 2                   # UCS_RWLOCK_WRITE; UCS_RWLOCK_WAIT is 1, each reader adds 4
+GRACE_S = 2.0                    # a copy posted just before the peer died finishes well within this
+INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets in one build of libuct_cuda.so (objdump -d of uct_cuda_ipc_unmap_memhandle, its khash lookup,
+    uct_cuda_ipc_destroy_cache and the region close it calls)."""
+    build: str
+    # uct_cuda_ipc_remote_cache: khash_t {u32 n_buckets, size, n_occupied, upper_bound; u32 *flags;
+    # key *keys; cache **vals}, then its ucs_rw_spinlock_t (u32 state)
+    flags: int = 0x10
+    keys: int = 0x18
+    vals: int = 0x20
+    lock: int = 0x28
+    key_size: int = 12            # {pid_t pid; u32 pid_ns; CUdevice device}
+    # uct_cuda_ipc_cache_t: its LRU list head (every cached region is on it)
+    cache_lru: int = 0x70
+    # uct_cuda_ipc_cache_region_t: its LRU link, the key's length, the region's in-flight operations
+    region_lru: int = 0x20
+    region_bytes: int = 0xd8
+    region_refcount: int = 0xf8
+
+
+# In these builds uct_cuda_ipc_destroy_cache takes a second argument: non-zero closes each region's handle
+# (the process-exit path passes 0 and only frees).
+BUILDS = {
+    "ed9612eb87801cd50dc77e704ab4adffd724651015d41a2a700d2f312511b6f4": Layout("nixl-cu13 1.5.1"),
+    "076f42cb3fd1ac0819b1d6db2af92274edb5b0eefd562cf97ed1d48007e72f07": Layout("nixl-cu12 1.5.1"),
+}
+
+
+@dataclass(frozen=True)
+class Dropped:
+    pid: int
+    device: int
+    regions: int
+    nbytes: int
+
+
+class Atomics:
+    """The lock-free 4-byte atomics UCX's spinlock uses inline, from GCC's libatomic."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._cas = lib["__atomic_compare_exchange_4"]     # by item: a class body would mangle a __name
+        self._cas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]
+        self._cas.restype = ctypes.c_bool
+        self._sub = lib["__atomic_fetch_sub_4"]
+        self._sub.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+        self._sub.restype = ctypes.c_uint32
+
+    @classmethod
+    def load(cls) -> Atomics | None:
+        name = ctypes.util.find_library("atomic") or "libatomic.so.1"
+        try:
+            return cls(ctypes.CDLL(name))
+        except (OSError, AttributeError):
+            return None
+
+    def write_trylock(self, address: int) -> bool:
+        """ucs_rw_spinlock_write_trylock: no reader, no writer (a waiting writer's bit may be set)."""
+        state = ctypes.c_uint32.from_address(address).value
+        if state >= LOCK_WRITE:
+            return False
+        expected = ctypes.c_uint32(state)
+        return bool(self._cas(address, ctypes.addressof(expected), state | LOCK_WRITE, 2, 0))  # ACQUIRE, RELAXED
+
+    def write_unlock(self, address: int) -> None:
+        self._sub(address, LOCK_WRITE, 3)   # RELEASE
+
+
+@dataclass(frozen=True)
+class Entry:
+    bucket: int
+    pid: int
+    ns: int
+    device: int
+    cache: int
+
+
+class RemoteCaches:
+    """UCX's table of per-peer caches at `base`, read and changed under its own lock."""
+
+    def __init__(self, base: int, layout: Layout, destroy: Callable[[int], None], atomics: Atomics):
+        self.base, self.layout, self.destroy, self.atomics = base, layout, destroy, atomics
+
+    def _u32(self, offset: int) -> ctypes.c_uint32:
+        return ctypes.c_uint32.from_address(self.base + offset)
+
+    def _ptr(self, address: int) -> int:
+        return ctypes.c_void_p.from_address(address).value or 0
+
+    def locked(self) -> bool:
+        return self.atomics.write_trylock(self.base + self.layout.lock)
+
+    def unlock(self) -> None:
+        self.atomics.write_unlock(self.base + self.layout.lock)
+
+    def entries(self) -> list[Entry]:
+        """The occupied buckets (call with the lock held)."""
+        n = self._u32(0).value
+        flags, keys = self._ptr(self.base + self.layout.flags), self._ptr(self.base + self.layout.keys)
+        vals = self._ptr(self.base + self.layout.vals)
+        found = []
+        for i in range(n):
+            if (ctypes.c_uint32.from_address(flags + 4 * (i >> 4)).value >> ((i & 0xF) << 1)) & 3:
+                continue                                   # empty or deleted
+            key = keys + i * self.layout.key_size
+            pid, ns, device = (ctypes.c_uint32.from_address(key + 4 * j).value for j in range(3))
+            found.append(Entry(i, ctypes.c_int32(pid).value, ns, ctypes.c_int32(device).value,
+                               self._ptr(vals + 8 * i)))
+        return found
+
+    def regions(self, cache: int) -> list[int]:
+        """The cache's regions, by its LRU list (every cached region is on it)."""
+        head = cache + self.layout.cache_lru
+        found, link = [], self._ptr(head)
+        while link and link != head and len(found) < 1 << 20:
+            found.append(link - self.layout.region_lru)
+            link = self._ptr(link)
+        return found
+
+    def in_use(self, cache: int) -> bool:
+        return any(ctypes.c_uint64.from_address(r + self.layout.region_refcount).value
+                   for r in self.regions(cache))
+
+    def drop(self, entry: Entry) -> Dropped:
+        """Destroy the cache (its handles closed) and delete its bucket as kh_del does (lock held)."""
+        regions = self.regions(entry.cache)
+        nbytes = sum(ctypes.c_uint64.from_address(r + self.layout.region_bytes).value for r in regions)
+        self.destroy(entry.cache)
+        flags = self._ptr(self.base + self.layout.flags)
+        word = ctypes.c_uint32.from_address(flags + 4 * (entry.bucket >> 4))
+        word.value |= 1 << ((entry.bucket & 0xF) << 1)
+        self._u32(4).value -= 1
+        return Dropped(entry.pid, entry.device, len(regions), nbytes)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` (of this pid namespace) runs: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class DeadPeerSweeper:
+    """Drops the caches of peers found dead for GRACE_S and not in use; one sweep a call."""
+
+    def __init__(self, caches: RemoteCaches, own_ns: int, alive: Callable[[int], bool] = pid_alive,
+                 grace_s: float = GRACE_S, clock: Callable[[], float] = time.monotonic):
+        self.caches, self.own_ns, self.alive, self.grace_s, self.clock = caches, own_ns, alive, grace_s, clock
+        self.dead_since: dict[int, float] = {}
+
+    def sweep(self) -> list[Dropped]:
+        if not self.caches.locked():
+            return []               # a transfer holds the table: next time
+        dropped: list[Dropped] = []
+        try:
+            now, seen = self.clock(), set()
+            for entry in self.caches.entries():
+                if entry.ns != self.own_ns:
+                    continue        # another pid namespace: its pids cannot be checked from here
+                if self.alive(entry.pid):
+                    continue
+                seen.add(entry.pid)
+                since = self.dead_since.setdefault(entry.pid, now)
+                if now - since >= self.grace_s and not self.caches.in_use(entry.cache):
+                    dropped.append(self.caches.drop(entry))
+            self.dead_since = {pid: t for pid, t in self.dead_since.items() if pid in seen}
+        finally:
+            self.caches.unlock()
+        return dropped
+
+
+def loaded_library(maps: str = "/proc/self/maps") -> str | None:
+    with open(maps) as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.basename(fields[5].rstrip("\n")).startswith(LIBRARY):
+                return fields[5].rstrip("\n")
+    return None
+
+
+def attach(path: str) -> tuple[DeadPeerSweeper | None, str]:
+    """A sweeper over the loaded library at `path`, or None and why not."""
+    with open(path, "rb") as f:
+        layout = BUILDS.get(hashlib.sha256(f.read()).hexdigest())
+    if layout is None:
+        return None, f"no (a UCX build pdserve has not checked: {path})"
+    atomics = Atomics.load()
+    if atomics is None:
+        return None, "no (libatomic.so.1 not found)"
+    lib = ctypes.CDLL(path)         # the loaded one: dlopen of its own path; its symbols and its libucs's
+    get_ns = lib.ucs_sys_get_ns
+    get_ns.argtypes, get_ns.restype = [ctypes.c_int], ctypes.c_uint32
+    destroy = getattr(lib, DESTROY_SYMBOL)
+    destroy.argtypes, destroy.restype = [ctypes.c_void_p, ctypes.c_int], None
+    base = ctypes.addressof(ctypes.c_char.in_dll(lib, TABLE_SYMBOL))
+    caches = RemoteCaches(base, layout, lambda cache: destroy(cache, 1), atomics)
+    return DeadPeerSweeper(caches, get_ns(NS_TYPE_PID)), f"yes ({layout.build})"
+
+
+def cache_on(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(CACHE_ENV, "y").strip().lower() not in ("n", "no", "off", "0", "false")
+
+
+def run(sweeper: DeadPeerSweeper, stop: threading.Event, interval_s: float = INTERVAL_S) -> None:
+    while not stop.wait(interval_s):
+        for d in sweeper.sweep():
+            print(f"pdserve-ipc-sweep: dropped {d.regions} CUDA IPC mapping(s) of dead peer pid {d.pid} "
+                  f"(device {d.device}, {d.nbytes / 2**20:.0f} MiB)", flush=True)
+
+
+def start() -> str:
+    """Start the sweeper thread in this process (after NIXL's agent loaded UCX); says what was done."""
+    if os.environ.get(IPC_SWEEP_ENV) == "0":
+        return f"off ({IPC_SWEEP_ENV}=0)"
+    if not cache_on():
+        return f"not needed ({CACHE_ENV}=n: UCX unmaps after each transfer)"
+    path = loaded_library()
+    if path is None:
+        return "not needed (no CUDA IPC transport loaded)"
+    sweeper, said = attach(path)
+    if sweeper is not None:
+        threading.Thread(target=run, args=(sweeper, threading.Event()), name="pdserve-ipc-sweep",
+                         daemon=True).start()
+    return said
+
+
+def patch_agent_start() -> bool:
+    """Start the sweeper once, right after this process creates its first NIXL agent (UCX is loaded then)."""
+    try:
+        import nixl._api as nixl_api
+    except ImportError:
+        return False
+    make_agent = nixl_api.nixlBind.nixlAgent
+    if getattr(make_agent, "pdserve_ipc_sweep", False):
+        return True
+    started: list[str] = []
+
+    def agent_then_sweeper(*args, **kwargs):
+        agent = make_agent(*args, **kwargs)
+        if not started:
+            started.append(start())
+            print(f"pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: {started[0]}", flush=True)
+        return agent
+
+    agent_then_sweeper.pdserve_ipc_sweep = True
+    nixl_api.nixlBind.nixlAgent = agent_then_sweeper
+    return True

@@ -1,0 +1,169 @@
+"""engine/ipc_sweep.py: the survivor drops UCX's cached CUDA IPC mappings of a peer that died.
+
+Against the real libuct_cuda.so of the installed NIXL wheel (tests/kits/uct_cuda_rig.py: stub CUDA driver, the
+library's own table, lock, caches, page tables and destroy function), and its policy with fakes."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.engine import ipc_sweep
+from pdserve.engine.ipc_sweep import CACHE_ENV, Atomics, DeadPeerSweeper, Dropped, Entry, pid_alive
+from pdserve.engine.names import IPC_SWEEP_ENV
+from tests.kits.uct_cuda_rig import nixl_library, run_child
+
+
+def test_the_installed_nixl_ucx_is_a_build_the_sweeper_knows():
+    # A new NIXL wheel brings a new UCX: its offsets must be read again (objdump, see Layout) before it is added.
+    path = nixl_library()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in ipc_sweep.BUILDS, path
+
+
+def test_a_dead_peers_cache_is_destroyed_with_its_handles_closed_in_the_real_library(tmp_path):
+    report = run_child(tmp_path, "plain")
+    dead = report["first"]
+    assert report["said"].startswith("yes (nixl-cu1")
+    assert len(dead) == 1 and dead[0]["regions"] == 1 and dead[0]["nbytes"] == 4096
+    assert report["closed"] == [report["mapped"]["dead"]]       # cuIpcCloseMemHandle of its mapping, only
+    assert report["size"] == 2 and report["lock"] == 0          # kh_del's count; the lock given back
+    # UCX still finds the live peer's cache by its own hash (its unmap lowered the region's in-flight count)
+    # and the one of another pid namespace is left: its pid says nothing here.
+    assert report["live_refcount_after_unmap"] == 0
+    assert len(report["entries"]) == 2 and dead[0]["pid"] in report["entries"]
+
+
+def test_a_mapping_in_use_is_kept_until_its_copy_is_done_in_the_real_library(tmp_path):
+    report = run_child(tmp_path, "in_use")
+    assert report["first"] == []
+    assert [d["regions"] for d in report["after_release"]] == [1]
+    assert report["closed"] == [report["mapped"]["dead"]] and report["lock"] == 0
+
+
+def test_nothing_is_dropped_while_ucx_holds_the_table_in_the_real_library(tmp_path):
+    report = run_child(tmp_path, "reader")
+    assert report["while_read"] == []                  # the library's reader kept the sweeper out
+    assert [d["regions"] for d in report["first"]] == [1] and report["lock"] == 0
+    assert report["closed"] == [report["mapped"]["dead"]]
+
+
+class FakeCaches:
+    def __init__(self, entries: list[Entry], busy: set[int] = frozenset(), lock_free: bool = True):
+        self.table, self.busy, self.lock_free = list(entries), set(busy), lock_free
+        self.unlocks = 0
+
+    def locked(self) -> bool:
+        return self.lock_free
+
+    def unlock(self) -> None:
+        self.unlocks += 1
+
+    def entries(self) -> list[Entry]:
+        return list(self.table)
+
+    def in_use(self, cache: int) -> bool:
+        return cache in self.busy
+
+    def drop(self, entry: Entry) -> Dropped:
+        self.table.remove(entry)
+        return Dropped(entry.pid, entry.device, 1, 10)
+
+
+def sweeper(caches, dead: set[int], now: list[float], grace: float = 2.0) -> DeadPeerSweeper:
+    return DeadPeerSweeper(caches, own_ns=7, alive=lambda pid: pid not in dead, grace_s=grace,
+                           clock=lambda: now[0])
+
+
+def test_a_dead_peer_is_dropped_after_the_grace_and_never_a_live_one_or_another_namespaces():
+    entries = [Entry(0, 100, 7, 0, 0xA), Entry(1, 200, 7, 0, 0xB), Entry(2, 100, 8, 0, 0xC)]
+    caches, now = FakeCaches(entries), [10.0]
+    s = sweeper(caches, dead={100}, now=now)
+    assert s.sweep() == []                     # first seen dead: the grace starts
+    now[0] = 11.9
+    assert s.sweep() == []
+    now[0] = 12.0
+    assert [d.pid for d in s.sweep()] == [100]
+    assert [e.cache for e in caches.table] == [0xB, 0xC]
+    assert caches.unlocks == 3
+
+
+def test_a_busy_table_is_left_for_the_next_sweep_and_its_lock_not_touched():
+    caches = FakeCaches([Entry(0, 100, 7, 0, 0xA)], lock_free=False)
+    s = sweeper(caches, dead={100}, now=[0.0], grace=0.0)
+    assert s.sweep() == [] and caches.unlocks == 0 and len(caches.table) == 1
+
+
+def test_a_cache_in_use_waits_and_a_pid_seen_alive_again_restarts_its_grace():
+    caches, now, dead = FakeCaches([Entry(0, 100, 7, 0, 0xA)], busy={0xA}), [0.0], {100}
+    s = sweeper(caches, dead=dead, now=now)
+    s.sweep()
+    now[0] = 5.0
+    assert s.sweep() == []                     # past the grace, but a copy holds a region
+    caches.busy.clear()
+    dead.clear()                               # (a pid the table holds runs again)
+    assert s.sweep() == [] and s.dead_since == {}
+    dead.add(100)
+    now[0] = 6.0
+    assert s.sweep() == []                     # its grace starts over
+    now[0] = 8.0
+    assert [d.pid for d in s.sweep()] == [100]
+
+
+@pytest.mark.parametrize("state, taken, after", [(0, True, 2), (1, True, 3), (2, False, 2), (4, False, 4),
+                                                 (6, False, 6)])
+def test_the_write_trylock_is_ucx_spinlocks(state, taken, after):
+    # ucs_rw_spinlock_t: bit 0 a waiting writer, bit 1 the writer, 4 a reader each.
+    atomics = Atomics.load()
+    word = ctypes.c_uint32(state)
+    assert atomics.write_trylock(ctypes.addressof(word)) is taken
+    assert word.value == after
+    if taken:
+        atomics.write_unlock(ctypes.addressof(word))
+        assert word.value == state
+
+
+def test_pid_alive_tells_running_from_gone_and_zombie():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])     # exited, not reaped yet
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert pid_alive(os.getpid())
+    assert not pid_alive(gone.pid) and not pid_alive(zombie.pid)
+    zombie.wait()
+
+
+def test_start_says_why_it_does_not_run(monkeypatch):
+    monkeypatch.setenv(IPC_SWEEP_ENV, "0")
+    assert ipc_sweep.start() == "off (PDSERVE_IPC_SWEEP=0)"
+    monkeypatch.delenv(IPC_SWEEP_ENV)
+    monkeypatch.setenv(CACHE_ENV, "n")
+    assert ipc_sweep.start().startswith("not needed (UCX_CUDA_IPC_CACHE=n")
+    monkeypatch.delenv(CACHE_ENV)
+    assert ipc_sweep.start() == "not needed (no CUDA IPC transport loaded)"   # this process has no UCX CUDA
+
+
+def test_a_ucx_build_it_has_not_checked_is_left_alone(tmp_path):
+    other = tmp_path / "libuct_cuda.so.0.0.0"
+    other.write_bytes(nixl_library().read_bytes() + b"\0")
+    sweeper_, said = ipc_sweep.attach(str(other))
+    assert sweeper_ is None and said.startswith("no (a UCX build pdserve has not checked: ")
+
+
+def test_the_entry_starts_it_once_after_nixls_first_agent():
+    code = ("from pdserve.engine import ipc_sweep\nassert ipc_sweep.patch_agent_start()\n"
+            "import nixl._api as api\n"
+            "for i in range(2): api.nixl_agent(f'a{i}', api.nixl_agent_config(backends=[]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = [line for line in out.stdout.splitlines() if line.startswith("pdserve-ipc-sweep:")]
+    assert said == ["pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: "
+                    "not needed (no CUDA IPC transport loaded)"]
