@@ -38,6 +38,8 @@ case $1 in
   faults)
     FAULTS_ATTACH=1 FAULTS_KEEP=1 FAULTS_KILL=decode-0,prefill-0 timeout 560 \
       python3 "$code/benchmarks/gpu/faults.py" "$cfg" "$out" 200 | cut -c1-1500
+    for role in prefill-0 decode-0; do      # what each survivor dropped of its dead peer's mappings
+      pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-ipc-sweep" | tail -3; done
     logs faults ;;
   variant)
     shift; variant=$1; shift

@@ -3,7 +3,8 @@
 # mkcfg.py's random-weight 8B-class one): the 36k "on" turn in parts and its bound, alone (median of 5,
 # streamed) and under the 32k workload (8 conversations, 4 at a time, streamed), by on_turn_parts.py.
 # Wheel parts already in /tmp/parts. Results under $OUT; the cluster stays up between calls.
-#   benchmarks/gpu/run-parts.sh up              install, up (compiled, its canary), the servers' entry lines
+#   benchmarks/gpu/run-parts.sh up              install, up (compiled, its canary), the servers' entry lines;
+#                                               PARTS_ENV="K=V ..." sets env on both servers from the start
 #   benchmarks/gpu/run-parts.sh alone [TAG]     the on turn alone: each part, the bound, off/on
 #   benchmarks/gpu/run-parts.sh load [TAG]      the workload through bench --attach, 5 36k probes during it
 #   benchmarks/gpu/run-parts.sh all [TAG]       alone, then load, in one call (TAG names the step's files)
@@ -35,13 +36,14 @@ parts() {   # STEP, on_turn_parts.py options: STEP's files in /tmp/parts-runs/ST
 descs() {   # the servers' entry lines and their last NIXL reads' descriptor counts
   for role in prefill-0 decode-0; do
     echo "== $role"
-    pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-entry" | tail -1
+    pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-entry\|pdserve-ipc-sweep" | tail -4
     pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-descs" | tail -12
   done
 }
 case $1 in
   up)
-    python3 "$code/benchmarks/gpu/cluster.py" "$cfg" "$name" --shared > "$out/$name.yaml"
+    envs=(); for kv in ${PARTS_ENV:-}; do envs+=(--env "$kv"); done
+    python3 "$code/benchmarks/gpu/cluster.py" "$cfg" "$name" --shared "${envs[@]}" > "$out/$name.yaml"
     pd plan "$cfg" | grep "set by pdserve" | sort -u
     pd_up "$name" "$cfg"
     pd logs "$name" supervisor -n 200 | grep -a "canary" | tail -2

@@ -9,7 +9,9 @@ in docs/gpu.md).
 Over CUDA IPC each server maps its peer's KV cache (D reads P's blocks, P pulls D's). UCX keeps those
 mappings in a per-peer cache that nothing releases when the peer dies (UCX 1.22 closed it at endpoint
 teardown and reverted that, openucx/ucx #11335, #11744), so a crashed server's GPU memory stayed held by
-the survivor and one crash stopped both servers. With the cache off UCX unmaps after each transfer.
+the survivor and one crash stopped both servers. With the cache off UCX unmaps after each transfer. With it
+on (a server's env), pdserve's engine entry drops a dead peer's mappings itself (engine/ipc_sweep.py); the
+cache stays off here until that is proven on a GPU (docs/operations.md, "A dead peer's CUDA IPC mappings").
 """
 
 from __future__ import annotations
