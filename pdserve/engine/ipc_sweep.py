@@ -267,23 +267,27 @@ def start() -> str:
 
 
 def patch_agent_start() -> bool:
-    """Start the sweeper once, right after this process creates its first NIXL agent (UCX is loaded then)."""
+    """Start the sweeper once, right after this process's first NIXL agent is made with its backends (UCX loads
+    its CUDA transport when the UCX backend is created, after the agent's own constructor)."""
+    # vLLM sets this before its own first NIXL import (a UCX leak guard) and skips it when NIXL is already
+    # imported: set the same value first (as entry.patch_nixl_progress_delay does).
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     try:
         import nixl._api as nixl_api
     except ImportError:
         return False
-    make_agent = nixl_api.nixlBind.nixlAgent
-    if getattr(make_agent, "pdserve_ipc_sweep", False):
+    agent_class = nixl_api.nixl_agent
+    init = agent_class.__init__
+    if getattr(init, "pdserve_ipc_sweep", False):
         return True
     started: list[str] = []
 
-    def agent_then_sweeper(*args, **kwargs):
-        agent = make_agent(*args, **kwargs)
+    def init_then_sweeper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
         if not started:
             started.append(start())
             print(f"pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: {started[0]}", flush=True)
-        return agent
 
-    agent_then_sweeper.pdserve_ipc_sweep = True
-    nixl_api.nixlBind.nixlAgent = agent_then_sweeper
+    init_then_sweeper.pdserve_ipc_sweep = True
+    agent_class.__init__ = init_then_sweeper
     return True

@@ -158,12 +158,21 @@ def test_a_ucx_build_it_has_not_checked_is_left_alone(tmp_path):
     assert sweeper_ is None and said.startswith("no (a UCX build pdserve has not checked: ")
 
 
-def test_the_entry_starts_it_once_after_nixls_first_agent():
-    code = ("from pdserve.engine import ipc_sweep\nassert ipc_sweep.patch_agent_start()\n"
-            "import nixl._api as api\n"
-            "for i in range(2): api.nixl_agent(f'a{i}', api.nixl_agent_config(backends=[]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def test_the_entry_starts_it_once_after_nixls_first_agent_has_its_ucx_backend():
+    # UCX loads its CUDA transport when the UCX backend is created, after the agent's constructor: a sweeper
+    # started before it would find no library and never run.
+    code = ("from pdserve.engine import ipc_sweep\nimport nixl._api as api\nevents = []\n"
+            "create, start = api.nixl_agent.create_backend, ipc_sweep.start\n"
+            "api.nixl_agent.create_backend = lambda self, *a, **k: (events.append('backend'), create(self, *a, **k))[1]\n"
+            "ipc_sweep.start = lambda: (events.append('sweeper'), start())[1]\n"
+            "assert ipc_sweep.patch_agent_start()\n"
+            "import os; assert os.environ['UCX_RCACHE_MAX_UNRELEASED'] == '1024'   # vLLM's, set before NIXL\n"
+            "for i in range(2): api.nixl_agent(f'a{i}', api.nixl_agent_config(backends=['UCX']))\n"
+            "print(events)\n")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_RCACHE_MAX_UNRELEASED"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     said = [line for line in out.stdout.splitlines() if line.startswith("pdserve-ipc-sweep:")]
     assert said == ["pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: "
                     "not needed (no CUDA IPC transport loaded)"]
+    assert out.stdout.strip().splitlines()[-1] == "['backend', 'sweeper', 'backend']"
