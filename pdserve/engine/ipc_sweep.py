@@ -35,6 +35,7 @@ DESTROY_SYMBOL = "uct_cuda_ipc_destroy_cache"
 NS_TYPE_PID = 3                  # UCS_SYS_NS_TYPE_PID, as ucs_sys_get_ns takes it
 LOCK_WRITE = 2                   # UCS_RWLOCK_WRITE; UCS_RWLOCK_WAIT is 1, each reader adds 4
 GRACE_S = 2.0                    # a copy posted just before the peer died finishes well within this
+STUCK_S = 30.0                   # a dead peer's region still in a copy this long is said once in the log
 INTERVAL_S = 1.0
 
 
@@ -189,6 +190,7 @@ class DeadPeerSweeper:
                  grace_s: float = GRACE_S, clock: Callable[[], float] = time.monotonic):
         self.caches, self.own_ns, self.alive, self.grace_s, self.clock = caches, own_ns, alive, grace_s, clock
         self.dead_since: dict[int, float] = {}
+        self.stuck: set[int] = set()     # dead peers whose mappings a copy has held for STUCK_S (said once)
 
     def sweep(self) -> list[Dropped]:
         if not self.caches.locked():
@@ -203,8 +205,14 @@ class DeadPeerSweeper:
                     continue
                 seen.add(entry.pid)
                 since = self.dead_since.setdefault(entry.pid, now)
-                if now - since >= self.grace_s and not self.caches.in_use(entry.cache):
+                if now - since < self.grace_s:
+                    continue
+                if not self.caches.in_use(entry.cache):
                     dropped.append(self.caches.drop(entry))
+                elif now - since >= STUCK_S and entry.pid not in self.stuck:
+                    self.stuck.add(entry.pid)
+                    print(f"pdserve-ipc-sweep: dead peer pid {entry.pid}: its mappings are still in a copy after "
+                          f"{now - since:.0f} s; kept until it ends", flush=True)
             self.dead_since = {pid: t for pid, t in self.dead_since.items() if pid in seen}
         finally:
             self.caches.unlock()

@@ -115,6 +115,20 @@ def test_a_cache_in_use_waits_and_a_pid_seen_alive_again_restarts_its_grace():
     assert [d.pid for d in s.sweep()] == [100]
 
 
+def test_a_dead_peers_mappings_held_by_a_copy_are_said_once(capsys):
+    caches, now = FakeCaches([Entry(0, 100, 7, 0, 0xA)], busy={0xA}), [0.0]
+    s = sweeper(caches, dead={100}, now=now)
+    for t in (0.0, 10.0, 29.0, 30.0, 31.0, 60.0):
+        now[0] = t
+        assert s.sweep() == []
+    said = [line for line in capsys.readouterr().out.splitlines() if "still in a copy" in line]
+    assert said == ["pdserve-ipc-sweep: dead peer pid 100: its mappings are still in a copy after 30 s; kept "
+                    "until it ends"]
+    caches.busy.clear()
+    now[0] = 61.0
+    assert [d.pid for d in s.sweep()] == [100]
+
+
 @pytest.mark.parametrize("state, taken, after", [(0, True, 2), (1, True, 3), (2, False, 2), (4, False, 4),
                                                  (6, False, 6)])
 def test_the_write_trylock_is_ucx_spinlocks(state, taken, after):
