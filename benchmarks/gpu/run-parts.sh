@@ -10,6 +10,10 @@
 #   benchmarks/gpu/run-parts.sh all [TAG]       alone, then load, in one call (TAG names the step's files)
 #   benchmarks/gpu/run-parts.sh variant NAME K=V...   down, up again with these env settings on both servers
 #                                               (extra:K=V: a kv_connector_extra_config key), then alone
+#   benchmarks/gpu/run-parts.sh mps NAME [K=V...]   start an MPS control daemon (pipes under /tmp/mps), then as
+#                                               variant with both servers as its clients: P and D share the
+#                                               GPU's SMs at once instead of time-slicing it (issue 44 item 1)
+#   benchmarks/gpu/run-parts.sh mps-down        down, then stop the MPS daemon
 # PARTS_ARGS adds on_turn_parts.py options (e.g. "--reps 3 --length 16384"); PARTS_ROUTER, PARTS_P, PARTS_D the
 # URLs (default the shipped ports on 127.0.0.1), PARTS_NAME the cluster (parts), PARTS_WORKLOAD the workload.
 # Each measuring STEP leaves $OUT/STEP.txt (the table) and $OUT/STEP.tgz (parts.json, the run's output, the
@@ -61,6 +65,19 @@ case $1 in
     python3 "$code/benchmarks/gpu/cluster.py" "$cfg" "$name" --shared "${envs[@]}" > "$out/$name-$variant.yaml"
     pd_up "$name" "$cfg"
     parts "alone-$variant" ;;
+  mps)
+    shift; variant=$1; shift
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    command -v nvidia-cuda-mps-control || { echo "no nvidia-cuda-mps-control on this machine"; exit 1; }
+    echo get_server_list | nvidia-cuda-mps-control 2>/dev/null || nvidia-cuda-mps-control -d
+    "$0" variant "$variant" CUDA_MPS_PIPE_DIRECTORY=$CUDA_MPS_PIPE_DIRECTORY \
+      CUDA_MPS_LOG_DIRECTORY=$CUDA_MPS_LOG_DIRECTORY "$@"
+    echo get_server_list | nvidia-cuda-mps-control; tail -5 "$CUDA_MPS_LOG_DIRECTORY/control.log" ;;
+  mps-down)
+    pd down "$name"
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe nvidia-cuda-mps-control
+    nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null ;;
   down)
     pd down "$name"; nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null ;;
 esac
