@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from pdserve.router.kv.reuse import HIT, MISS, common_prefix_len, decide
 from pdserve.router.kv.store_memory import MemoryTable as ReuseStore
 
@@ -125,7 +127,22 @@ def test_common_prefix_len_by_slices_agrees_with_an_id_by_id_scan():
         want = scan(a, b)
         assert common_prefix_len(a, b) == want == common_prefix_len(b, a)
         assert common_prefix_len(id_array(a), id_array(b)) == want
-        assert common_prefix_len(a, id_array(b)) == want
+        assert common_prefix_len(a, id_array(b)) == want == common_prefix_len(id_array(a), b)
+        assert common_prefix_len(array("q", a), id_array(b)) == want == common_prefix_len(array("i", a), b)
+        # an id no uint32 array holds: compared id by id
+        assert common_prefix_len(id_array(a), b + [2**40]) == want
+
+
+def test_the_memory_table_keeps_a_sequence_as_4_byte_ids_and_refuses_what_is_not_ids():
+    # D's sequence is what an offer hands P packed as uint32 (wire.pack_ids): kept as such, a 36k-token offer
+    # packs at a copy's cost (as 8-byte ints it was converted id by id, ~1 ms on the critical path) and the
+    # entry holds half the memory.
+    store = ReuseStore(ttl=10)
+    store.put(("", "a"), PARAMS, "decode-0", 0, sequence=list(range(1000)))
+    got = store.take(("", "a"))[0]
+    assert got.sequence.itemsize == 4 and list(got.sequence) == list(range(1000))
+    store.put(("", "b"), PARAMS, "decode-0", 0, sequence=[1, 2**40])
+    assert store.take(("", "b"))[0].sequence is None
 
 
 def test_new_engine_id_from_a_decode_server_drops_its_old_handles():
@@ -182,8 +199,8 @@ def test_store_is_bounded_by_entries_least_recently_stored_out_first():
 def test_store_is_bounded_by_bytes():
     store = ReuseStore(ttl=10, max_bytes=100_000)
     for i in range(50):
-        store.put(("", str(i)), PARAMS, "decode-0", 0, list(range(2000)))   # ~17 KB each
-    assert 0 < len(store) <= 6 and store.bytes <= 100_000
+        store.put(("", str(i)), PARAMS, "decode-0", 0, list(range(2000)))   # ~9 KB each (4 bytes a token)
+    assert 0 < len(store) <= 11 and store.bytes <= 100_000
     assert store.take(("", "49"))[0] is not None
 
 

@@ -6,6 +6,8 @@ single-use and expire on the store's clock safely before D's decoder_kv_blocks_t
 
 from __future__ import annotations
 
+from array import array
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,10 +63,17 @@ class Decision:
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the common prefix, by slice comparisons (C loops: a 100k-token history is compared in well
     under a millisecond where an id-by-id Python loop took ~10 ms): the whole first, then halving the span
-    that holds the first difference. Two sequences of different types (a list and an array never compare
-    equal) go id by id."""
+    that holds the first difference. A list beside an array (which never compare equal), or arrays of two
+    types, are made arrays of one type first; what cannot be one goes id by id."""
     n = min(len(a), len(b))
-    if type(a) is not type(b):
+    try:
+        if isinstance(a, array) and not (isinstance(b, array) and b.typecode == a.typecode):
+            b = array(a.typecode, b[:n])
+        elif isinstance(b, array) and not isinstance(a, array):
+            a = array(b.typecode, a[:n])
+    except (TypeError, OverflowError):
+        pass
+    if type(a) is not type(b) or (isinstance(a, array) and a.typecode != b.typecode):
         i = 0
         while i < n and a[i] == b[i]:
             i += 1

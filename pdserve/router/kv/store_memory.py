@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from pdserve.router.kv.reuse import NO_ENTRY, ReuseEntry
 from pdserve.router.kv.store import kept
+from pdserve.router.wire import id_array
 
 ENTRY_OVERHEAD_BYTES = 1024   # the entry, its keys and D's params dict, roughly
 
@@ -178,11 +179,12 @@ class MemoryTable:
 
 
 def _compact(sequence: list[int] | None) -> array | None:
-    """Token ids as 8-byte machine ints: a list of Python ints costs ~36 bytes a token."""
+    """Token ids as 4-byte unsigned ints (wire.id_array): a list of Python ints costs ~36 bytes a token, and
+    an offer packs them as these (wire.pack_ids) at a copy's cost instead of id by id."""
     if sequence is None:
         return None
     try:
-        return array("q", sequence)
+        return id_array(sequence)
     except (TypeError, OverflowError):
         return None   # not token ids: nothing can be verified against it
 
@@ -191,7 +193,7 @@ def _entry_bytes(entry: ReuseEntry) -> int:
     """An estimate of the memory an entry holds: the token ids, the block ids, and fixed overhead."""
     blocks = entry.params.get("remote_block_ids") or []
     n_blocks = sum(len(g) if isinstance(g, list) else 1 for g in blocks) if isinstance(blocks, list) else 0
-    return ENTRY_OVERHEAD_BYTES + 40 * n_blocks + (8 * len(entry.sequence) if entry.sequence is not None else 0)
+    return ENTRY_OVERHEAD_BYTES + 40 * n_blocks + (entry.sequence.itemsize * len(entry.sequence) if entry.sequence is not None else 0)
 
 
 
