@@ -9,16 +9,16 @@ openucx/ucx #11335, #11744). So pdserve plans the cache off, and each transfer m
 
 Here the survivor does what UCX does not: a thread of the process that holds NIXL's agent looks, every
 second, for caches whose peer is gone (its pid missing or a zombie, in this process's pid namespace); after a
-short grace, and only when none of their regions is in use, it takes the table's lock, destroys the cache
-with UCX's own `uct_cuda_ipc_destroy_cache` (which closes each handle: the dead peer's memory is freed) and
-deletes its entry as `kh_del` does. It reads UCX's structures by offsets read off the disassembly of known
-builds (BUILDS, by the library file's sha256); any other build is left alone and said so.
+short grace it drops each such cache in one native step under the table's own lock (engine/ipc_drop.py: the bucket
+checked, none of its regions in a copy, UCX's own `uct_cuda_ipc_destroy_cache`, which closes each handle, so the
+dead peer's memory is freed, and the bucket deleted as `kh_del` does). The look itself reads the table without
+the lock (what it finds is only a candidate: the native step checks it again). Offsets come from the
+disassembly of known builds (BUILDS, by the library file's sha256); any other build is left alone and said so.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import os
 import threading
@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pdserve.engine import ipc_drop
 from pdserve.engine.names import IPC_SWEEP_ENV
 
 LIBRARY = "libuct_cuda.so"
@@ -33,7 +34,7 @@ CACHE_ENV = "UCX_CUDA_IPC_CACHE"
 TABLE_SYMBOL = "uct_cuda_ipc_remote_cache"
 DESTROY_SYMBOL = "uct_cuda_ipc_destroy_cache"
 NS_TYPE_PID = 3                  # UCS_SYS_NS_TYPE_PID, as ucs_sys_get_ns takes it
-LOCK_WRITE = 2                   # UCS_RWLOCK_WRITE; UCS_RWLOCK_WAIT is 1, each reader adds 4
+MAX_BUCKETS = 1 << 16            # more than any process's peers: a bigger count is a table read mid-resize
 GRACE_S = 2.0                    # a copy posted just before the peer died finishes well within this
 STUCK_S = 30.0                   # a dead peer's region still in a copy this long is said once in the log
 INTERVAL_S = 1.0
@@ -42,7 +43,8 @@ INTERVAL_S = 1.0
 @dataclass(frozen=True)
 class Layout:
     """Offsets in one build of libuct_cuda.so (objdump -d of uct_cuda_ipc_unmap_memhandle, its khash lookup,
-    uct_cuda_ipc_destroy_cache and the region close it calls)."""
+    uct_cuda_ipc_destroy_cache and the region close it calls). engine/ipc_drop.py's code has these built in:
+    a build with other offsets needs its own code."""
     build: str
     # uct_cuda_ipc_remote_cache: khash_t {u32 n_buckets, size, n_occupied, upper_bound; u32 *flags;
     # key *keys; cache **vals}, then its ucs_rw_spinlock_t (u32 state)
@@ -75,37 +77,6 @@ class Dropped:
     nbytes: int
 
 
-class Atomics:
-    """The lock-free 4-byte atomics UCX's spinlock uses inline, from GCC's libatomic."""
-
-    def __init__(self, lib: ctypes.CDLL):
-        self._cas = lib["__atomic_compare_exchange_4"]     # by item: a class body would mangle a __name
-        self._cas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]
-        self._cas.restype = ctypes.c_bool
-        self._sub = lib["__atomic_fetch_sub_4"]
-        self._sub.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
-        self._sub.restype = ctypes.c_uint32
-
-    @classmethod
-    def load(cls) -> Atomics | None:
-        name = ctypes.util.find_library("atomic") or "libatomic.so.1"
-        try:
-            return cls(ctypes.CDLL(name))
-        except (OSError, AttributeError):
-            return None
-
-    def write_trylock(self, address: int) -> bool:
-        """ucs_rw_spinlock_write_trylock: no reader, no writer (a waiting writer's bit may be set)."""
-        state = ctypes.c_uint32.from_address(address).value
-        if state >= LOCK_WRITE:
-            return False
-        expected = ctypes.c_uint32(state)
-        return bool(self._cas(address, ctypes.addressof(expected), state | LOCK_WRITE, 2, 0))  # ACQUIRE, RELAXED
-
-    def write_unlock(self, address: int) -> None:
-        self._sub(address, LOCK_WRITE, 3)   # RELEASE
-
-
 @dataclass(frozen=True)
 class Entry:
     bucket: int
@@ -116,28 +87,21 @@ class Entry:
 
 
 class RemoteCaches:
-    """UCX's table of per-peer caches at `base`, read and changed under its own lock."""
+    """UCX's table of per-peer caches at `base`: looked at without its lock, changed only by ipc_drop's step."""
 
-    def __init__(self, base: int, layout: Layout, destroy: Callable[[int], None], atomics: Atomics):
-        self.base, self.layout, self.destroy, self.atomics = base, layout, destroy, atomics
-
-    def _u32(self, offset: int) -> ctypes.c_uint32:
-        return ctypes.c_uint32.from_address(self.base + offset)
+    def __init__(self, base: int, layout: Layout, destroy: int, drop_step: ipc_drop.DropFunction):
+        self.base, self.layout, self.destroy, self.drop_step = base, layout, destroy, drop_step
 
     def _ptr(self, address: int) -> int:
         return ctypes.c_void_p.from_address(address).value or 0
 
-    def locked(self) -> bool:
-        return self.atomics.write_trylock(self.base + self.layout.lock)
-
-    def unlock(self) -> None:
-        self.atomics.write_unlock(self.base + self.layout.lock)
-
     def entries(self) -> list[Entry]:
-        """The occupied buckets (call with the lock held)."""
-        n = self._u32(0).value
+        """The occupied buckets as they look now (candidates: a resize may be under way)."""
+        n = ctypes.c_uint32.from_address(self.base).value
         flags, keys = self._ptr(self.base + self.layout.flags), self._ptr(self.base + self.layout.keys)
         vals = self._ptr(self.base + self.layout.vals)
+        if not (flags and keys and vals) or n > MAX_BUCKETS:
+            return []
         found = []
         for i in range(n):
             if (ctypes.c_uint32.from_address(flags + 4 * (i >> 4)).value >> ((i & 0xF) << 1)) & 3:
@@ -148,29 +112,13 @@ class RemoteCaches:
                                self._ptr(vals + 8 * i)))
         return found
 
-    def regions(self, cache: int) -> list[int]:
-        """The cache's regions, by its LRU list (every cached region is on it)."""
-        head = cache + self.layout.cache_lru
-        found, link = [], self._ptr(head)
-        while link and link != head and len(found) < 1 << 20:
-            found.append(link - self.layout.region_lru)
-            link = self._ptr(link)
-        return found
-
-    def in_use(self, cache: int) -> bool:
-        return any(ctypes.c_uint64.from_address(r + self.layout.region_refcount).value
-                   for r in self.regions(cache))
-
-    def drop(self, entry: Entry) -> Dropped:
-        """Destroy the cache (its handles closed) and delete its bucket as kh_del does (lock held)."""
-        regions = self.regions(entry.cache)
-        nbytes = sum(ctypes.c_uint64.from_address(r + self.layout.region_bytes).value for r in regions)
-        self.destroy(entry.cache)
-        flags = self._ptr(self.base + self.layout.flags)
-        word = ctypes.c_uint32.from_address(flags + 4 * (entry.bucket >> 4))
-        word.value |= 1 << ((entry.bucket & 0xF) << 1)
-        self._u32(4).value -= 1
-        return Dropped(entry.pid, entry.device, len(regions), nbytes)
+    def drop(self, entry: Entry) -> tuple[int, Dropped | None]:
+        """ipc_drop's step for the entry: (DROPPED and what went, or IN_USE / CHANGED and None)."""
+        counts = (ctypes.c_uint64 * 2)()
+        code = self.drop_step(self.base, entry.bucket, entry.cache, self.destroy, ctypes.byref(counts))
+        if code != ipc_drop.DROPPED:
+            return code, None
+        return code, Dropped(entry.pid, entry.device, counts[0], counts[1])
 
 
 def pid_alive(pid: int) -> bool:
@@ -193,29 +141,22 @@ class DeadPeerSweeper:
         self.stuck: set[int] = set()     # dead peers whose mappings a copy has held for STUCK_S (said once)
 
     def sweep(self) -> list[Dropped]:
-        if not self.caches.locked():
-            return []               # a transfer holds the table: next time
-        dropped: list[Dropped] = []
-        try:
-            now, seen = self.clock(), set()
-            for entry in self.caches.entries():
-                if entry.ns != self.own_ns:
-                    continue        # another pid namespace: its pids cannot be checked from here
-                if self.alive(entry.pid):
-                    continue
-                seen.add(entry.pid)
-                since = self.dead_since.setdefault(entry.pid, now)
-                if now - since < self.grace_s:
-                    continue
-                if not self.caches.in_use(entry.cache):
-                    dropped.append(self.caches.drop(entry))
-                elif now - since >= STUCK_S and entry.pid not in self.stuck:
-                    self.stuck.add(entry.pid)
-                    print(f"pdserve-ipc-sweep: dead peer pid {entry.pid}: its mappings are still in a copy after "
-                          f"{now - since:.0f} s; kept until it ends", flush=True)
-            self.dead_since = {pid: t for pid, t in self.dead_since.items() if pid in seen}
-        finally:
-            self.caches.unlock()
+        now, seen, dropped = self.clock(), set(), []
+        for entry in self.caches.entries():
+            if entry.ns != self.own_ns or self.alive(entry.pid):
+                continue            # alive, or of another pid namespace (its pids cannot be checked from here)
+            seen.add(entry.pid)
+            since = self.dead_since.setdefault(entry.pid, now)
+            if now - since < self.grace_s:
+                continue
+            code, gone = self.caches.drop(entry)
+            if gone is not None:
+                dropped.append(gone)
+            elif code == ipc_drop.IN_USE and now - since >= STUCK_S and entry.pid not in self.stuck:
+                self.stuck.add(entry.pid)
+                print(f"pdserve-ipc-sweep: dead peer pid {entry.pid}: its mappings are still in a copy after "
+                      f"{now - since:.0f} s; kept until it ends", flush=True)
+        self.dead_since = {pid: t for pid, t in self.dead_since.items() if pid in seen}
         return dropped
 
 
@@ -234,17 +175,17 @@ def attach(path: str) -> tuple[DeadPeerSweeper | None, str]:
         layout = BUILDS.get(hashlib.sha256(f.read()).hexdigest())
     if layout is None:
         return None, f"no (a UCX build pdserve has not checked: {path})"
-    atomics = Atomics.load()
-    if atomics is None:
-        return None, "no (libatomic.so.1 not found)"
-    lib = ctypes.CDLL(path)         # the loaded one: dlopen of its own path; its symbols and its libucs's
+    drop_step = ipc_drop.native_drop()
+    if drop_step is None:
+        return None, "no (its native step runs on x86-64 Linux only)"
+    # The loaded one (dlopen of its own path): its symbols and its libucs's.
+    lib = ctypes.CDLL(path)
     get_ns = lib.ucs_sys_get_ns
     get_ns.argtypes, get_ns.restype = [ctypes.c_int], ctypes.c_uint32
-    destroy = getattr(lib, DESTROY_SYMBOL)
-    destroy.argtypes, destroy.restype = [ctypes.c_void_p, ctypes.c_int], None
+    destroy = ctypes.cast(getattr(lib, DESTROY_SYMBOL), ctypes.c_void_p).value
     base = ctypes.addressof(ctypes.c_char.in_dll(lib, TABLE_SYMBOL))
-    caches = RemoteCaches(base, layout, lambda cache: destroy(cache, 1), atomics)
-    return DeadPeerSweeper(caches, get_ns(NS_TYPE_PID)), f"yes ({layout.build})"
+    return DeadPeerSweeper(RemoteCaches(base, layout, destroy, drop_step), get_ns(NS_TYPE_PID)), \
+        f"yes ({layout.build})"
 
 
 def cache_on(env: Mapping[str, str] = os.environ) -> bool:

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from pdserve.engine import ipc_sweep
-from pdserve.engine.ipc_sweep import CACHE_ENV, Atomics, DeadPeerSweeper, Dropped, Entry, pid_alive
+from pdserve.engine import ipc_drop
+from pdserve.engine.ipc_drop import CHANGED, DROPPED, IN_USE
+from pdserve.engine.ipc_sweep import CACHE_ENV, DeadPeerSweeper, Dropped, Entry, Layout, pid_alive
 from pdserve.engine.names import IPC_SWEEP_ENV
 from tests.kits.uct_cuda_rig import nixl_library, run_child
 
@@ -56,23 +58,17 @@ def test_nothing_is_dropped_while_ucx_holds_the_table_in_the_real_library(tmp_pa
 class FakeCaches:
     def __init__(self, entries: list[Entry], busy: set[int] = frozenset(), lock_free: bool = True):
         self.table, self.busy, self.lock_free = list(entries), set(busy), lock_free
-        self.unlocks = 0
-
-    def locked(self) -> bool:
-        return self.lock_free
-
-    def unlock(self) -> None:
-        self.unlocks += 1
 
     def entries(self) -> list[Entry]:
         return list(self.table)
 
-    def in_use(self, cache: int) -> bool:
-        return cache in self.busy
-
-    def drop(self, entry: Entry) -> Dropped:
+    def drop(self, entry: Entry) -> tuple[int, Dropped | None]:
+        if not self.lock_free:
+            return CHANGED, None
+        if entry.cache in self.busy:
+            return IN_USE, None
         self.table.remove(entry)
-        return Dropped(entry.pid, entry.device, 1, 10)
+        return DROPPED, Dropped(entry.pid, entry.device, 1, 10)
 
 
 def sweeper(caches, dead: set[int], now: list[float], grace: float = 2.0) -> DeadPeerSweeper:
@@ -90,13 +86,14 @@ def test_a_dead_peer_is_dropped_after_the_grace_and_never_a_live_one_or_another_
     now[0] = 12.0
     assert [d.pid for d in s.sweep()] == [100]
     assert [e.cache for e in caches.table] == [0xB, 0xC]
-    assert caches.unlocks == 3
 
 
-def test_a_busy_table_is_left_for_the_next_sweep_and_its_lock_not_touched():
+def test_a_table_held_by_ucx_is_left_for_the_next_sweep():
     caches = FakeCaches([Entry(0, 100, 7, 0, 0xA)], lock_free=False)
     s = sweeper(caches, dead={100}, now=[0.0], grace=0.0)
-    assert s.sweep() == [] and caches.unlocks == 0 and len(caches.table) == 1
+    assert s.sweep() == [] and len(caches.table) == 1
+    caches.lock_free = True
+    assert [d.pid for d in s.sweep()] == [100]
 
 
 def test_a_cache_in_use_waits_and_a_pid_seen_alive_again_restarts_its_grace():
@@ -129,17 +126,87 @@ def test_a_dead_peers_mappings_held_by_a_copy_are_said_once(capsys):
     assert [d.pid for d in s.sweep()] == [100]
 
 
-@pytest.mark.parametrize("state, taken, after", [(0, True, 2), (1, True, 3), (2, False, 2), (4, False, 4),
-                                                 (6, False, 6)])
-def test_the_write_trylock_is_ucx_spinlocks(state, taken, after):
-    # ucs_rw_spinlock_t: bit 0 a waiting writer, bit 1 the writer, 4 a reader each.
-    atomics = Atomics.load()
-    word = ctypes.c_uint32(state)
-    assert atomics.write_trylock(ctypes.addressof(word)) is taken
-    assert word.value == after
-    if taken:
-        atomics.write_unlock(ctypes.addressof(word))
-        assert word.value == state
+class Table:
+    """A table in UCX's layout (Layout's offsets), in this process's memory: 4 buckets, bucket 1 holding a
+    cache with two regions on its LRU list."""
+
+    def __init__(self, lock: int = 0, refcount: int = 0):
+        self.raw = (ctypes.c_uint8 * 0x40)()
+        self.flags = (ctypes.c_uint32 * 1)(0xAAAAAAAA & ~(3 << 2))          # bucket 1 occupied
+        self.keys = (ctypes.c_uint32 * 12)()
+        self.vals = (ctypes.c_uint64 * 4)()
+        self.cache = (ctypes.c_uint8 * 0x100)()
+        self.regions = [(ctypes.c_uint8 * 0x108)() for _ in range(2)]
+        base = ctypes.addressof(self.raw)
+        self.base = base
+        self.u32(0).value, self.u32(4).value = 4, 1
+        for offset, array in ((0x10, self.flags), (0x18, self.keys), (0x20, self.vals)):
+            ctypes.c_uint64.from_address(base + offset).value = ctypes.addressof(array)
+        self.u32(0x28).value = lock
+        self.vals[1] = ctypes.addressof(self.cache)
+        head = ctypes.addressof(self.cache) + 0x70
+        links = [ctypes.addressof(r) + 0x20 for r in self.regions]
+        chain = [head, *links, head]
+        for here, after in zip(chain, chain[1:]):
+            ctypes.c_uint64.from_address(here).value = after
+        for i, r in enumerate(self.regions):
+            ctypes.c_uint64.from_address(ctypes.addressof(r) + 0xd8).value = 4096 * (i + 1)
+        ctypes.c_uint64.from_address(ctypes.addressof(self.regions[1]) + 0xf8).value = refcount
+
+    def u32(self, offset: int) -> ctypes.c_uint32:
+        return ctypes.c_uint32.from_address(self.base + offset)
+
+
+def drop_on(table: Table, bucket: int = 1, cache: int | None = None) -> tuple[int, list[int], tuple[int, int]]:
+    destroyed: list[int] = []
+    destroy = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(lambda c, close: destroyed.append((c, close)))
+    counts = (ctypes.c_uint64 * 2)()
+    code = ipc_drop.native_drop()(table.base, bucket, cache if cache is not None else ctypes.addressof(table.cache),
+                                  ctypes.cast(destroy, ctypes.c_void_p).value, ctypes.byref(counts))
+    return code, destroyed, (counts[0], counts[1])
+
+
+@pytest.mark.parametrize("lock", [0, 1])       # free, or free with a writer waiting (ucs_rw_spinlock_t)
+def test_the_native_step_drops_the_cache_under_the_lock_and_gives_it_back(lock):
+    table = Table(lock=lock)
+    code, destroyed, counts = drop_on(table)
+    assert code == DROPPED and destroyed == [(ctypes.addressof(table.cache), 1)]   # handles closed
+    assert counts == (2, 4096 + 8192)
+    assert (table.flags[0] >> 2) & 3 == 1 and table.u32(4).value == 0             # kh_del: deleted, size 0
+    assert table.u32(0x28).value == lock
+
+
+@pytest.mark.parametrize("lock", [2, 3, 4, 8])   # a writer, a writer and a waiter, one reader, two
+def test_the_native_step_leaves_a_table_ucx_holds(lock):
+    table = Table(lock=lock)
+    assert drop_on(table)[:2] == (CHANGED, []) and table.u32(0x28).value == lock and table.u32(4).value == 1
+
+
+def test_the_native_step_leaves_a_bucket_that_changed_or_a_region_in_a_copy():
+    table = Table()
+    assert drop_on(table, cache=0x1234)[:2] == (CHANGED, [])        # the bucket holds another cache now
+    assert drop_on(table, bucket=2)[:2] == (CHANGED, [])            # an empty bucket
+    assert drop_on(table, bucket=9)[:2] == (CHANGED, [])            # past the table
+    busy = Table(refcount=1)
+    assert drop_on(busy)[:2] == (IN_USE, []) and busy.u32(4).value == 1
+    for t in (table, busy):
+        assert t.u32(0x28).value == 0 and (t.flags[0] >> 2) & 3 == 0
+
+
+def test_the_native_code_is_its_source_assembled(tmp_path):
+    (tmp_path / "drop.s").write_text(ipc_drop.ASM)
+    subprocess.run(["as", "--64", "-o", str(tmp_path / "drop.o"), str(tmp_path / "drop.s")], check=True)
+    subprocess.run(["objcopy", "-O", "binary", "-j", ".text", str(tmp_path / "drop.o"), str(tmp_path / "drop.bin")],
+                   check=True)
+    assert (tmp_path / "drop.bin").read_bytes() == ipc_drop.CODE
+
+
+def test_the_native_codes_offsets_are_the_layouts():
+    layout = Layout("any")
+    for operand in (f"[rbx+{layout.lock:#x}]", f"[rbx+{layout.flags:#x}]", f"[rbx+{layout.vals:#x}]",
+                    f"[r13+{layout.cache_lru:#x}]", f"[rax+{layout.region_refcount - layout.region_lru:#x}]",
+                    f"[rax+{layout.region_bytes - layout.region_lru:#x}]"):
+        assert operand in ipc_drop.ASM, operand
 
 
 def test_pid_alive_tells_running_from_gone_and_zombie():
