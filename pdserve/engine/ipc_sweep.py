@@ -61,8 +61,8 @@ class Layout:
     region_refcount: int = 0xf8
 
 
-# In these builds uct_cuda_ipc_destroy_cache takes a second argument: non-zero closes each region's handle
-# (the process-exit path passes 0 and only frees).
+# In these builds uct_cuda_ipc_destroy_cache takes a second argument: non-zero closes each region's handle,
+# 0 only frees the regions.
 BUILDS = {
     "ed9612eb87801cd50dc77e704ab4adffd724651015d41a2a700d2f312511b6f4": Layout("nixl-cu13 1.5.1"),
     "076f42cb3fd1ac0819b1d6db2af92274edb5b0eefd562cf97ed1d48007e72f07": Layout("nixl-cu12 1.5.1"),

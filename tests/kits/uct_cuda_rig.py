@@ -34,16 +34,19 @@ STUB_SPECIAL = {
 }
 
 
-def nixl_library() -> Path:
-    """libuct_cuda.so of the installed nixl-cu13 (or nixl-cu12) wheel."""
-    for package in ("nixl_cu13", "nixl_cu12"):
-        spec = importlib.util.find_spec(package)
+PACKAGES = ("nixl_cu13", "nixl_cu12")      # the GPU nodes' first (vLLM 0.26's CUDA 13 wheels)
+
+
+def nixl_library(package: str | None = None) -> Path:
+    """libuct_cuda.so of the installed nixl-cu13 (or nixl-cu12) wheel, or of `package`'s."""
+    for name in (package,) if package else PACKAGES:
+        spec = importlib.util.find_spec(name)
         if spec and spec.origin:
-            libs = Path(spec.origin).parent.parent / f"{package}.libs" / "ucx"
-            found = sorted(libs.glob("libuct_cuda.so*"))
+            libs = Path(spec.origin).parent.parent / f"{name}.libs" / "ucx"
+            found = [p for p in sorted(libs.glob("libuct_cuda.so*")) if not p.name.endswith(".la")]
             if found:
-                return [p for p in found if not p.name.endswith(".la")][0]
-    raise FileNotFoundError("no nixl-cu13/nixl-cu12 wheel with libuct_cuda.so is installed")
+                return found[0]
+    raise FileNotFoundError(f"no {package or 'nixl-cu13/nixl-cu12'} wheel with libuct_cuda.so is installed")
 
 
 def build_stubs(library: Path, into: Path) -> None:
@@ -58,9 +61,9 @@ def build_stubs(library: Path, into: Path) -> None:
         subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(into / soname), str(source)], check=True)
 
 
-def run_child(tmp: Path, scenario: str) -> dict:
-    """Run `child(scenario)` against the real library; its JSON report."""
-    library = nixl_library()
+def run_child(tmp: Path, scenario: str, package: str | None = None) -> dict:
+    """Run `child(scenario)` against the real library (of `package`'s wheel); its JSON report."""
+    library = nixl_library(package)
     build_stubs(library, tmp)
     env = {**os.environ, "LD_LIBRARY_PATH": str(tmp), CLOSED_LOG_ENV: str(tmp / "closed.log")}
     out = subprocess.run([sys.executable, "-c", f"from tests.kits.uct_cuda_rig import child; child({scenario!r})",

@@ -19,19 +19,21 @@ from pdserve.engine import ipc_drop
 from pdserve.engine.ipc_drop import CHANGED, DROPPED, IN_USE
 from pdserve.engine.ipc_sweep import CACHE_ENV, DeadPeerSweeper, Dropped, Entry, Layout, pid_alive
 from pdserve.engine.names import IPC_SWEEP_ENV
-from tests.kits.uct_cuda_rig import nixl_library, run_child
+from tests.kits.uct_cuda_rig import PACKAGES, nixl_library, run_child
 
 
-def test_the_installed_nixl_ucx_is_a_build_the_sweeper_knows():
+@pytest.mark.parametrize("package", PACKAGES)
+def test_the_installed_nixl_ucx_is_a_build_the_sweeper_knows(package):
     # A new NIXL wheel brings a new UCX: its offsets must be read again (objdump, see Layout) before it is added.
-    path = nixl_library()
+    path = nixl_library(package)
     assert hashlib.sha256(path.read_bytes()).hexdigest() in ipc_sweep.BUILDS, path
 
 
-def test_a_dead_peers_cache_is_destroyed_with_its_handles_closed_in_the_real_library(tmp_path):
-    report = run_child(tmp_path, "plain")
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_dead_peers_cache_is_destroyed_with_its_handles_closed_in_the_real_library(tmp_path, package):
+    report = run_child(tmp_path, "plain", package)
     dead = report["first"]
-    assert report["said"].startswith("yes (nixl-cu1")
+    assert report["said"] == f"yes ({package.replace('_', '-')} 1.5.1)"
     assert len(dead) == 1 and dead[0]["regions"] == 1 and dead[0]["nbytes"] == 4096
     assert report["closed"] == [report["mapped"]["dead"]]       # cuIpcCloseMemHandle of its mapping, only
     assert report["size"] == 2 and report["lock"] == 0          # kh_del's count; the lock given back
