@@ -7,7 +7,6 @@ single-use and expire on the store's clock safely before D's decoder_kv_blocks_t
 from __future__ import annotations
 
 from array import array
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -193,7 +193,8 @@ def _entry_bytes(entry: ReuseEntry) -> int:
     """An estimate of the memory an entry holds: the token ids, the block ids, and fixed overhead."""
     blocks = entry.params.get("remote_block_ids") or []
     n_blocks = sum(len(g) if isinstance(g, list) else 1 for g in blocks) if isinstance(blocks, list) else 0
-    return ENTRY_OVERHEAD_BYTES + 40 * n_blocks + (entry.sequence.itemsize * len(entry.sequence) if entry.sequence is not None else 0)
+    ids = entry.sequence.itemsize * len(entry.sequence) if entry.sequence is not None else 0
+    return ENTRY_OVERHEAD_BYTES + 40 * n_blocks + ids
 
 
 
