@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.names import ASCENDING_ALLOC_ENV
+from pdserve.engine.names import ASCENDING_ALLOC_ENV, UCX_LEAK_GUARD
 
 PATCHED_ATTR = "pdserve_pull_order"
 
@@ -115,9 +115,7 @@ def _block_id(block) -> int:
 def patch_pull_order() -> bool:
     """Wrap NIXL's make_prepped_xfer so each READ goes out in merge_order, with one line a READ in the server
     log (pdserve-descs: pairs, descriptors as vLLM ordered them, after, ms spent). False without NIXL."""
-    # vLLM sets this before its own first NIXL import (a UCX leak guard); importing NIXL here first would
-    # make it skip that, so set the same value (as entry.patch_nixl_progress_delay does).
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    os.environ.setdefault(*UCX_LEAK_GUARD)
     try:
         import nixl._api as nixl_api
     except ImportError:   # vLLM reports the missing NIXL itself

@@ -39,7 +39,8 @@ import os
 import runpy
 import sys
 
-from pdserve.engine.names import CORES_ENV, DELAY_ENV, FORK_ENV, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
+from pdserve.engine.names import (CORES_ENV, DELAY_ENV, FORK_ENV, REUSE_PATCHES_ENV, UCX_LEAK_GUARD,
+                                  VLLM_SERVER_MODULE)
 
 
 def own_cores(bind: str | None) -> list[int]:
@@ -71,9 +72,7 @@ def patch_nixl_progress_delay() -> int:
     delay = int(os.environ.get(DELAY_ENV) or 0)
     if delay <= 0:
         return 0
-    # vLLM sets this before its own first NIXL import (a UCX leak guard); importing NIXL here first
-    # would make it skip that, so set the same value.
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    os.environ.setdefault(*UCX_LEAK_GUARD)
     try:
         import nixl._api as nixl_api
     except ImportError:   # vLLM reports the missing NIXL itself

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pdserve.engine import ipc_drop
-from pdserve.engine.names import IPC_SWEEP_ENV
+from pdserve.engine.names import IPC_SWEEP_ENV, UCX_LEAK_GUARD
 
 LIBRARY = "libuct_cuda.so"
 CACHE_ENV = "UCX_CUDA_IPC_CACHE"
@@ -218,9 +218,7 @@ def start() -> str:
 def patch_agent_start() -> bool:
     """Start the sweeper once, right after this process's first NIXL agent is made with its backends (UCX loads
     its CUDA transport when the UCX backend is created, after the agent's own constructor)."""
-    # vLLM sets this before its own first NIXL import (a UCX leak guard) and skips it when NIXL is already
-    # imported: set the same value first (as entry.patch_nixl_progress_delay does).
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    os.environ.setdefault(*UCX_LEAK_GUARD)
     try:
         import nixl._api as nixl_api
     except ImportError:

@@ -27,3 +27,6 @@ SYNC_PULL_ENV = "PDSERVE_SYNC_PULL"
 SYNC_PULL_TIMEOUT_ENV = "PDSERVE_SYNC_PULL_TIMEOUT_S"
 # "0": the entry does not drop a dead peer's CUDA IPC mappings from UCX's cache (engine/ipc_sweep.py).
 IPC_SWEEP_ENV = "PDSERVE_IPC_SWEEP"
+# vLLM sets this UCX leak guard before its own first NIXL import and skips it when NIXL is already imported:
+# pdserve's patches that import NIXL first set the same value.
+UCX_LEAK_GUARD = ("UCX_RCACHE_MAX_UNRELEASED", "1024")
