@@ -119,14 +119,14 @@ CODE = bytes.fromhex(
 
 DropFunction = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_uint64 * 2))
-_pages: list[int] = []      # the executable pages, kept for the process's life
 
 
 def native_drop() -> DropFunction | None:
-    """CODE in an executable page (written, then made read+execute), as a function; None off x86-64 Linux."""
+    """CODE in an executable page of its own (written, then made read+execute), as a function; None off
+    x86-64 Linux."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                               ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -137,5 +137,4 @@ def native_drop() -> DropFunction | None:
     ctypes.memmove(page, CODE, len(CODE))
     if libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
         return None
-    _pages.append(page)
-    return DropFunction(page)
+    return DropFunction(page)      # the page is never unmapped: the function lives as long as the process

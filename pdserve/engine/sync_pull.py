@@ -39,6 +39,8 @@ from pdserve.engine.names import SYNC_PULL_TIMEOUT_ENV as TIMEOUT_ENV
 
 SYNC_ATTR = "pdserve_sync_recv"        # on NixlConnectorMetadata: ids whose READ the worker waits for
 PATCHED_ATTR = "pdserve_sync_pull"
+DECIDED_ATTR = "_pdserve_sync"         # on the scheduler: its synchronous pulls (_sync_ids)
+KEPT_ATTR = "_pdserve_kept"            # on the worker: the completion result run early, for its next call
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 # A listed request's report is expected within its step; one never reported (aborted before its READ) is
@@ -66,10 +68,7 @@ def _sync_ids(scheduler: Any) -> dict[str, tuple[float, int, bool]]:
     """request id -> (when decided, P's own computed tokens then, whether its READ was set up), on the
     scheduler side. Only a READ set up for the pulled tokens is waited for and kept from vLLM's scheduler: under
     a MultiConnector another child may load the request, and NIXL then only notifies D."""
-    ids = scheduler.__dict__.get("_pdserve_sync")
-    if ids is None:
-        ids = scheduler.__dict__["_pdserve_sync"] = {}
-    return ids
+    return scheduler.__dict__.setdefault(DECIDED_ATTR, {})
 
 
 def decide(scheduler: Any, request: Any, num_computed_tokens: int, result: Any) -> Any:
@@ -126,7 +125,7 @@ def mark(scheduler: Any, metadata: Any) -> Any:
 
 def drop_reports(scheduler: Any, output: Any) -> None:
     """Take synchronous requests out of finished_recving (they are RUNNING, never parked)."""
-    ids = scheduler.__dict__.get("_pdserve_sync")
+    ids = scheduler.__dict__.get(DECIDED_ATTR)
     recv = getattr(output, "finished_recving", None)
     if not ids or not recv:
         return
@@ -164,7 +163,7 @@ def wait_for_reads(worker: Any, ids: set[str], collect, limit_s: float) -> None:
         ready = worker._ready_requests         # READs whose handshake has just finished
         while not ready.empty():
             worker._read_blocks_for_req(*ready.get_nowait())
-        worker.__dict__["_pdserve_kept"] = _merge(worker.__dict__.get("_pdserve_kept"), collect(worker))
+        worker.__dict__[KEPT_ATTR] = _merge(worker.__dict__.get(KEPT_ATTR), collect(worker))
         pending = {rid for rid in pending if rid in worker._recving_metadata}
         if not pending:
             return
@@ -194,7 +193,7 @@ def patch_worker(worker_cls: type) -> None:
 
     def completed(self, *args, **kwargs):
         new = completion(self, *args, **kwargs)
-        kept = self.__dict__.pop("_pdserve_kept", None)
+        kept = self.__dict__.pop(KEPT_ATTR, None)
         return _merge(kept, new) if kept is not None else new
 
     for fn in (start_load_kv, completed):
