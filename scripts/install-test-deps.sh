@@ -2,10 +2,12 @@
 # Debian packages the tests use: sshd in network namespaces (openssh-server, iproute2) and a one-node
 # Slurm (slurm-wlm, munge) for tests/multihost; redis-server for the shared reuse store (openssl: the TLS
 # test's certificate); prometheus for the scrape-config and dashboard tests; Node (nodejs, npm) for the real
-# coding agents. Then the pinned agents themselves from npm (@anthropic-ai/claude-code, @openai/codex) into
-# .test-agents/ (git-ignored; PDSERVE_TEST_AGENTS elsewhere), which tests/e2e/test_real_coding_agents.py runs.
-# Idempotent: installs only what is missing, Debian packages only as root on apt systems; elsewhere the tests
-# that need them skip with the reason.
+# coding agents; gcc and binutils (as, objcopy, nm) for tests/unit/test_ipc_sweep.py (a stub CUDA driver, and
+# engine/ipc_drop.py's machine code assembled again). Then the pinned agents themselves from npm
+# (@anthropic-ai/claude-code, @openai/codex) into .test-agents/ (git-ignored; PDSERVE_TEST_AGENTS elsewhere),
+# which tests/e2e/test_real_coding_agents.py runs. Idempotent: installs only what is missing, Debian packages
+# only as root on apt systems; elsewhere the tests that need them skip with the reason (test_ipc_sweep.py's
+# fail: without a compiler it cannot check the sweeper against UCX at all).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 want=()
@@ -19,6 +21,8 @@ command -v openssl >/dev/null || want+=(openssl)
 command -v prometheus >/dev/null || want+=(prometheus)
 command -v node >/dev/null || want+=(nodejs)
 command -v npm >/dev/null || want+=(npm)
+command -v gcc >/dev/null || want+=(gcc)
+command -v as >/dev/null && command -v objcopy >/dev/null && command -v nm >/dev/null || want+=(binutils)
 if [ ${#want[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
     echo "install-test-deps: missing ${want[*]} (not root or no apt-get): the tests that need them will skip" >&2
