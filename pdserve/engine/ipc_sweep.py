@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from pdserve.engine import ipc_drop
@@ -171,8 +172,7 @@ def loaded_library(maps: str = "/proc/self/maps") -> str | None:
 
 def attach(path: str) -> tuple[DeadPeerSweeper | None, str]:
     """A sweeper over the loaded library at `path`, or None and why not."""
-    with open(path, "rb") as f:
-        layout = BUILDS.get(hashlib.sha256(f.read()).hexdigest())
+    layout = known_build(path)
     if layout is None:
         return None, f"no (a UCX build pdserve has not checked: {path})"
     drop_step = ipc_drop.native_drop()
@@ -190,6 +190,43 @@ def attach(path: str) -> tuple[DeadPeerSweeper | None, str]:
 
 def cache_on(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(CACHE_ENV, "y").strip().lower() not in ("n", "no", "off", "0", "false")
+
+
+def known_build(path: str) -> Layout | None:
+    with open(path, "rb") as f:
+        return BUILDS.get(hashlib.sha256(f.read()).hexdigest())
+
+
+def transport_libraries(backend_module: str, env: Mapping[str, str] = os.environ) -> list[str]:
+    """The libuct_cuda.so files UCX would load for NIXL's backend package (`nixl_cu13._api`'s
+    `nixl_cu13.libs/ucx/`, or UCX_MODULE_DIR); [] where it has none."""
+    package = backend_module.partition(".")[0]
+    spec = importlib.util.find_spec(package)
+    if env.get("UCX_MODULE_DIR"):
+        folder = env["UCX_MODULE_DIR"]
+    elif spec is not None and spec.origin:
+        folder = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), f"{package}.libs", "ucx")
+    else:
+        return []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if n == LIBRARY or n.startswith(LIBRARY + ".")]
+
+
+def guard_cache(libraries: list[str], env: MutableMapping[str, str] = os.environ) -> str | None:
+    """Before UCX starts: with the cache on and the sweeper unable to run on this UCX build (one pdserve has
+    not checked, or not x86-64), turn the cache off, so a crashed peer's GPU memory is never held. Says what it
+    did, or None. PDSERVE_IPC_SWEEP=0 leaves UCX's setting as it is."""
+    if env.get(IPC_SWEEP_ENV) == "0" or not cache_on(env):
+        return None
+    unknown = [path for path in libraries if known_build(path) is None]
+    if not unknown and (not libraries or ipc_drop.native_drop() is not None):
+        return None
+    env[CACHE_ENV] = "n"
+    why = f"a UCX build pdserve has not checked: {unknown[0]}" if unknown else "not x86-64 Linux"
+    return f"{CACHE_ENV}=n ({why}: a crashed peer's mappings could not be dropped)"
 
 
 def run(sweeper: DeadPeerSweeper, stop: threading.Event, interval_s: float = INTERVAL_S) -> None:
@@ -223,6 +260,9 @@ def patch_agent_start() -> bool:
         import nixl._api as nixl_api
     except ImportError:
         return False
+    guarded = guard_cache(transport_libraries(nixl_api.__name__))
+    if guarded:
+        print(f"pdserve-ipc-sweep: {guarded}", flush=True)
     agent_class = nixl_api.nixl_agent
     init = agent_class.__init__
     if getattr(init, "pdserve_ipc_sweep", False):

@@ -259,3 +259,40 @@ def test_the_entry_starts_it_once_after_nixls_first_agent_has_its_ucx_backend():
     assert said == ["pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: "
                     "not needed (no CUDA IPC transport loaded)"]
     assert out.stdout.strip().splitlines()[-1] == "['backend', 'sweeper', 'backend']"
+
+
+def test_the_cache_is_turned_off_before_ucx_starts_where_the_sweeper_cannot_run(tmp_path):
+    other = tmp_path / "libuct_cuda.so.0.0.0"
+    other.write_bytes(nixl_library().read_bytes() + b"\0")
+    env = {"UCX_CUDA_IPC_CACHE": "y"}
+    said = ipc_sweep.guard_cache([str(nixl_library()), str(other)], env)
+    assert env["UCX_CUDA_IPC_CACHE"] == "n" and said.startswith("UCX_CUDA_IPC_CACHE=n (a UCX build pdserve has not")
+    env = {}                                                    # UCX's own default is on
+    assert ipc_sweep.guard_cache([str(other)], env) and env == {"UCX_CUDA_IPC_CACHE": "n"}
+    for kept in ({"UCX_CUDA_IPC_CACHE": "y"}, {"UCX_CUDA_IPC_CACHE": "n"}):
+        env = dict(kept)
+        assert ipc_sweep.guard_cache([str(nixl_library())], env) is None and env == kept
+    env = {"UCX_CUDA_IPC_CACHE": "y", IPC_SWEEP_ENV: "0"}          # the user's word: leave UCX's setting
+    assert ipc_sweep.guard_cache([str(other)], env) is None and env["UCX_CUDA_IPC_CACHE"] == "y"
+    env = {"UCX_CUDA_IPC_CACHE": "y"}
+    assert ipc_sweep.guard_cache([], env) is None and env["UCX_CUDA_IPC_CACHE"] == "y"   # no CUDA transport
+
+
+def test_the_libraries_guarded_are_the_ones_of_nixls_backend_package(tmp_path):
+    import nixl._api as api
+    assert ipc_sweep.transport_libraries(api.__name__) == [str(nixl_library())]
+    (tmp_path / "libuct_cuda.la").write_text("")
+    (tmp_path / "libuct_cuda.so.0.0.0").write_text("")
+    assert ipc_sweep.transport_libraries(api.__name__, {"UCX_MODULE_DIR": str(tmp_path)}) == \
+        [str(tmp_path / "libuct_cuda.so.0.0.0")]
+
+
+def test_the_entry_turns_the_cache_off_for_a_ucx_build_it_has_not_checked(tmp_path):
+    (tmp_path / "libuct_cuda.so.0.0.0").write_bytes(nixl_library().read_bytes() + b"\0")
+    code = ("import os\nfrom pdserve.engine import ipc_sweep\nassert ipc_sweep.patch_agent_start()\n"
+            "print('cache', os.environ['UCX_CUDA_IPC_CACHE'])\n")
+    env = {**os.environ, "UCX_CUDA_IPC_CACHE": "y", "UCX_MODULE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cache n" in out.stdout.splitlines()
+    assert "pdserve-ipc-sweep: UCX_CUDA_IPC_CACHE=n (a UCX build pdserve has not checked" in out.stdout

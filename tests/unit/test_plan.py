@@ -226,8 +226,8 @@ def test_gpu_servers_get_cuda_ipc_get_zero_copy_and_plan_says_why():
         proc = plan.by_name(name)
         assert proc.env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
         assert "NVLink" in proc.defaults["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"]
-        # a crashed peer's memory must not stay mapped in the survivor (issue 33)
-        assert proc.env["UCX_CUDA_IPC_CACHE"] == "n" and "crashed" in proc.defaults["UCX_CUDA_IPC_CACHE"]
+        # the mapping cache on (issue 44), a crashed peer's mappings dropped by the survivor (issue 33)
+        assert proc.env["UCX_CUDA_IPC_CACHE"] == "y" and "crashed" in proc.defaults["UCX_CUDA_IPC_CACHE"]
     assert plan.router.defaults == {}
 
 
