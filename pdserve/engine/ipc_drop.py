@@ -5,7 +5,7 @@ and some of NIXL's Python calls take it while holding the GIL. Python code holdi
 GIL between two bytecodes to such a caller, which would then spin forever on the lock: so the locked step is
 one native call, made through ctypes.PYFUNCTYPE (the GIL stays held for its whole length), that takes the lock,
 checks the bucket still holds the cache it was asked to drop and that none of the cache's regions is in a copy
-(counting them and their bytes), calls UCX's uct_cuda_ipc_destroy_cache(cache, 1) (1: close each handle),
+(counting them and their bytes; the one region an rkey of the peer holds, if named, may keep that one count), calls UCX's uct_cuda_ipc_destroy_cache(cache, 1) (1: close each handle),
 marks the bucket deleted as kh_del does, and gives the lock back. It returns DROPPED, IN_USE or CHANGED (the lock
 held by another, or the bucket no longer the one asked for).
 
@@ -26,7 +26,7 @@ ASM = """\
 .intel_syntax noprefix
 .text
 .globl drop
-# int drop(table *rdi, uint32 bucket esi, cache *rdx, destroy rcx, uint64 out[2] r8)
+# int drop(table *rdi, uint32 bucket esi, cache *rdx, destroy rcx, uint64 out[2] r8, held link r9)
 drop:
     push rbx
     push r12
@@ -68,8 +68,14 @@ drop:
 1:
     cmp rax, rdx
     je 2f
-    cmp qword ptr [rax+0xd8], 0         # region->refcount (region+0xf8): a copy in flight
+    mov rcx, qword ptr [rax+0xd8]       # region->refcount (region+0xf8): copies in flight, and the rkey's hold
+    test rcx, rcx
+    jz 5f
+    cmp rax, r9                         # the region an rkey holds: free if that hold is its only count
     jne 7f
+    cmp rcx, 1
+    jne 7f
+5:
     inc qword ptr [r15]
     mov rcx, qword ptr [rax+0xb8]       # region->key.b_len (region+0xd8)
     add qword ptr [r15+8], rcx
@@ -110,15 +116,15 @@ drop:
 """
 
 CODE = bytes.fromhex(
-    "5341544155415641574889fb4189f44989d54989ce4d89c78b432883f8020f83ce00000089c283ca02f00fb153280f85"
-    "be000000443b230f83b0000000488b43104489e2c1ea04448b04904489e183e10f01c941d3e841f7c0030000000f858a"
-    "000000488b43204489e24c392cd0757d49c7070000000049c7470800000000498d5570488b024839d0741d4883b8d800"
-    "000000754c49ff07488b88b800000049014f08488b00ebde4c89efbe0100000041ffd6488b43104489e2c1ea044489e1"
-    "83e10f01c941b80100000041d3e044090490ff4b04f0836b2802b801000000eb13f0836b2802b802000000eb07f0836b"
-    "280231c0415f415e415d415c5bc3")
+    "5341544155415641574889fb4189f44989d54989ce4d89c78b432883f8020f83df00000089c283ca02f00fb153280f85"
+    "cf000000443b230f83c1000000488b43104489e2c1ea04448b04904489e183e10f01c941d3e841f7c0030000000f859b"
+    "000000488b43204489e24c392cd00f858a00000049c7070000000049c7470800000000498d5570488b024839d0742a48"
+    "8b88d80000004885c9740b4c39c875524883f901754c49ff07488b88b800000049014f08488b00ebd14c89efbe010000"
+    "0041ffd6488b43104489e2c1ea044489e183e10f01c941b80100000041d3e044090490ff4b04f0836b2802b801000000"
+    "eb13f0836b2802b802000000eb07f0836b280231c0415f415e415d415c5bc3")
 
 DropFunction = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.POINTER(ctypes.c_uint64 * 2))
+                                 ctypes.POINTER(ctypes.c_uint64 * 2), ctypes.c_void_p)
 
 
 def native_drop() -> DropFunction | None:

@@ -113,10 +113,22 @@ class RemoteCaches:
                                self._ptr(vals + 8 * i)))
         return found
 
-    def drop(self, entry: Entry) -> tuple[int, Dropped | None]:
-        """ipc_drop's step for the entry: (DROPPED and what went, or IN_USE / CHANGED and None)."""
+    def regions(self, cache: int, limit: int = 4096) -> list[tuple[int, int]]:
+        """(LRU link, count) of each of a cache's regions, read without its lock: only for a cache no other
+        thread can reach yet (its peer's agent still being loaded)."""
+        head, found = cache + self.layout.cache_lru, []
+        link = self._ptr(head)
+        while link and link != head and len(found) < limit:
+            found.append((link, ctypes.c_uint64.from_address(
+                link + self.layout.region_refcount - self.layout.region_lru).value))
+            link = self._ptr(link)
+        return found
+
+    def drop(self, entry: Entry, held: int = 0) -> tuple[int, Dropped | None]:
+        """ipc_drop's step for the entry: (DROPPED and what went, or IN_USE / CHANGED and None). `held`: the
+        LRU link of the region an rkey of the peer holds (its one count is not a copy), or 0."""
         counts = (ctypes.c_uint64 * 2)()
-        code = self.drop_step(self.base, entry.bucket, entry.cache, self.destroy, ctypes.byref(counts))
+        code = self.drop_step(self.base, entry.bucket, entry.cache, self.destroy, ctypes.byref(counts), held)
         if code != ipc_drop.DROPPED:
             return code, None
         return code, Dropped(entry.pid, entry.device, counts[0], counts[1])
@@ -140,6 +152,25 @@ class DeadPeerSweeper:
         self.caches, self.own_ns, self.alive, self.grace_s, self.clock = caches, own_ns, alive, grace_s, clock
         self.dead_since: dict[int, float] = {}
         self.stuck: set[int] = set()     # dead peers whose mappings a copy has held for STUCK_S (said once)
+        # The region an rkey of each peer holds mapped, by peer (pid, pid namespace, device): UCX maps the first
+        # region of the first peer on each GPU when NIXL loads that peer's metadata (its reachability check) and
+        # unmaps it only when NIXL unloads it, which vLLM does once that peer's replacement has handshaken: a
+        # replacement that cannot start while the dead peer's memory is held.
+        self.held: dict[tuple[int, int, int], int] = {}
+
+    def note_loaded_peer(self, before: set[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+        """After NIXL loaded one peer's metadata: a cache that appeared meanwhile with one region, mapped once,
+        is that peer's, and its one count is the rkey's hold. More than one new cache: no telling whose."""
+        new = [e for e in self.caches.entries() if (e.pid, e.ns, e.device) not in before]
+        if len(new) == 1:
+            regions = self.caches.regions(new[0].cache)
+            if len(regions) == 1 and regions[0][1] == 1:
+                self.held[(new[0].pid, new[0].ns, new[0].device)] = regions[0][0]
+                return new[0].pid, new[0].ns, new[0].device
+        return None
+
+    def peers(self) -> set[tuple[int, int, int]]:
+        return {(e.pid, e.ns, e.device) for e in self.caches.entries()}
 
     def sweep(self) -> list[Dropped]:
         now, seen, dropped = self.clock(), set(), []
@@ -150,8 +181,10 @@ class DeadPeerSweeper:
             since = self.dead_since.setdefault(entry.pid, now)
             if now - since < self.grace_s:
                 continue
-            code, gone = self.caches.drop(entry)
+            peer = (entry.pid, entry.ns, entry.device)
+            code, gone = self.caches.drop(entry, self.held.get(peer, 0))
             if gone is not None:
+                self.held.pop(peer, None)
                 dropped.append(gone)
             elif code == ipc_drop.IN_USE and now - since >= STUCK_S and entry.pid not in self.stuck:
                 self.stuck.add(entry.pid)
@@ -236,6 +269,9 @@ def run(sweeper: DeadPeerSweeper, stop: threading.Event, interval_s: float = INT
                   f"(device {d.device}, {d.nbytes / 2**20:.0f} MiB)", flush=True)
 
 
+RUNNING: list[DeadPeerSweeper] = []      # this process's sweeper, once started
+
+
 def start() -> str:
     """Start the sweeper thread in this process (after NIXL's agent loaded UCX); says what was done."""
     if os.environ.get(IPC_SWEEP_ENV) == "0":
@@ -247,6 +283,7 @@ def start() -> str:
         return "not needed (no CUDA IPC transport loaded)"
     sweeper, said = attach(path)
     if sweeper is not None:
+        RUNNING.append(sweeper)
         threading.Thread(target=run, args=(sweeper, threading.Event()), name="pdserve-ipc-sweep",
                          daemon=True).start()
     return said
@@ -275,6 +312,17 @@ def patch_agent_start() -> bool:
             started.append(start())
             print(f"pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: {started[0]}", flush=True)
 
+    add_remote = agent_class.add_remote_agent
+
+    def add_remote_then_note_hold(self, *args, **kwargs):
+        before = RUNNING[0].peers() if RUNNING else set()
+        name = add_remote(self, *args, **kwargs)
+        if RUNNING and (peer := RUNNING[0].note_loaded_peer(before)) is not None:
+            print(f"pdserve-ipc-sweep: peer pid {peer[0]} (device {peer[2]}): one region mapped by UCX's "
+                  "reachability check until NIXL unloads the peer; dropped with the rest if it dies", flush=True)
+        return name
+
     init_then_sweeper.pdserve_ipc_sweep = True
     agent_class.__init__ = init_then_sweeper
+    agent_class.add_remote_agent = add_remote_then_note_hold
     return True

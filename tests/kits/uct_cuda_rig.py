@@ -172,6 +172,18 @@ def child(scenario: str) -> None:
         reader.join()
     if scenario == "in_use":
         ptr(regions["dead"][0] + layout.region_refcount).value = 1          # a copy still in flight
+    if scenario == "held":
+        # The dead peer's one region mapped once by an rkey's reachability check, learnt from the table as
+        # the entry does when NIXL loads a peer (here the peer's cache is the one "loaded").
+        ptr(regions["dead"][0] + layout.region_refcount).value = 1
+        before = sweeper.peers() - {(peers["dead"], ns, 0)}
+        report["regions"] = [[link - regions["dead"][0], count] for link, count in
+                             caches.regions(ptr(vals + 8 * [i for i in range(n) if ptr(vals + 8 * i).value and
+                                                            u32(keys + i * layout.key_size).value == peers["dead"]
+                                                            and u32(keys + i * layout.key_size + 4).value == ns][0]
+                                                ).value)]
+        sweeper.note_loaded_peer(before)
+        report["held"] = [[k[0] == peers["dead"], v - regions["dead"][0]] for k, v in sweeper.held.items()]
     sweeper.grace_s = 0.0
     report["first"] = [d.__dict__ for d in sweeper.sweep()]
     if scenario == "in_use":

@@ -50,6 +50,14 @@ def test_a_mapping_in_use_is_kept_until_its_copy_is_done_in_the_real_library(tmp
     assert report["closed"] == [report["mapped"]["dead"]] and report["lock"] == 0
 
 
+
+def test_a_dead_peers_region_an_rkey_holds_is_dropped_in_the_real_library(tmp_path):
+    report = run_child(tmp_path, "held")
+    assert report["regions"] == [[0x20, 1]]                       # its LRU link, its one count, read back
+    assert report["held"] == [[True, 0x20]]
+    assert [d["regions"] for d in report["first"]] == [1]
+    assert report["closed"] == [report["mapped"]["dead"]] and report["lock"] == 0 and report["size"] == 2
+
 def test_nothing_is_dropped_while_ucx_holds_the_table_in_the_real_library(tmp_path):
     report = run_child(tmp_path, "reader")
     assert report["while_read"] == []                  # the library's reader kept the sweeper out
@@ -60,11 +68,17 @@ def test_nothing_is_dropped_while_ucx_holds_the_table_in_the_real_library(tmp_pa
 class FakeCaches:
     def __init__(self, entries: list[Entry], busy: set[int] = frozenset(), lock_free: bool = True):
         self.table, self.busy, self.lock_free = list(entries), set(busy), lock_free
+        self.asked: list[tuple[int, int]] = []
+        self.region_counts: dict[int, list[tuple[int, int]]] = {}
+
+    def regions(self, cache: int) -> list[tuple[int, int]]:
+        return self.region_counts.get(cache, [])
 
     def entries(self) -> list[Entry]:
         return list(self.table)
 
-    def drop(self, entry: Entry) -> tuple[int, Dropped | None]:
+    def drop(self, entry: Entry, held: int = 0) -> tuple[int, Dropped | None]:
+        self.asked.append((entry.pid, held))
         if not self.lock_free:
             return CHANGED, None
         if entry.cache in self.busy:
@@ -88,6 +102,33 @@ def test_a_dead_peer_is_dropped_after_the_grace_and_never_a_live_one_or_another_
     now[0] = 12.0
     assert [d.pid for d in s.sweep()] == [100]
     assert [e.cache for e in caches.table] == [0xB, 0xC]
+
+
+
+def test_the_region_an_rkey_holds_is_learnt_when_nixl_loads_the_peer_and_named_at_its_drop():
+    # UCX maps one region of the first peer on a GPU while NIXL loads that peer's metadata (its reachability
+    # check) and keeps it mapped until NIXL unloads the peer: that count is no copy.
+    caches, now = FakeCaches([Entry(0, 300, 7, 0, 0xD)]), [0.0]
+    s = sweeper(caches, dead={100}, now=now, grace=0.0)
+    before = s.peers()
+    caches.table.append(Entry(1, 100, 7, 0, 0xA))
+    caches.region_counts[0xA] = [(0xA70, 1)]
+    s.note_loaded_peer(before)
+    assert s.held == {(100, 7, 0): 0xA70}
+    assert [d.pid for d in s.sweep()] == [100] and caches.asked == [(100, 0xA70)] and s.held == {}
+
+
+def test_no_hold_is_learnt_where_the_new_cache_cannot_be_told_apart():
+    caches = FakeCaches([])
+    s = sweeper(caches, dead=set(), now=[0.0])
+    caches.table += [Entry(0, 100, 7, 0, 0xA), Entry(1, 200, 7, 0, 0xB)]         # two peers' caches appeared
+    caches.region_counts = {0xA: [(0xA70, 1)], 0xB: [(0xB70, 1)]}
+    s.note_loaded_peer(set())
+    assert s.held == {}
+    for counts in ([(0xC70, 0)], [(0xC70, 1), (0xC90, 1)], [(0xC70, 2)]):      # not one region mapped once
+        caches.table, caches.region_counts = [Entry(2, 400, 7, 0, 0xC)], {0xC: counts}
+        s.note_loaded_peer(set())
+        assert s.held == {}
 
 
 def test_a_table_held_by_ucx_is_left_for_the_next_sweep():
@@ -159,12 +200,13 @@ class Table:
         return ctypes.c_uint32.from_address(self.base + offset)
 
 
-def drop_on(table: Table, bucket: int = 1, cache: int | None = None) -> tuple[int, list[int], tuple[int, int]]:
+def drop_on(table: Table, bucket: int = 1, cache: int | None = None, held: int = 0) -> tuple[int, list[int],
+                                                                                        tuple[int, int]]:
     destroyed: list[int] = []
     destroy = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)(lambda c, close: destroyed.append((c, close)))
     counts = (ctypes.c_uint64 * 2)()
     code = ipc_drop.native_drop()(table.base, bucket, cache if cache is not None else ctypes.addressof(table.cache),
-                                  ctypes.cast(destroy, ctypes.c_void_p).value, ctypes.byref(counts))
+                                  ctypes.cast(destroy, ctypes.c_void_p).value, ctypes.byref(counts), held)
     return code, destroyed, (counts[0], counts[1])
 
 
@@ -191,8 +233,21 @@ def test_the_native_step_leaves_a_bucket_that_changed_or_a_region_in_a_copy():
     assert drop_on(table, bucket=9)[:2] == (CHANGED, [])            # past the table
     busy = Table(refcount=1)
     assert drop_on(busy)[:2] == (IN_USE, []) and busy.u32(4).value == 1
+    other = ctypes.addressof(busy.regions[0]) + 0x20
+    assert drop_on(busy, held=other)[:2] == (IN_USE, [])            # the count is on a region no rkey holds
     for t in (table, busy):
         assert t.u32(0x28).value == 0 and (t.flags[0] >> 2) & 3 == 0
+
+
+def test_the_native_step_frees_the_region_an_rkey_holds_but_not_one_also_in_a_copy():
+    held = Table(refcount=1)
+    link = ctypes.addressof(held.regions[1]) + 0x20
+    code, destroyed, counts = drop_on(held, held=link)
+    assert code == DROPPED and destroyed == [(ctypes.addressof(held.cache), 1)] and counts == (2, 4096 + 8192)
+    assert held.u32(0x28).value == 0 and held.u32(4).value == 0
+    copying = Table(refcount=2)                                     # the hold and a copy in flight
+    assert drop_on(copying, held=ctypes.addressof(copying.regions[1]) + 0x20)[:2] == (IN_USE, [])
+    assert copying.u32(0x28).value == 0 and copying.u32(4).value == 1
 
 
 def test_the_native_code_is_its_source_assembled(tmp_path):
@@ -296,3 +351,20 @@ def test_the_entry_turns_the_cache_off_for_a_ucx_build_it_has_not_checked(tmp_pa
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cache n" in out.stdout.splitlines()
     assert "pdserve-ipc-sweep: UCX_CUDA_IPC_CACHE=n (a UCX build pdserve has not checked" in out.stdout
+
+
+def test_the_entry_learns_each_loaded_peers_hold_around_nixls_add_remote_agent():
+    code = ("from pdserve.engine import ipc_sweep\nimport nixl._api as api\n"
+            "class Noted:\n"
+            "    def __init__(self): self.calls = []\n"
+            "    def peers(self): self.calls.append('peers'); return {(1, 2, 3)}\n"
+            "    def note_loaded_peer(self, before): self.calls.append(('noted', before))\n"
+            "assert ipc_sweep.patch_agent_start()\n"
+            "a, b = (api.nixl_agent(n, api.nixl_agent_config(backends=['UCX'])) for n in ('a', 'b'))\n"
+            "noted = Noted(); ipc_sweep.RUNNING.append(noted)\n"
+            "print('name', a.add_remote_agent(b.get_agent_metadata()))\n"
+            "print(noted.calls)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "name b'b'" in out.stdout.splitlines()        # NIXL's own answer, passed back
+    assert "['peers', ('noted', {(1, 2, 3)})]" in out.stdout.splitlines()
