@@ -178,6 +178,9 @@ class DeadPeerSweeper:
             if entry.ns != self.own_ns or self.alive(entry.pid):
                 continue            # alive, or of another pid namespace (its pids cannot be checked from here)
             seen.add(entry.pid)
+            if entry.pid not in self.dead_since:
+                print(f"pdserve-ipc-sweep: peer pid {entry.pid} (device {entry.device}) is gone: its mappings go in "
+                      f"{self.grace_s:.0f} s unless a copy holds them", flush=True)
             since = self.dead_since.setdefault(entry.pid, now)
             if now - since < self.grace_s:
                 continue

@@ -161,7 +161,10 @@ def test_a_dead_peers_mappings_held_by_a_copy_are_said_once(capsys):
     for t in (0.0, 10.0, 29.0, 30.0, 31.0, 60.0):
         now[0] = t
         assert s.sweep() == []
-    said = [line for line in capsys.readouterr().out.splitlines() if "still in a copy" in line]
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "is gone" in line] == [
+        "pdserve-ipc-sweep: peer pid 100 (device 0) is gone: its mappings go in 2 s unless a copy holds them"]
+    said = [line for line in out if "still in a copy" in line]
     assert said == ["pdserve-ipc-sweep: dead peer pid 100: its mappings are still in a copy after 30 s; kept "
                     "until it ends"]
     caches.busy.clear()
