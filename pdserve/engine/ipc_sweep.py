@@ -134,6 +134,11 @@ class RemoteCaches:
         return code, Dropped(entry.pid, entry.device, counts[0], counts[1])
 
 
+def agent_name(agent: object) -> object:
+    """NIXL's add_remote_agent answers bytes; its remove_remote_agent takes a str too."""
+    return agent.decode(errors="replace") if isinstance(agent, bytes) else agent
+
+
 def pid_alive(pid: int) -> bool:
     """Whether `pid` (of this pid namespace) runs: not gone, not a zombie."""
     try:
@@ -157,17 +162,25 @@ class DeadPeerSweeper:
         # unmaps it only when NIXL unloads it, which vLLM does once that peer's replacement has handshaken: a
         # replacement that cannot start while the dead peer's memory is held.
         self.held: dict[tuple[int, int, int], int] = {}
+        self.held_by_agent: dict[object, tuple[int, int, int]] = {}     # NIXL's name of each such peer
 
-    def note_loaded_peer(self, before: set[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    def note_loaded_peer(self, before: set[tuple[int, int, int]], agent: object = None) -> tuple[int, int, int] | None:
         """After NIXL loaded one peer's metadata: a cache that appeared meanwhile with one region, mapped once,
         is that peer's, and its one count is the rkey's hold. More than one new cache: no telling whose."""
         new = [e for e in self.caches.entries() if (e.pid, e.ns, e.device) not in before]
         if len(new) == 1:
             regions = self.caches.regions(new[0].cache)
             if len(regions) == 1 and regions[0][1] == 1:
-                self.held[(new[0].pid, new[0].ns, new[0].device)] = regions[0][0]
-                return new[0].pid, new[0].ns, new[0].device
+                peer = (new[0].pid, new[0].ns, new[0].device)
+                self.held[peer], self.held_by_agent[agent_name(agent)] = regions[0][0], peer
+                return peer
         return None
+
+    def note_unloaded_agent(self, agent: object) -> None:
+        """NIXL unloaded a peer: its rkeys, and so the hold, are gone (a count left on that region is a copy's)."""
+        peer = self.held_by_agent.pop(agent_name(agent), None)
+        if peer is not None:
+            self.held.pop(peer, None)
 
     def peers(self) -> set[tuple[int, int, int]]:
         return {(e.pid, e.ns, e.device) for e in self.caches.entries()}
@@ -320,12 +333,21 @@ def patch_agent_start() -> bool:
     def add_remote_then_note_hold(self, *args, **kwargs):
         before = RUNNING[0].peers() if RUNNING else set()
         name = add_remote(self, *args, **kwargs)
-        if RUNNING and (peer := RUNNING[0].note_loaded_peer(before)) is not None:
+        if RUNNING and (peer := RUNNING[0].note_loaded_peer(before, name)) is not None:
             print(f"pdserve-ipc-sweep: peer pid {peer[0]} (device {peer[2]}): one region mapped by UCX's "
                   "reachability check until NIXL unloads the peer; dropped with the rest if it dies", flush=True)
         return name
 
+    remove_remote = agent_class.remove_remote_agent
+
+    def remove_remote_then_forget_hold(self, agent, *args, **kwargs):
+        result = remove_remote(self, agent, *args, **kwargs)
+        if RUNNING:
+            RUNNING[0].note_unloaded_agent(agent)
+        return result
+
     init_then_sweeper.pdserve_ipc_sweep = True
     agent_class.__init__ = init_then_sweeper
     agent_class.add_remote_agent = add_remote_then_note_hold
+    agent_class.remove_remote_agent = remove_remote_then_forget_hold
     return True

@@ -113,9 +113,25 @@ def test_the_region_an_rkey_holds_is_learnt_when_nixl_loads_the_peer_and_named_a
     before = s.peers()
     caches.table.append(Entry(1, 100, 7, 0, 0xA))
     caches.region_counts[0xA] = [(0xA70, 1)]
-    s.note_loaded_peer(before)
+    s.note_loaded_peer(before, b"d-agent")
     assert s.held == {(100, 7, 0): 0xA70}
     assert [d.pid for d in s.sweep()] == [100] and caches.asked == [(100, 0xA70)] and s.held == {}
+
+
+def test_a_hold_is_forgotten_when_nixl_unloads_its_peer():
+    # vLLM unloads a replaced or invalid peer (rkeys released: UCX unmaps the hold) and may load it again,
+    # which maps nothing new: a count on that region is then a copy's.
+    caches = FakeCaches([])
+    s = sweeper(caches, dead={100}, now=[0.0], grace=0.0)
+    caches.table.append(Entry(1, 100, 7, 0, 0xA))
+    caches.region_counts[0xA] = [(0xA70, 1)]
+    s.note_loaded_peer(set(), b"d-agent")
+    s.note_unloaded_agent(b"other-agent")
+    assert s.held == {(100, 7, 0): 0xA70}
+    s.note_unloaded_agent("d-agent")                            # NIXL's answer was bytes; a str removes it
+    assert s.held == {} and s.held_by_agent == {}
+    s.sweep()
+    assert caches.asked == [(100, 0)]
 
 
 def test_no_hold_is_learnt_where_the_new_cache_cannot_be_told_apart():
@@ -361,13 +377,15 @@ def test_the_entry_learns_each_loaded_peers_hold_around_nixls_add_remote_agent()
             "class Noted:\n"
             "    def __init__(self): self.calls = []\n"
             "    def peers(self): self.calls.append('peers'); return {(1, 2, 3)}\n"
-            "    def note_loaded_peer(self, before): self.calls.append(('noted', before))\n"
+            "    def note_loaded_peer(self, before, name): self.calls.append(('noted', before, name))\n"
+            "    def note_unloaded_agent(self, name): self.calls.append(('unloaded', name))\n"
             "assert ipc_sweep.patch_agent_start()\n"
             "a, b = (api.nixl_agent(n, api.nixl_agent_config(backends=['UCX'])) for n in ('a', 'b'))\n"
             "noted = Noted(); ipc_sweep.RUNNING.append(noted)\n"
             "print('name', a.add_remote_agent(b.get_agent_metadata()))\n"
+            "a.remove_remote_agent('b')\n"
             "print(noted.calls)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "name b'b'" in out.stdout.splitlines()        # NIXL's own answer, passed back
-    assert "['peers', ('noted', {(1, 2, 3)})]" in out.stdout.splitlines()
+    assert "['peers', ('noted', {(1, 2, 3)}, b'b'), ('unloaded', 'b')]" in out.stdout.splitlines()
