@@ -5,8 +5,9 @@ and some of NIXL's Python calls take it while holding the GIL. Python code holdi
 GIL between two bytecodes to such a caller, which would then spin forever on the lock: so the locked step is
 one native call, made through ctypes.PYFUNCTYPE (the GIL stays held for its whole length), that takes the lock,
 checks the bucket still holds the cache it was asked to drop and that none of the cache's regions is in a copy
-(counting them and their bytes; the one region an rkey of the peer holds, if named, may keep that one count), calls UCX's uct_cuda_ipc_destroy_cache(cache, 1) (1: close each handle),
-marks the bucket deleted as kh_del does, and gives the lock back. It returns DROPPED, IN_USE or CHANGED (the lock
+(counting them and their bytes; the region an rkey of the peer holds, if named, may keep that one count), calls
+UCX's uct_cuda_ipc_destroy_cache(cache, 1) (1: close each handle), marks the bucket deleted as kh_del does, and
+gives the lock back. It returns DROPPED, IN_USE or CHANGED (the lock
 held by another, or the bucket no longer the one asked for).
 
 The offsets are engine/ipc_sweep.py's Layout (the same in both checked builds); ASM is the source, assembled

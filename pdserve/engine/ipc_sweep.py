@@ -5,7 +5,7 @@ Over CUDA IPC each server maps its peer's KV cache (D reads P's blocks, P pulls 
 a khash keyed by the peer's pid, pid namespace and device) until the process exits: a crashed peer's GPU
 memory stays held by the survivor, and the peer cannot start again beside it (docs/gpu.md, "A crash costs no
 request"). UCX has no call that drops one peer's cache (1.22 closed it at endpoint teardown and reverted that,
-openucx/ucx #11335, #11744). So pdserve plans the cache off, and each transfer maps and unmaps its regions.
+openucx/ucx #11335, #11744). Off, each transfer maps and unmaps its regions (slower: plan/transport.py).
 
 Here the survivor does what UCX does not: a thread of the process that holds NIXL's agent looks, every
 second, for caches whose peer is gone (its pid missing or a zombie, in this process's pid namespace); after a
@@ -13,7 +13,14 @@ short grace it drops each such cache in one native step under the table's own lo
 checked, none of its regions in a copy, UCX's own `uct_cuda_ipc_destroy_cache`, which closes each handle, so the
 dead peer's memory is freed, and the bucket deleted as `kh_del` does). The look itself reads the table without
 the lock (what it finds is only a candidate: the native step checks it again). Offsets come from the
-disassembly of known builds (BUILDS, by the library file's sha256); any other build is left alone and said so.
+disassembly of known builds (BUILDS, by the library file's sha256); on any other build the entry turns the cache
+off before UCX starts (guard_cache) and says so.
+
+One count is no copy: UCX maps one region of the first peer on each GPU while NIXL loads that peer's metadata
+(its reachability check, openucx/ucx #11288) and keeps it mapped until NIXL unloads the peer, which vLLM does
+only once a replacement has handshaken, and the replacement cannot start while the dead peer's memory is held.
+The entry learns that region around NIXL's add_remote_agent (a cache that appeared during it, one region mapped
+once) and forgets it at remove_remote_agent; the native step frees it with the rest.
 """
 
 from __future__ import annotations
@@ -76,6 +83,9 @@ class Dropped:
     device: int
     regions: int
     nbytes: int
+
+
+Peer = tuple[int, int, int]       # a cache's key: the peer's pid, its pid namespace, the device
 
 
 @dataclass(frozen=True)
@@ -157,14 +167,10 @@ class DeadPeerSweeper:
         self.caches, self.own_ns, self.alive, self.grace_s, self.clock = caches, own_ns, alive, grace_s, clock
         self.dead_since: dict[int, float] = {}
         self.stuck: set[int] = set()     # dead peers whose mappings a copy has held for STUCK_S (said once)
-        # The region an rkey of each peer holds mapped, by peer (pid, pid namespace, device): UCX maps the first
-        # region of the first peer on each GPU when NIXL loads that peer's metadata (its reachability check) and
-        # unmaps it only when NIXL unloads it, which vLLM does once that peer's replacement has handshaken: a
-        # replacement that cannot start while the dead peer's memory is held.
-        self.held: dict[tuple[int, int, int], int] = {}
-        self.held_by_agent: dict[object, tuple[int, int, int]] = {}     # NIXL's name of each such peer
+        self.held: dict[Peer, int] = {}                  # the LRU link of the region an rkey holds, by peer
+        self.held_by_agent: dict[object, Peer] = {}      # NIXL's name of each such peer
 
-    def note_loaded_peer(self, before: set[tuple[int, int, int]], agent: object = None) -> tuple[int, int, int] | None:
+    def note_loaded_peer(self, before: set[Peer], agent: object = None) -> Peer | None:
         """After NIXL loaded one peer's metadata: a cache that appeared meanwhile with one region, mapped once,
         is that peer's, and its one count is the rkey's hold. More than one new cache: no telling whose."""
         new = [e for e in self.caches.entries() if (e.pid, e.ns, e.device) not in before]
@@ -182,7 +188,7 @@ class DeadPeerSweeper:
         if peer is not None:
             self.held.pop(peer, None)
 
-    def peers(self) -> set[tuple[int, int, int]]:
+    def peers(self) -> set[Peer]:
         return {(e.pid, e.ns, e.device) for e in self.caches.entries()}
 
     def sweep(self) -> list[Dropped]:
