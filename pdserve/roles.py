@@ -8,7 +8,8 @@ PREFILL = "prefill"
 DECODE = "decode"
 STORE = "store"          # the managed Redis (router.store: managed; plan/routers.py)
 ROUTER = "router"
+MPS = "mps"              # the managed CUDA MPS control daemon (gpu_sharing: mps; plan/gpu_sharing.py)
 
 SERVER_ROLES = (PREFILL, DECODE)                 # the vLLM servers: the spec's two role sections
-ROLES = (PREFILL, DECODE, STORE, ROUTER)         # start order; stop and restart orders derive from it
+ROLES = (MPS, PREFILL, DECODE, STORE, ROUTER)    # start order; stop and restart orders derive from it
 ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}

@@ -1,7 +1,8 @@
 """Write a variant of configs/gpu-1p1d.yaml for the GPU runs: the random-weight model, extra vLLM args and env.
   python3 cluster.py OUT.yaml NAME [--shared | --base FILE] [--block N] [--arg ARG ...] [--env K=V ...]
-                    [--extra K=V ...] [--no-cost-aware]
---extra sets a kv_transfer.extra_config key (vLLM's kv_connector_extra_config).
+                    [--extra K=V ...] [--top K=V ...] [--no-cost-aware]
+--extra sets a kv_transfer.extra_config key (vLLM's kv_connector_extra_config), --top a top-level key (e.g.
+gpu_sharing=mps).
 --shared starts from configs/gpu-1p1d-shared.yaml (P and D on GPU 0), --base from another shipped config (e.g.
 gpu-1p1d-agent-128k.yaml); --arg adds a vLLM argument to both.
 Only the model changes unless asked (the random-weight model: no hub there): the rest runs as shipped."""
@@ -20,6 +21,7 @@ a.add_argument("--base", help="a file of pdserve/configs to start from")
 a.add_argument("--arg", action="append", default=[])
 a.add_argument("--env", action="append", default=[])
 a.add_argument("--extra", action="append", default=[])
+a.add_argument("--top", action="append", default=[])
 a.add_argument("--cost-aware", action="store_true", help="force the cost guard on (it is on as shipped)")
 a.add_argument("--no-cost-aware", action="store_true", help="turn the shipped cost guard off")
 a.add_argument("--model", default="/tmp/pdserve-model")
@@ -36,6 +38,7 @@ for role in ("prefill", "decode"):
     r["env"].update(dict(kv.split("=", 1) for kv in args.env))
 if args.extra:
     cfg["kv_transfer"].setdefault("extra_config", {}).update(dict(kv.split("=", 1) for kv in args.extra))
+cfg.update(dict(kv.split("=", 1) for kv in args.top))
 if args.cost_aware or args.no_cost_aware:
     cfg["router"]["cost_aware"] = args.cost_aware
 Path(args.out).write_text(yaml.safe_dump(cfg))

@@ -9,7 +9,8 @@
 #   benchmarks/gpu/run-parts.sh load [TAG]      the workload through bench --attach, 5 36k probes during it
 #   benchmarks/gpu/run-parts.sh all [TAG]       alone, then load, in one call (TAG names the step's files)
 #   benchmarks/gpu/run-parts.sh variant NAME K=V...   down, up again with these env settings on both servers
-#                                               (extra:K=V: a kv_connector_extra_config key), then alone
+#                                               (extra:K=V: a kv_connector_extra_config key, top:K=V a
+#                                               top-level key, e.g. top:gpu_sharing=mps), then alone
 #   benchmarks/gpu/run-parts.sh mps NAME [K=V...]   start an MPS control daemon (pipes under /tmp/mps), then as
 #                                               variant with both servers as its clients: P and D share the
 #                                               GPU's SMs at once instead of time-slicing it (issue 44 item 1)
@@ -61,7 +62,8 @@ case $1 in
   variant)
     shift; variant=$1; shift
     pd down "$name"; nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null
-    envs=(); for kv in "$@"; do case $kv in extra:*) envs+=(--extra "${kv#extra:}") ;; *) envs+=(--env "$kv") ;; esac; done
+    envs=(); for kv in "$@"; do case $kv in extra:*) envs+=(--extra "${kv#extra:}") ;;
+      top:*) envs+=(--top "${kv#top:}") ;; *) envs+=(--env "$kv") ;; esac; done
     python3 "$code/benchmarks/gpu/cluster.py" "$cfg" "$name" --shared "${envs[@]}" > "$out/$name-$variant.yaml"
     pd_up "$name" "$cfg"
     parts "alone-$variant" ;;

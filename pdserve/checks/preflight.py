@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pdserve.checks.findings import Finding
 from pdserve.checks.hosts import host_findings, launcher_probe
+from pdserve.plan.gpu_sharing import MPS_CONTROL, uses_mps
 from pdserve.plan.records import ClusterPlan
 from pdserve.roles import SERVER_ROLES
 from pdserve.spec.schema import ClusterSpec
@@ -84,6 +85,15 @@ def nvidia_gpu_count() -> int | None:
         return None
     res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     return len([line for line in res.stdout.splitlines() if line.startswith("GPU ")]) if res.returncode == 0 else None
+
+
+def check_mps(spec: ClusterSpec, which: Callable = shutil.which) -> list[Finding]:
+    if not uses_mps(spec):
+        return []
+    if not which(MPS_CONTROL):
+        return [Finding("fail", "gpu_sharing", f"gpu_sharing: mps needs {MPS_CONTROL}, which is not on PATH",
+                        "install the NVIDIA driver's MPS tools, or set gpu_sharing: time_slice")]
+    return [Finding("ok", "gpu_sharing", f"{MPS_CONTROL} found: servers sharing a GPU run under MPS")]
 
 
 def check_fabric(spec: ClusterSpec, which: Callable = shutil.which, run: Callable = subprocess.run) -> list[Finding]:
@@ -155,7 +165,7 @@ def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | Non
         out = host_findings(plan, probe or launcher_probe(plan), check_ports=busy is not None, skip=skip)
         out += check_open_files(spec)          # the router's, on this machine
         return out + (check_ports(plan, busy) if busy is not None else [])
-    out = [*check_software(spec), *check_devices(spec), *check_fabric(spec), *check_open_files(spec),
+    out = [*check_software(spec), *check_devices(spec), *check_mps(spec), *check_fabric(spec), *check_open_files(spec),
            *check_chat_template(spec)]
     if busy is not None:
         out += check_ports(plan, busy)

@@ -12,6 +12,7 @@ import typer
 from pdserve.errors import EXIT_ERROR
 from pdserve.orchestrate import ops
 from pdserve.ui import console
+from pdserve.ui.units import address
 
 NAME = "plan"
 
@@ -32,7 +33,7 @@ def command(
     for proc in plan.processes:
         side = f"  nixl side channel {', '.join(map(str, proc.side_channel_ports))}" if proc.side_channel_ports else ""
         where = f"host {proc.host_name} ({plan.launcher}) " if plan.is_remote(proc) else ""
-        console.out.print(f"[bold]{proc.name}[/] ({proc.role})  {where}{proc.host}:{proc.port}{side}  "
+        console.out.print(f"[bold]{proc.name}[/] ({proc.role})  {where}{address(proc.host, proc.port)}{side}  "
                           f"health {proc.health_url}", highlight=False)
         console.out.print("  env:  " + " ".join(shlex.quote(f"{k}={v}") for k, v in proc.env.items()),
                           markup=False, highlight=False)

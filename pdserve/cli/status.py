@@ -16,7 +16,7 @@ from pdserve.cli.completion import cluster_names
 from pdserve.errors import NotRunningError
 from pdserve.orchestrate import ops
 from pdserve.ui import console
-from pdserve.ui.units import human_bytes
+from pdserve.ui.units import address, human_bytes
 
 NAME = "status"
 
@@ -101,7 +101,7 @@ def _view(st: ops.ClusterView, sampler: ops.Usage | None = None) -> Group:
     backends = (st.router or {}).get("backends") or {}
     for p in st.processes:
         health, load = ("", "") if p.is_router else _routing(backends.get(p.name))
-        row = [p.name, p.role, p.state.value, str(p.pid or "-"), f"{p.host}:{p.port}",
+        row = [p.name, p.role, p.state.value, str(p.pid or "-"), address(p.host, p.port),
                _uptime(p.uptime_s), str(p.restarts), health, load]
         if sampler:
             use = usage[p.name]

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from pdserve.orchestrate import ops
 from pdserve.ui import console
+from pdserve.ui.units import address
 
 NAME = "up"
 STATE_STYLE = {"ready": "green", "starting": "yellow", "backoff": "yellow", "unhealthy": "red",
@@ -31,7 +32,7 @@ def progress_table(state: ops.ClusterState | None, started: float) -> Table:
     for name, proc in (state.processes if state else {}).items():
         st = proc.state.value
         table.add_row(name, f"[{STATE_STYLE.get(st, '')}]{st}[/]", str(proc.handle.pid if proc.handle else ""),
-                      f"{proc.host}:{proc.port}", proc.message)
+                      address(proc.host, proc.port), proc.message)
     return table
 
 

@@ -14,8 +14,10 @@ from pdserve.engine.models import BUILTIN_MODELS
 from pdserve.errors import UsageError
 from pdserve.plan.build import CPU_KV_ENV, CPU_MEMORY_FLAGS
 from pdserve.plan.records import ProcessPlan
-from pdserve.roles import ROLES, ROUTER, STORE
+from pdserve.roles import MPS, ROLES, ROUTER, STORE
 from pdserve.spec.schema import BUILTIN_MODEL_PREFIX, ClusterSpec
+
+POD_ROLES = tuple(r for r in ROLES if r != MPS)      # no MPS daemon runs in pods (kubernetes.py)
 
 MIB, GIB = 1 << 20, 1 << 30
 # The router process without buffered bytes or reuse entries, rounded up from the RSS measured with
@@ -48,12 +50,12 @@ def mebibytes(n_bytes: float) -> str:
 def parse_memory(options: list[str] | None) -> dict[str, str]:
     """`--memory ROLE=QUANTITY` (repeatable) -> role -> the quantity as given; exit 2 for anything else."""
     out: dict[str, str] = {}
-    hint = (f"--memory ROLE=QUANTITY, ROLE one of {', '.join(ROLES)}, QUANTITY a Kubernetes memory quantity "
+    hint = (f"--memory ROLE=QUANTITY, ROLE one of {', '.join(POD_ROLES)}, QUANTITY a Kubernetes memory quantity "
             "of at least 64Mi, e.g. --memory prefill=64Gi --memory decode=96Gi")
     for option in options or []:
         role, sep, quantity = option.partition("=")
         role, quantity = role.strip(), quantity.strip()
-        if not sep or role not in ROLES:
+        if not sep or role not in POD_ROLES:
             raise UsageError(f"--memory: {option!r} does not name a role", hint=hint)
         m = QUANTITY.match(quantity)
         if not m:

@@ -52,8 +52,9 @@ def export_kubernetes(spec: ClusterSpec, *, namespace: str = "default", image: s
         raise ConfigError(f"{spec.name}: {first}", hint="docs/kubernetes.md says how each field maps")
     # The plan as for any machine, but this one's memory unknown (CPU servers' default KV cache then 1 GiB):
     # a pod has its own.
-    plan = build_plan(spec, python=PYTHON, cluster_dir=Path(STATE_DIR) / spec.name, models_dir=Path(MODELS_DIR),
-                      memory_gib=None)
+    # Each server pod gets whole GPUs of its own: nothing shares one, so no MPS daemon (notes say so).
+    plan = build_plan(spec.model_copy(update={"gpu_sharing": "time_slice"}), python=PYTHON,
+                      cluster_dir=Path(STATE_DIR) / spec.name, models_dir=Path(MODELS_DIR), memory_gib=None)
     platform = PLATFORMS.get(spec.platform or "")
     t = Target(spec, plan, namespace, image, fmt,
                gpus_per_node or (platform.gpus_per_host if platform else DEFAULT_GPUS_PER_NODE), overrides)
@@ -103,7 +104,8 @@ def notes(t: Target) -> list[str]:
         out.append("gpus (CUDA_VISIBLE_DEVICES): device ids are dropped; each server requests its GPUs as "
                    "nvidia.com/gpu and the device plugin picks them")
     if spec.share_gpus:
-        out.append("share_gpus: each server gets whole GPUs of its own; its planned --gpu-memory-utilization stays")
+        out.append("share_gpus: each server gets whole GPUs of its own; its planned --gpu-memory-utilization stays"
+                   + ("; gpu_sharing mps: no MPS daemon (nothing shares a GPU)" if spec.gpu_sharing == "mps" else ""))
     if spec.platform:
         platform = PLATFORMS[spec.platform]
         out.append(f"platform {spec.platform}: GPU pods on {platform.instance_type} nodes with "

@@ -14,6 +14,7 @@ from pdserve.engine.names import (CONTROL_TOKEN_ENV, CORES_ENV, DELAY_ENV, ENTRY
                                   VLLM_SERVER_MODULE)
 from pdserve.spec.load import SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
 from pdserve.plan.routers import reuse_file, router_plans, store_plans, store_url
+from pdserve.plan.gpu_sharing import MPS_NAME, mps_client_settings, mps_plans
 
 from pdserve.engine.entry import own_cores
 from pdserve.plan.records import (BIND, CORES, GPUS, LOCAL_HOST, MARKER, MARKER_ENV, MEMORY, MODEL, PROGRAM,
@@ -103,7 +104,8 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
         env.update({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": f"vllm-{name}"})
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
-    transport = transport_settings(spec)
+    mps = mps_client_settings(spec, role, cluster_dir)
+    transport = transport_settings(spec) + mps
     env.update({t.name: t.value for t in transport})
     env.update(host.env if host else {})
     env.update(role.env)      # the most specific setting wins: preset < transport defaults < host < role
@@ -115,6 +117,7 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     if role_name == DECODE and spec.kv_transfer.bidirectional_kv_xfer:    # its held-KV control routes' token
         env_from[CONTROL_TOKEN_ENV] = CONTROL_TOKEN_ENV
     util, after = gpu_share(spec, role_name, i)
+    after = [MPS_NAME, *after] if mps else after          # the GPU's MPS daemon answers first
     if util is not None and not any(a.startswith("--gpu-memory-utilization") for a in role.vllm_args):
         argv += ["--gpu-memory-utilization", f"{util:.3g}"]
     return ProcessPlan(name=name, role=role_name, argv=argv, env=env, host=bind, port=http_port,
@@ -236,10 +239,11 @@ def build_plan(spec: ClusterSpec, *, python: str, cluster_dir: Path, models_dir:
     router_cfg_path = str(cluster_dir / "router.json")
     routers = router_plans(spec, python, router_cfg_path, lambda name: marker(cluster_dir, name))
     stores = store_plans(spec, cluster_dir, lambda name: marker(cluster_dir, name))
+    mps = mps_plans(spec, cluster_dir, lambda name: marker(cluster_dir, name))
     hosts = [HostPlan(name=h.name, address=h.address, ssh_host=h.ssh_host, user=h.user, port=h.port,
                       identity_file=h.identity_file, ssh_options=list(h.ssh_options), python=h.python or python)
              for h in spec.hosts or []]
-    return ClusterPlan(name=spec.name, processes=[*servers, *stores, *routers],
+    return ClusterPlan(name=spec.name, processes=[*mps, *servers, *stores, *routers],
                        router_config=router_config(spec, servers, store_url(spec, cluster_dir),
                                                    reuse_file=reuse_file(spec, cluster_dir)),
 

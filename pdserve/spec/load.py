@@ -135,7 +135,7 @@ def semantic_problems(spec: ClusterSpec) -> list[str]:
                         problems.append(f"{role_name}.{kind}: {kind[:-1].upper()} {dev} is already used by {devices[key]}")
                     else:
                         devices[key] = owner
-    problems += kv_problems(spec) + share_problems(spec)
+    problems += kv_problems(spec) + share_problems(spec) + mps_problems(spec)
     if spec.reuse_ttl >= spec.kv_transfer.decoder_kv_blocks_ttl:
         problems.append(f"router.reuse_ttl: {spec.reuse_ttl:g} must be below kv_transfer.decoder_kv_blocks_ttl "
                         f"({spec.kv_transfer.decoder_kv_blocks_ttl:g}): D frees its blocks after that")
@@ -277,3 +277,15 @@ def share_problems(spec: ClusterSpec) -> list[str]:
             problems.append(f"{role}.gpu_memory_utilization: servers sharing GPU {gpu} on {host} would use "
                             f"more than {SHARED_GPU_BUDGET:g} of it; lower it so they add up to at most that")
     return problems
+
+
+def mps_problems(spec: ClusterSpec) -> list[str]:
+    """gpu_sharing: mps runs one MPS control daemon on this machine for servers that share its GPUs."""
+    if spec.gpu_sharing != "mps":
+        return []
+    if not spec.share_gpus:
+        return ["gpu_sharing: mps is for servers sharing a GPU; set share_gpus: true (or gpu_sharing: time_slice)"]
+    if spec.hosts or spec.launcher != "local":
+        return ["gpu_sharing: mps runs its daemon on this machine only; remove hosts: and use launcher: local, "
+                "or run MPS on those hosts yourself (CUDA_MPS_PIPE_DIRECTORY in env:)"]
+    return []

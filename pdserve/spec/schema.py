@@ -311,6 +311,10 @@ class ClusterSpec(Strict):
     share_gpus: bool = Field(False, description="Allow prefill and decode servers on the same GPU: each gets a "
                                                 "fitting --gpu-memory-utilization and starts after the "
                                                 "server before it on that GPU is ready.")
+    gpu_sharing: Literal["time_slice", "mps"] = Field(
+        "time_slice", description="How servers sharing a GPU (share_gpus) run on it: time_slice = CUDA's default, "
+                                  "one context at a time; mps = pdserve runs a CUDA MPS control daemon and the "
+                                  "servers run on the GPU at once (this machine's servers only).")
     launcher: Literal[LAUNCHERS] = Field(
         LauncherKind.LOCAL.value, description="How servers start: on this machine, over the system ssh, or as srun steps.")
     hosts: list[HostSpec] | None = Field(

@@ -11,3 +11,8 @@ def human_bytes(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return "-"
+
+
+def address(host: str, port: int) -> str:
+    """host:port; a process that listens on no port (the MPS daemon: port 0) by its host alone."""
+    return f"{host}:{port}" if port else host
