@@ -4,10 +4,13 @@
 # streamed) and under the 32k workload (8 conversations, 4 at a time, streamed), by on_turn_parts.py.
 # Wheel parts already in /tmp/parts. Results under $OUT; the cluster stays up between calls.
 #   benchmarks/gpu/run-parts.sh up              install, up (compiled, its canary), the servers' entry lines;
-#                                               PARTS_ENV="K=V ..." sets env on both servers from the start
+#                                               PARTS_ENV="K=V ..." sets env on both servers from the start,
+#                                               PARTS_TOP="K=V ..." top-level keys (e.g. gpu_sharing=mps)
 #   benchmarks/gpu/run-parts.sh alone [TAG]     the on turn alone: each part, the bound, off/on
 #   benchmarks/gpu/run-parts.sh load [TAG]      the workload through bench --attach, 5 36k probes during it
 #   benchmarks/gpu/run-parts.sh all [TAG]       alone, then load, in one call (TAG names the step's files)
+#   benchmarks/gpu/run-parts.sh loadoff [TAG]   down, then the same workload's `off` arm (bench's own up of
+#                                               the same config, streamed): the off side of off/on under load
 #   benchmarks/gpu/run-parts.sh variant NAME K=V...   down, up again with these env settings on both servers
 #                                               (extra:K=V: a kv_connector_extra_config key, top:K=V a
 #                                               top-level key, e.g. top:gpu_sharing=mps), then alone
@@ -48,6 +51,7 @@ descs() {   # the servers' entry lines and their last NIXL reads' descriptor cou
 case $1 in
   up)
     envs=(); for kv in ${PARTS_ENV:-}; do envs+=(--env "$kv"); done
+    for kv in ${PARTS_TOP:-}; do envs+=(--top "$kv"); done
     python3 "$code/benchmarks/gpu/cluster.py" "$cfg" "$name" --shared "${envs[@]}" > "$out/$name.yaml"
     pd plan "$cfg" | grep "set by pdserve" | sort -u
     pd_up "$name" "$cfg"
@@ -59,6 +63,12 @@ case $1 in
     parts "load${2:+-$2}" --skip-alone --load-config "$cfg" --load-name "$name" --workload "$workload" --concurrency 4 ;;
   all)
     parts "all${2:+-$2}" --load-config "$cfg" --load-name "$name" --workload "$workload" --concurrency 4 ;;
+  loadoff)
+    pd down "$name"; nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null
+    pd bench "$cfg" --arms off --workload "$workload" --concurrency 4 --stream --out "/tmp/loadoff${2:+-$2}" \
+      > "$out/loadoff${2:+-$2}.txt" 2>&1; rc=$?
+    tail -25 "$out/loadoff${2:+-$2}.txt"; cp "/tmp/loadoff${2:+-$2}/results.json" "$out/loadoff${2:+-$2}.json"
+    exit $rc ;;
   variant)
     shift; variant=$1; shift
     pd down "$name"; nvidia-smi --query-gpu=memory.used --format=csv 2>/dev/null
