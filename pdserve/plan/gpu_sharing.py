@@ -28,8 +28,9 @@ MPS_NAME = "mps"
 HEALTH_SCHEME = "mps"          # health_url mps://PIPE_DIR: the control daemon answers there (supervise/health.py)
 # The daemon's folders made, the daemon run; a stop (SIGTERM) asks it to quit the documented way, which also
 # ends the MPS server it started, and the script ends with the daemon (its exit status when it died alone).
-START_SCRIPT = (f'mkdir -p "${PIPE_ENV}" "${LOG_ENV}" || exit 1; "$0" -f & daemon=$!; '
-                """trap 'echo quit | "$0"; wait $daemon; exit 0' TERM INT; wait $daemon""")
+# The trap comes first: a stop right after the start must not leave the daemon behind.
+START_SCRIPT = (f'mkdir -p "${PIPE_ENV}" "${LOG_ENV}" || exit 1; '
+                """trap 'echo quit | "$0"; wait $daemon; exit 0' TERM INT; "$0" -f & daemon=$!; wait $daemon""")
 
 
 def uses_mps(spec: ClusterSpec) -> bool:
