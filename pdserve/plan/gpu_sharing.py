@@ -5,8 +5,8 @@ Without MPS, P and D on one GPU time-slice it: one CUDA context runs at a time, 
 wait for D's decode steps (and P's pull out of D's memory waits like its compute). As clients of one MPS
 server they run on the GPU's SMs at once: on one H200 the 32k workload's long turns went from 620 to 359 ms
 p50 with crash runs still failing 0 requests (docs/gpu.md, 2026-12-05). The daemon runs in the foreground
-under the supervisor (its stop sends it `quit`), first (roles.py), and every server on a GPU waits until it
-answers. Its folders are
+under the supervisor, first (roles.py), and every server on a GPU waits until it answers; a stop's SIGTERM
+reaches its whole tree, and its start script also sends it `quit` (NVIDIA's documented stop). Its folders are
 short paths under /tmp named after the cluster folder: MPS makes Unix sockets in the pipe folder, whose paths
 may not exceed 108 bytes.
 """
