@@ -46,7 +46,7 @@ def env_slot(name: str) -> str:
 @dataclass(frozen=True)
 class ProcessPlan:
     name: str                 # prefill-0, decode-0, router
-    role: str                 # one of spec/roles.py: prefill | decode | store (the managed Redis) | router
+    role: str                 # one of roles.py: mps (the MPS daemon) | prefill | decode | store (Redis) | router
     argv: list[str]
     env: dict[str, str]       # added to the inherited environment
     host: str

@@ -24,7 +24,7 @@ def scrape_targets(state: ClusterState) -> list[dict[str, Any]]:
     for name, proc in state.processes.items():
         url = urlsplit(proc.url or "")
         if not url.netloc or url.scheme not in ("http", "https"):
-            continue            # no address kept (an older pdserve), or no HTTP /metrics (the managed Redis)
+            continue            # no address kept (an older pdserve), or no HTTP /metrics (Redis, the MPS daemon)
         address = url.netloc
         out.append({"targets": [address], "labels": {"cluster": state.cluster, "process": name,
                                                       "role": proc.role, "host": proc.host_name or "local"}})
