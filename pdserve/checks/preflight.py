@@ -165,8 +165,8 @@ def machine_findings(spec: ClusterSpec, plan: ClusterPlan, busy: list[str] | Non
         out = host_findings(plan, probe or launcher_probe(plan), check_ports=busy is not None, skip=skip)
         out += check_open_files(spec)          # the router's, on this machine
         return out + (check_ports(plan, busy) if busy is not None else [])
-    out = [*check_software(spec), *check_devices(spec), *check_mps(spec), *check_fabric(spec), *check_open_files(spec),
-           *check_chat_template(spec)]
+    out = [*check_software(spec), *check_devices(spec), *check_mps(spec), *check_fabric(spec),
+           *check_open_files(spec), *check_chat_template(spec)]
     if busy is not None:
         out += check_ports(plan, busy)
     return out

@@ -128,10 +128,15 @@ DropFunction = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32,
                                  ctypes.POINTER(ctypes.c_uint64 * 2), ctypes.c_void_p)
 
 
+def supported() -> bool:
+    """Whether CODE can run here (x86-64)."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def native_drop() -> DropFunction | None:
     """CODE in an executable page of its own (written, then made read+execute), as a function; None off
     x86-64 Linux."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not supported():
         return None
     libc = ctypes.CDLL(None)
     libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,

@@ -96,6 +96,10 @@ class Entry:
     device: int
     cache: int
 
+    @property
+    def peer(self) -> Peer:
+        return self.pid, self.ns, self.device
+
 
 class RemoteCaches:
     """UCX's table of per-peer caches at `base`: looked at without its lock, changed only by ipc_drop's step."""
@@ -173,13 +177,12 @@ class DeadPeerSweeper:
     def note_loaded_peer(self, before: set[Peer], agent: object = None) -> Peer | None:
         """After NIXL loaded one peer's metadata: a cache that appeared meanwhile with one region, mapped once,
         is that peer's, and its one count is the rkey's hold. More than one new cache: no telling whose."""
-        new = [e for e in self.caches.entries() if (e.pid, e.ns, e.device) not in before]
+        new = [e for e in self.caches.entries() if e.peer not in before]
         if len(new) == 1:
             regions = self.caches.regions(new[0].cache)
             if len(regions) == 1 and regions[0][1] == 1:
-                peer = (new[0].pid, new[0].ns, new[0].device)
-                self.held[peer], self.held_by_agent[agent_name(agent)] = regions[0][0], peer
-                return peer
+                self.held[new[0].peer], self.held_by_agent[agent_name(agent)] = regions[0][0], new[0].peer
+                return new[0].peer
         return None
 
     def note_unloaded_agent(self, agent: object) -> None:
@@ -189,7 +192,7 @@ class DeadPeerSweeper:
             self.held.pop(peer, None)
 
     def peers(self) -> set[Peer]:
-        return {(e.pid, e.ns, e.device) for e in self.caches.entries()}
+        return {e.peer for e in self.caches.entries()}
 
     def sweep(self) -> list[Dropped]:
         now, seen, dropped = self.clock(), set(), []
@@ -203,10 +206,9 @@ class DeadPeerSweeper:
             since = self.dead_since.setdefault(entry.pid, now)
             if now - since < self.grace_s:
                 continue
-            peer = (entry.pid, entry.ns, entry.device)
-            code, gone = self.caches.drop(entry, self.held.get(peer, 0))
+            code, gone = self.caches.drop(entry, self.held.get(entry.peer, 0))
             if gone is not None:
-                self.held.pop(peer, None)
+                self.held.pop(entry.peer, None)
                 dropped.append(gone)
             elif code == ipc_drop.IN_USE and now - since >= STUCK_S and entry.pid not in self.stuck:
                 self.stuck.add(entry.pid)
@@ -256,10 +258,9 @@ def transport_libraries(backend_module: str, env: Mapping[str, str] = os.environ
     """The libuct_cuda.so files UCX would load for NIXL's backend package (`nixl_cu13._api`'s
     `nixl_cu13.libs/ucx/`, or UCX_MODULE_DIR); [] where it has none."""
     package = backend_module.partition(".")[0]
-    spec = importlib.util.find_spec(package)
     if env.get("UCX_MODULE_DIR"):
         folder = env["UCX_MODULE_DIR"]
-    elif spec is not None and spec.origin:
+    elif (spec := importlib.util.find_spec(package)) is not None and spec.origin:
         folder = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), f"{package}.libs", "ucx")
     else:
         return []
@@ -277,7 +278,7 @@ def guard_cache(libraries: list[str], env: MutableMapping[str, str] = os.environ
     if env.get(IPC_SWEEP_ENV) == "0" or not cache_on(env):
         return None
     unknown = [path for path in libraries if known_build(path) is None]
-    if not unknown and (not libraries or ipc_drop.native_drop() is not None):
+    if not unknown and (not libraries or ipc_drop.supported()):   # (native_drop would map a page to find out)
         return None
     env[CACHE_ENV] = "n"
     why = f"a UCX build pdserve has not checked: {unknown[0]}" if unknown else "not x86-64 Linux"

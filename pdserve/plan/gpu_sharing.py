@@ -34,7 +34,7 @@ START_SCRIPT = (f'mkdir -p "${PIPE_ENV}" "${LOG_ENV}" || exit 1; '
 
 
 def uses_mps(spec: ClusterSpec) -> bool:
-    return spec.gpu_sharing == "mps" and spec.share_gpus
+    return spec.gpu_sharing == "mps"       # only with share_gpus (spec/load.py refuses it otherwise)
 
 
 def mps_dirs(cluster_dir: Path) -> tuple[str, str]:
