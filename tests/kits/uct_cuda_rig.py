@@ -122,7 +122,7 @@ def child(scenario: str) -> None:
     gone.wait()                                     # a pid that ran and is gone (reaped)
     peers = {"dead": gone.pid, "live": os.getpid(), "other_ns_dead": gone.pid}
     ns = sweeper.own_ns
-    regions = {}
+    regions, cache_of = {}, {}
     for i, (name, pid) in enumerate(peers.items()):
         peer_ns = ns if name != "other_ns_dead" else ns ^ 1
         cache = ctypes.c_void_p()
@@ -150,6 +150,7 @@ def child(scenario: str) -> None:
         u32(base + 4).value += 1
         u32(base + 8).value += 1
         regions[name] = (region, start, 0x5000_0000 + i)
+        cache_of[name] = cache.value
 
     def refcount(name: str) -> int:
         return ptr(regions[name][0] + layout.region_refcount).value
@@ -158,8 +159,7 @@ def child(scenario: str) -> None:
     if scenario == "reader":
         # UCX itself holds the table's read lock: an unmap of the live peer's region waits, inside it, for
         # that cache's own lock, which this thread holds.
-        cache_lock = ptr(vals + 8 * [i for i in range(n) if ptr(vals + 8 * i).value and
-                                     u32(keys + i * layout.key_size).value == peers["live"]][0]).value
+        cache_lock = cache_of["live"]
         assert libc.pthread_rwlock_wrlock(ctypes.c_void_p(cache_lock)) == 0
         ptr(regions["live"][0] + layout.region_refcount).value = 1
         live = regions["live"]
@@ -177,11 +177,7 @@ def child(scenario: str) -> None:
         # the entry does when NIXL loads a peer (here the peer's cache is the one "loaded").
         ptr(regions["dead"][0] + layout.region_refcount).value = 1
         before = sweeper.peers() - {(peers["dead"], ns, 0)}
-        report["regions"] = [[link - regions["dead"][0], count] for link, count in
-                             caches.regions(ptr(vals + 8 * [i for i in range(n) if ptr(vals + 8 * i).value and
-                                                            u32(keys + i * layout.key_size).value == peers["dead"]
-                                                            and u32(keys + i * layout.key_size + 4).value == ns][0]
-                                                ).value)]
+        report["regions"] = [[link - regions["dead"][0], count] for link, count in caches.regions(cache_of["dead"])]
         sweeper.note_loaded_peer(before)
         report["held"] = [[k[0] == peers["dead"], v - regions["dead"][0]] for k, v in sweeper.held.items()]
     sweeper.grace_s = 0.0
