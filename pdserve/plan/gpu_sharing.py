@@ -3,8 +3,8 @@ makes each server on a GPU its client.
 
 Without MPS, P and D on one GPU time-slice it: one CUDA context runs at a time, so under load P's prefills
 wait for D's decode steps (and P's pull out of D's memory waits like its compute). As clients of one MPS
-server they run on the GPU's SMs at once: on one H200 the 32k workload's long turns went from 620 to 359 ms
-p50 with crash runs still failing 0 requests (docs/gpu.md, 2026-12-05). The daemon runs in the foreground
+server they run on the GPU's SMs at once: on one H200 the 32k workload's long turns went from 620 to 404 ms
+p50 under this daemon, crash runs still failing 0 requests (docs/gpu.md, 2026-12-05). The daemon runs in the foreground
 under the supervisor, first (roles.py), and every server on a GPU waits until it answers; a stop's SIGTERM
 reaches its whole tree, and its start script also sends it `quit` (NVIDIA's documented stop). Its folders are
 short paths under /tmp named after the cluster folder: MPS makes Unix sockets in the pipe folder, whose paths

@@ -50,8 +50,8 @@ def test_mps_plans_the_daemon_first_and_makes_each_server_on_the_gpu_its_client(
     assert [x.name for x in plan.stop_order()][-1] == MPS_NAME       # after every server it serves
 
 
-def test_time_slice_the_default_plans_no_daemon_and_a_users_own_mps_env_wins():
-    plan = plan_of(shared())
+def test_time_slice_plans_no_daemon_and_a_users_own_mps_env_wins():
+    plan = plan_of(shared(gpu_sharing="time_slice"))
     assert MPS_NAME not in [p.name for p in plan.processes]
     assert PIPE_ENV not in plan.by_name("prefill-0").env
     data = shared(gpu_sharing="mps")
@@ -81,7 +81,7 @@ def test_preflight_fails_without_the_mps_control_program():
     [missing] = check_mps(spec, which=lambda name: None)
     assert missing.level == "fail" and "nvidia-cuda-mps-control" in missing.message
     assert check_mps(spec, which=lambda name: f"/usr/bin/{name}")[0].level == "ok"
-    assert check_mps(parse_spec(shared()), which=lambda name: None) == []
+    assert check_mps(parse_spec(shared(gpu_sharing="time_slice")), which=lambda name: None) == []
 
 
 def test_the_planned_daemon_starts_answers_its_probe_and_stops(tmp_path, monkeypatch):

@@ -174,7 +174,8 @@ def test_shared_gpu_config_splits_memory_and_orders_the_start():
     p, d = plan.by_name("prefill-0"), plan.by_name("decode-0")
     assert p.env["CUDA_VISIBLE_DEVICES"] == d.env["CUDA_VISIBLE_DEVICES"] == "0"
     assert arg(p.argv, "--gpu-memory-utilization") == arg(d.argv, "--gpu-memory-utilization") == "0.46"
-    assert (p.start_after, d.start_after) == ([], ["prefill-0"])
+    # the MPS daemon first (gpu_sharing: mps as shipped), then P, then D
+    assert (p.start_after, d.start_after) == (["mps"], ["mps", "prefill-0"])
     # an explicit share wins, the other server gets the rest
     data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "gpu-1p1d-shared.yaml").read_text())
     data["prefill"]["gpu_memory_utilization"] = 0.3
