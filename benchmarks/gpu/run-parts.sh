@@ -16,7 +16,9 @@
 #                                               top-level key, e.g. top:gpu_sharing=mps), then alone
 #   benchmarks/gpu/run-parts.sh mps NAME [K=V...]   start an MPS control daemon (pipes under /tmp/mps), then as
 #                                               variant with both servers as its clients: P and D share the
-#                                               GPU's SMs at once instead of time-slicing it (issue 44 item 1)
+#                                               GPU's SMs at once instead of time-slicing it (issue 44 item 1);
+#                                               from before pdserve's own daemon, which the shipped config now
+#                                               runs: compare with `variant ts top:gpu_sharing=time_slice`
 #   benchmarks/gpu/run-parts.sh mps-down        down, then stop the MPS daemon
 # PARTS_ARGS adds on_turn_parts.py options (e.g. "--reps 3 --length 16384"); PARTS_ROUTER, PARTS_P, PARTS_D the
 # URLs (default the shipped ports on 127.0.0.1), PARTS_NAME the cluster (parts), PARTS_WORKLOAD the workload.
