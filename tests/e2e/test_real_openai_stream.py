@@ -7,6 +7,7 @@ client_gone, nothing is stored."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
@@ -23,6 +24,17 @@ CONVERSATIONS, TURNS = 3, 4
 @pytest.fixture(scope="module")
 def cluster(shared_cluster):
     return shared_cluster.use()
+
+
+def test_each_servers_engine_core_was_forked_without_a_copy_of_the_servers_socket(cluster):
+    """The e2e clusters set PDSERVE_ENGINE_FORK: each server's engine core is forked from the running server
+    (no second import of torch and vLLM) and closed its copy of the server's listening socket."""
+    servers = {p["name"]: p["pid"] for p in status_of(NAME)["processes"]}
+    for role in ("prefill-0", "decode-0"):
+        log = (cluster["home"] / "clusters" / cluster["name"] / "logs" / f"{role}.log").read_text(errors="replace")
+        assert "pdserve-fork: engine children by fork: yes" in log, role
+        forked = re.findall(r"pdserve-fork: pid (\d+) forked from (\d+), server sockets closed: (\d+)", log)
+        assert [closed for _, parent, closed in forked if int(parent) == servers[role]] == ["1"], (role, forked)
 
 
 def streamed_turn(client, messages: list) -> tuple[str, int, int | None]:

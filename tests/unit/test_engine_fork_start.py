@@ -1,4 +1,4 @@
-"""pdserve.engine.fork_start: a CPU server's children by fork, each without the server's socket."""
+"""pdserve.engine.fork_start: a server's children by fork (CPU and GPU platforms), each without the server's socket."""
 
 from __future__ import annotations
 
@@ -58,4 +58,53 @@ print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split()[-2:] == ["True", "fork"]
+    assert res.stdout.split()[-2:] == ["yes", "fork"]
+
+
+def run_code(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None})
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res
+
+
+# A GPU platform stood in for by the CPU one answering is_cpu() False; the rest is vLLM's own code: its CLI's
+# env setup (which sets spawn where the variable is unset) and the context its engine launcher asks for.
+GPU_SERVER = """
+import os, socket, sys
+from vllm.platforms import current_platform
+type(current_platform).is_cpu = lambda self: False
+from pdserve.engine.fork_start import start_children_by_fork
+server = socket.socket(); server.bind(("127.0.0.1", 0)); port = server.getsockname()[1]
+print(start_children_by_fork(["x", "--model", "m", "--port", str(port)]))
+from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+cli_env_setup()
+from vllm.utils.system_utils import get_mp_context
+ctx = get_mp_context()
+print(ctx.get_start_method())
+def child(port, queue):
+    from pdserve.engine.fork_start import server_socket_fds
+    queue.put(len(server_socket_fds(port)))
+queue = ctx.Queue()
+proc = ctx.Process(target=child, args=(port, queue)); proc.start(); proc.join(60)
+print(queue.get(timeout=10), proc.pid)
+"""
+
+
+def test_on_a_gpu_platform_the_engine_core_is_forked_without_the_server_socket():
+    """vLLM's CLI would set spawn (each engine core imports torch and vLLM again, 19-29 s on an H200 host):
+    the entry leaves fork, the launcher's context forks, the child has no copy of the server's socket and says
+    in the log that it was forked."""
+    res = run_code(GPU_SERVER, {"VLLM_WORKER_MULTIPROC_METHOD": None})
+    said, method, left = res.stdout.split("\n")[-4:-1]
+    assert (said, method) == ("yes", "fork")
+    fds, pid = left.split()
+    assert fds == "0"
+    assert f"pdserve-fork: pid {pid} forked from" in res.stderr
+    assert "server sockets closed: 1" in res.stderr
+
+
+def test_a_method_the_user_set_is_kept():
+    res = run_code(GPU_SERVER.split("from vllm.entrypoints")[0] + "print(os.environ['VLLM_WORKER_MULTIPROC_METHOD'])",
+                   {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    assert res.stdout.split("\n")[-3:-1] == ["no (VLLM_WORKER_MULTIPROC_METHOD=spawn given)", "spawn"]
