@@ -16,7 +16,8 @@ prefill many times slower and P's KV leases expire before D can read them (docs/
 - NIXL's progress thread (PDSERVE_NIXL_PROGRESS_DELAY_US): NIXL's Python API creates its agent with a
   delay of 0, a busy loop that holds one core per worker even when idle. Here it sleeps between polls.
 
-On GPUs, with UCX's CUDA IPC mapping cache on, the process that creates NIXL's agent also drops the
+Every shared-memory segment the server's processes create is named after the server, and what a dead server
+left is unlinked when the next one starts (engine/shm_names.py). On GPUs, with UCX's CUDA IPC mapping cache on, the process that creates NIXL's agent also drops the
 mappings it holds of a peer that died (engine/ipc_sweep.py), so the peer's GPU memory is freed for its restart.
 
 The patches run when this module is a process's main module: as `python -m pdserve.engine.entry`, and as
@@ -33,13 +34,14 @@ by which the router's HTTP client tells an answer to another request from its ow
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import os
 import runpy
 import sys
 
-from pdserve.engine.names import (CORES_ENV, DELAY_ENV, FORK_ENV, REUSE_PATCHES_ENV, UCX_LEAK_GUARD,
+from pdserve.engine.names import (CORES_ENV, DELAY_ENV, FORK_ENV, MARKER_ENV, REUSE_PATCHES_ENV, UCX_LEAK_GUARD,
                                   VLLM_SERVER_MODULE)
 
 
@@ -175,7 +177,25 @@ def apply_reuse_patches(argv: list[str] | None = None) -> None:
           f"pulls in the step: {in_step}", flush=True)
 
 
+def name_shared_memory(server: bool) -> None:
+    """Every segment this server's processes create is named after it (engine/shm_names.py); the server
+    process itself first unlinks what its predecessor left, and what is left when it exits."""
+    marker = os.environ.get(MARKER_ENV)
+    if not marker:                     # not started by pdserve's supervisor
+        return
+    from pdserve.engine import shm_names
+    prefix = shm_names.owner_prefix(marker)
+    shm_names.name_created_segments(prefix)
+    if server:
+        left = shm_names.remove_left(prefix)
+        if left:
+            print(f"pdserve-shm: unlinked {len(left)} shared-memory segment(s) the previous server left: "
+                  f"{', '.join(left)}", flush=True)
+        atexit.register(shm_names.remove_left, prefix)
+
+
 if __name__ in ("__main__", "__mp_main__"):      # the server itself, or a child spawn re-ran us in
+    name_shared_memory(server=__name__ == "__main__")
     pin_to_own_cores()
     patch_nixl_progress_delay()
     from pdserve.engine import ipc_sweep

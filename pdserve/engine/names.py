@@ -15,6 +15,9 @@ DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 CORES_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # "1": the entry applies the reuse patches (set by the planner when bidirectional_kv_xfer is on).
 REUSE_PATCHES_ENV = "PDSERVE_REUSE_PATCHES"
+# Environment variable every process of a cluster carries (children inherit it), so stop/down can find
+# strays by identity rather than by pid alone; a server's shared memory is named after it (engine/shm_names.py).
+MARKER_ENV = "PDSERVE_PROCESS"
 # "1": the entry has vLLM start a server's engine core and workers by fork instead of spawn (engine/fork_start.py).
 FORK_ENV = "PDSERVE_ENGINE_FORK"
 # Token budget of a server's tokenized-piece cache (engine/segment_tokens.py); 0 turns it off.

@@ -7,16 +7,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdserve.engine.names import MARKER_ENV  # noqa: F401 (the planner's and launchers' name for it; the entry reads it too)
 from pdserve.roles import ROLE_ORDER, ROUTER
 from pdserve.spec.schema import LauncherKind
 
 
 # Host name of the machine `pdserve up` runs on: the router, and every server of a cluster without `hosts:`.
 LOCAL_HOST = "local"
-
-# Environment variable every process of a cluster carries (children inherit it), so stop/down can find
-# strays by identity rather than by pid alone.
-MARKER_ENV = "PDSERVE_PROCESS"
 
 # Kinds of values in a process's argv or env that belong to the machine its plan was made for
 # (ProcessPlan.host_specific): a renderer for another place (`pdserve export`) replaces them by kind, never

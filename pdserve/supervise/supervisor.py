@@ -222,6 +222,8 @@ class Supervisor:
             self._stopped(proc, stopped, now)
 
     def _stopped(self, proc: ManagedProcess, stopped: Stopped, now: float) -> None:
+        if proc.role in SERVER_ROLES and (left := self.services.after_stop(proc.plan)):
+            log.info("%s: unlinked %d shared-memory segment(s) its processes left", proc.name, len(left))
         if stopped.then == ProcState.BACKOFF:
             self.peers.after_crash_stop(proc, self.procs)
         if stopped.restart and not self.stop_requested:

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kits.vllm_cluster import SHARED, canary_settled, converse, down_leaves_nothing, pdserve, reuse_diagnosis
+from tests.kits.vllm_cluster import (SHARED, canary_settled, converse, down_leaves_nothing, pdserve, reuse_diagnosis,
+                                     shm_segments)
 from tests.kits.vllm_cluster import status as status_of
 from tests.kits.waits import wait_for
 
@@ -130,10 +131,13 @@ def alive(procs: list[psutil.Process]) -> list[str]:
 def test_sigkill_of_one_api_server_pid_loses_no_request(cluster, server):
     """SIGKILL of the API server's pid only (what the OOM killer does): served whole by the other role
     meanwhile; every process it had started (its EngineCore, retitled, in the dead leader's group) is gone
-    before the new server starts; the new server's KV reaches P again (was test_real_vllm's decode test)."""
+    before the new server starts, and so is the shared memory it had made; the new server's KV reaches P again
+    (was test_real_vllm's decode test)."""
     pid = procs()[server]["pid"]
     tree = psutil.Process(pid).children(recursive=True)
     assert tree, "vLLM's API server should have started its engine"
+    rings = shm_segments(cluster, server)
+    assert rings, "vLLM's CPU executor should have made its rings"
     outlived: list[str] = []
 
     def kill_and_watch_the_new_server() -> None:
@@ -151,6 +155,7 @@ def test_sigkill_of_one_api_server_pid_loses_no_request(cluster, server):
     assert not outlived, f"{outlived} outlived the killed API server into the restart"
     assert during and set(during) == {200}, during                # served whole by the other role meanwhile
     assert not alive(tree)
+    assert not set(rings) & set(shm_segments(cluster, server)), rings        # unlinked, not leaked
     canary_settled(cluster)
     rows = converse(cluster, f"after-kill-{server}", 2, [])
     assert rows[1]["tokens_from_d"] > 0, (rows, reuse_diagnosis(cluster))

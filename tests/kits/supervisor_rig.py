@@ -23,9 +23,11 @@ class Rig:
         self.plan = build_plan(spec, python="/py", cluster_dir=tmp, models_dir=tmp)
         self.launcher, self.clock, self.health = FakeLauncher(), FakeClock(), Health()
         self.executor, self.canary = InlineExecutor(), Canary(canary)
+        self.cleaned: list[str] = []          # servers whose shared memory was removed after a stop, in order
         self.sup = Supervisor(self.plan, ClusterDir("t", home=tmp), Services(
             launcher_for=lambda plan, proc: self.launcher, probe=self.health, canary=self.canary,
-            clock=self.clock, executor=self.executor, memory_held=memory_held))
+            clock=self.clock, executor=self.executor, memory_held=memory_held,
+            after_stop=lambda plan: self.cleaned.append(plan.name) or []))
         self.sup.cdir.logs_dir.mkdir(parents=True, exist_ok=True)
 
     def url(self, name: str) -> str:

@@ -244,15 +244,27 @@ def converse(cluster: dict, conv_id: str | None, turns: int, history: list,
     return rows
 
 
+def shm_segments(cluster: dict, server: str) -> list[str]:
+    """The shared-memory segments a server's processes made that still have a name (engine/shm_names.py)."""
+    from pdserve.engine.shm_names import SHM_DIR, owner_prefix
+    root = cluster["home"] / "clusters" / cluster["name"]
+    return sorted(p.name for p in SHM_DIR.glob(owner_prefix(f"{root}#{server}") + "*"))
+
+
 def down_leaves_nothing(cluster: dict) -> None:
-    """`pdserve down` succeeds, no process of the cluster is left, and no port of its config is bound."""
+    """`pdserve down` succeeds, no process of the cluster is left, no port of its config is bound, and no
+    shared memory its servers made is left in /dev/shm (vLLM's CPU executor makes two rings a server)."""
     from pdserve.launchers.local import marked_processes
     from tests.kits.ports import port_free
+    made = {server: shm_segments(cluster, server) for server in ("prefill-0", "decode-0")}
+    assert all(made.values()), made          # the check below can fail: each server has its rings now
     res = pdserve("down", cluster["name"])
     assert res.returncode == 0, res.stderr
     root = cluster["home"] / "clusters" / cluster["name"]
     for proc in ("prefill-0", "decode-0", "router"):
         assert marked_processes(f"{root}#{proc}") == []
+    for server in made:
+        assert shm_segments(cluster, server) == [], server
     cfg = cluster["cfg"]
     for port in (cfg["prefill"]["port"], cfg["decode"]["port"], cfg["router"]["port"],
                  cfg["prefill"]["nixl_side_channel_port"], cfg["decode"]["nixl_side_channel_port"]):

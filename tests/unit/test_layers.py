@@ -22,7 +22,8 @@ ALLOWED = {
     "plan": {"spec", "roles", "engine", "errors"},
     "launchers": {"plan", "spec", "observe", "errors"},   # spec: the launcher names (LauncherKind)
     "state": {"launchers", "errors"},
-    "supervise": {"plan", "spec", "roles", "state", "launchers", "observe", "errors", "router"},  # router.wire: the canary's header
+    "supervise": {"plan", "spec", "roles", "state", "launchers", "observe", "errors", "router",  # router.wire: the canary's header
+                  "engine"},        # engine.shm_names: the names a server's shared memory gets
     "checks": {"plan", "spec", "roles", "observe", "supervise", "launchers", "engine", "errors"},
     "export": {"plan", "spec", "roles", "engine", "errors"},      # renders the plan for another place (kubernetes)
     "orchestrate": {"spec", "plan", "roles", "state", "launchers", "observe", "checks", "engine", "export", "errors"},

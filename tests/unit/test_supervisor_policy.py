@@ -77,6 +77,24 @@ def test_a_crash_stops_the_whole_tree_backs_off_then_restarts(tmp_path):
     rig.until(lambda: rig.sup.phase == Phase.RUNNING)
 
 
+def test_a_servers_shared_memory_is_removed_once_its_tree_is_gone_before_it_starts_again_and_at_down(tmp_path):
+    """engine/shm_names.py: what a dead server left in /dev/shm is unlinked after its stop, never while a
+    process of its tree still lives (the orphan below needs its SIGKILL first), and not for the router."""
+    rig = Rig(tmp_path, backoff_initial=1.0).running()
+    rig.launcher.crash("decode-0")                   # its engine child lives on past SIGTERM
+    rig.launcher.live("decode-0").stubborn = True
+    rig.sick("decode-0")
+    rig.ticks(1)
+    assert rig.state("decode-0") == S.STOPPING and rig.cleaned == []
+    rig.until(lambda: rig.state("decode-0") == S.BACKOFF)
+    assert rig.cleaned == ["decode-0"] and rig.launcher.started.count("decode-0") == 1
+    rig.healthy("decode-0")
+    rig.until(lambda: rig.sup.phase == Phase.RUNNING)
+    assert rig.cleaned == ["decode-0"]
+    rig.sup.shutdown()
+    assert rig.cleaned == ["decode-0", "decode-0", "prefill-0"]
+
+
 def test_stopping_is_timed_sigkill_comes_on_a_later_tick_and_others_are_probed_meanwhile(tmp_path):
     rig = Rig(tmp_path, stop_timeout=5.0).running()
     rig.launcher.stubborn.add("decode-0")
