@@ -28,7 +28,10 @@ log = logging.getLogger("pdserve.supervisor")
 
 STARTUP_PROBE_INTERVAL = 0.5
 FAILED_PROBES_BEFORE_UNHEALTHY = 3
-ORPHAN_GRACE = 3.0               # SIGTERM -> SIGKILL for what outlived a leader that already died
+# SIGTERM -> SIGKILL for what outlived a leader that already died. A dead vLLM API server's engine core never
+# ends on SIGTERM (it waits for work it can no longer report: every CPU and H200 crash run, logs in
+# benchmarks/results/2026-12-05-gpu-mps-60a3f3b), so a longer grace only delays the restart.
+ORPHAN_GRACE = 1.0
 
 
 class Prober(Protocol):

@@ -369,7 +369,7 @@ def test_orphans_of_a_dead_leader_get_a_short_grace_not_the_full_stop_timeout(tm
     rig.launcher.crash("decode-0")
     start = rig.clock.now
     rig.until(lambda: signal.SIGKILL in rig.launcher.live("decode-0").signals)
-    assert rig.clock.now - start <= ORPHAN_GRACE + 0.5 < 20.0
+    assert rig.clock.now - start <= ORPHAN_GRACE + 0.5 <= 1.5
 
 
 def test_an_unreachable_host_is_reported_not_restarted_and_shutdown_does_not_hang(tmp_path):
