@@ -92,7 +92,11 @@ async def serve(cfg: RouterConfig, host: str, port: int, own_port: int | None = 
     # Past the limit the cutter logs, counts and cancels each turn left, just before aiohttp's own shutdown
     # timeout (the runner's, CUT_GRACE_S later) would cancel it without a word.
     cutter = asyncio.create_task(drain.finish_or_cut(app, app.get(FLOW), app[METRICS], cfg.drain_timeout))
-    await runner.cleanup()       # stops listening, closes idle connections, waits for the turns, then app cleanup
+    # stops listening, closes idle connections, waits for the turns, then app cleanup
+    cleanup = asyncio.create_task(runner.cleanup(), name="runner.cleanup")
+    watch = asyncio.create_task(drain.report_if_stuck(cutter, cleanup))
+    await cleanup
+    watch.cancel()
     cut = cutter.result() if cutter.done() and not cutter.cancelled() and cutter.exception() is None else 0
     cutter.cancel()
 

@@ -5,13 +5,13 @@ flow; and what runs beside the requests (probes, the store's purge, the held-KV 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import aiohttp
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.front.drain import awaiting
 from pdserve.router.kv.held import HeldKV
 from pdserve.router.kv import store_file
 from pdserve.router.kv.held_control import CONTROL, HttpControl
@@ -125,17 +125,32 @@ class Router:
             self.metrics.entries_bytes.set(store.bytes)
 
     async def close(self) -> None:
+        """Each step bounded (CLOSE_STEP_S): a step that hangs is named in the log and the stop goes on."""
         await self._keep()
         for task in self.tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.held.close()
-        await self.session.close()
-        await self.client.close()
+        if self.tasks:
+            _, left = await asyncio.wait(self.tasks, timeout=CLOSE_STEP_S)
+            for task in left:
+                log.warning("closing: %s went on %gs after its cancel, at %s", task.get_name(), CLOSE_STEP_S,
+                            " -> ".join(awaiting(task.get_coro())))
+        await _within("held-KV calls", self.held.close())
+        await _within("the backends' connections", self.session.close())
+        await _within("the backends' lean client", self.client.close())
         if self.spans is not None:
-            await asyncio.to_thread(self.spans.shutdown)     # export what is queued
-        await self.store.close()
+            await _within("the trace export", asyncio.to_thread(self.spans.shutdown))     # export what is queued
+        await _within("the reuse store", self.store.close())
+
+
+CLOSE_STEP_S = 5.0
+
+
+async def _within(what: str, step: Any) -> None:
+    try:
+        async with asyncio.timeout(CLOSE_STEP_S):
+            await step
+    except TimeoutError:
+        log.warning("closing: %s not closed after %gs; going on", what, CLOSE_STEP_S)
 
 
 def compose(cfg: RouterConfig, metrics: RouterMetrics, api_key: str | None, spans: Any = None) -> Router:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -25,6 +26,9 @@ log = logging.getLogger("pdserve.router")
 
 IN_FLIGHT = web.AppKey("in_flight", dict)      # id(request) -> (completion request, when it came: monotonic)
 CUT_GRACE_S = 2.0     # aiohttp's own shutdown timeout comes this long after the limit: the cut turns unwind in it
+# Once no turn is left, the rest of a stop (connections closed, backends' clients and the store closed) takes
+# well under a second; past this, what it still waits on is written to the log, once.
+STUCK_AFTER_S = 10.0
 
 
 
@@ -75,3 +79,34 @@ async def finish_or_cut(app: web.Application, flow: Flow | None, metrics: Router
             task.cancel()
     return len(cut)
 
+
+
+async def report_if_stuck(turns_done: asyncio.Task, stopping: asyncio.Task, after: float = STUCK_AFTER_S) -> None:
+    """When the stop (`stopping`) is not over `after` seconds after the turns were (`turns_done`: the cutter),
+    log every task it still waits on with where each waits: a stop that hangs says why before the supervisor's
+    SIGKILL (once, a CI run's router waited 125 s with no turn in flight and said nothing)."""
+    await asyncio.wait([turns_done])
+    done, _ = await asyncio.wait([stopping], timeout=after)
+    if done:
+        return
+    me = asyncio.current_task()
+    waiting = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    log.warning("drain: the stop still waits %gs after the last turn ended, on %d task(s):", after, len(waiting))
+    for task in waiting:
+        log.warning("drain: waiting on %s: %s", task.get_name(), " -> ".join(awaiting(task.get_coro())))
+
+
+def awaiting(coro) -> list[str]:
+    """Where a suspended coroutine waits: each coroutine of its await chain (function, file:line), then what
+    the innermost awaits (a future, a task) when that is not a coroutine."""
+    chain = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            if hasattr(coro, "cr_code") or hasattr(coro, "gi_code"):   # a coroutine that has finished
+                break
+            chain.append(f"task {coro.get_name()}" if isinstance(coro, asyncio.Task) else "a future")
+            break
+        chain.append(f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return chain
