@@ -87,8 +87,10 @@ class SlurmLauncher:
         return Handle(LauncherKind.LOCAL, LOCAL_HOST, handle.pid, handle.start_time, handle.marker, handle.log_path)
 
     def is_alive(self, handle: Handle) -> bool:
-        """The step runs (its srun client may be gone with a dead supervisor's machine session)."""
-        return bool(self.steps(handle))
+        """Its srun client runs (a step just asked for is not in squeue yet: right after a start it was
+        taken for dead and cancelled, once in CI), or its step does (the client may be gone with a dead
+        supervisor's machine session)."""
+        return self._clients.is_alive(self._client(handle)) or bool(self.steps(handle))
 
     def exit_code(self, handle: Handle) -> int | None:
         return self._clients.exit_code(self._client(handle))
