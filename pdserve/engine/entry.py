@@ -17,8 +17,9 @@ prefill many times slower and P's KV leases expire before D can read them (docs/
   delay of 0, a busy loop that holds one core per worker even when idle. Here it sleeps between polls.
 
 Every shared-memory segment the server's processes create is named after the server, and what a dead server
-left is unlinked when the next one starts (engine/shm_names.py). On GPUs, with UCX's CUDA IPC mapping cache on, the process that creates NIXL's agent also drops the
-mappings it holds of a peer that died (engine/ipc_sweep.py), so the peer's GPU memory is freed for its restart.
+left is unlinked when the next one starts (engine/shm_names.py). On GPUs, with UCX's CUDA IPC mapping cache on,
+the process that creates NIXL's agent also drops the mappings it holds of a peer that died (engine/ipc_sweep.py),
+so the peer's GPU memory is freed for its restart.
 
 The patches run when this module is a process's main module: as `python -m pdserve.engine.entry`, and as
 `__mp_main__` in the engine core and workers, which vLLM starts with multiprocessing's spawn, so every

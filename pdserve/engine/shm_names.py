@@ -27,13 +27,13 @@ def owner_prefix(marker: str) -> str:
     return f"{PREFIX}{hashlib.blake2b(marker.encode(), digest_size=6).hexdigest()}-"
 
 
-def name_created_segments(prefix: str) -> bool:
+def name_created_segments(prefix: str) -> None:
     """From now on in this process (and the children it forks or spawns through the entry), a segment created
-    without a name gets one under `prefix`; returns whether the patch is in place."""
+    without a name gets one under `prefix` (patched once a process)."""
     from multiprocessing import shared_memory
     cls = shared_memory.SharedMemory
     if getattr(cls.__init__, "pdserve_prefix", None) is not None:
-        return True
+        return
     create_or_open = cls.__init__
 
     def init(self, name=None, create=False, size=0, *args, **kwargs):
@@ -48,7 +48,6 @@ def name_created_segments(prefix: str) -> bool:
 
     init.pdserve_prefix = prefix
     cls.__init__ = init
-    return True
 
 
 def remove_left(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:

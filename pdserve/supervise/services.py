@@ -1,6 +1,7 @@
 """What the supervisor is given instead of calling the OS: launchers, a health probe, the canary, a GPU
-memory check, the removal of what a stopped server left in shared memory, a clock, and an executor for the calls that wait (probes, canaries, nvidia-smi), so its
-loop never blocks on one. Tests hand it fakes and drive it tick by tick in milliseconds."""
+memory check, the removal of what a stopped server left in shared memory, a clock, and an executor for the
+calls that wait (probes, canaries, nvidia-smi), so its loop never blocks on one. Tests hand it fakes and drive
+it tick by tick in milliseconds."""
 
 from __future__ import annotations
 

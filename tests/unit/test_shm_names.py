@@ -35,7 +35,8 @@ def test_segments_get_the_servers_name_vllms_rings_too_and_readers_still_attach(
     code = f"""
 from multiprocessing import shared_memory
 from pdserve.engine.shm_names import name_created_segments
-assert name_created_segments({prefix!r}) and name_created_segments({prefix!r})    # twice: one patch
+name_created_segments({prefix!r}); once = shared_memory.SharedMemory.__init__
+name_created_segments({prefix!r}); assert shared_memory.SharedMemory.__init__ is once    # twice: one patch
 made = shared_memory.SharedMemory(create=True, size=4096)
 made.buf[:5] = b"hello"
 seen = shared_memory.SharedMemory(name=made.name)             # a reader attaches by the name it is handed

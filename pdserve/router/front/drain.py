@@ -80,7 +80,6 @@ async def finish_or_cut(app: web.Application, flow: Flow | None, metrics: Router
     return len(cut)
 
 
-
 async def report_if_stuck(turns_done: asyncio.Task, stopping: asyncio.Task, after: float = STUCK_AFTER_S) -> None:
     """When the stop (`stopping`) is not over `after` seconds after the turns were (`turns_done`: the cutter),
     log every task it still waits on with where each waits: a stop that hangs says why before the supervisor's
