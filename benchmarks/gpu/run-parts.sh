@@ -5,7 +5,9 @@
 # Wheel parts already in /tmp/parts. Results under $OUT; the cluster stays up between calls.
 #   benchmarks/gpu/run-parts.sh up              install, up (compiled, its canary), the servers' entry lines;
 #                                               PARTS_ENV="K=V ..." sets env on both servers from the start,
-#                                               PARTS_TOP="K=V ..." top-level keys (e.g. gpu_sharing=mps)
+#                                               PARTS_TOP="K=V ..." top-level keys (e.g. gpu_sharing=mps);
+#                                               PARTS_ENV=PDSERVE_ENGINE_FORK=1: engine cores forked (the
+#                                               servers' pdserve-fork lines say so, or vLLM's spawn warning)
 #   benchmarks/gpu/run-parts.sh alone [TAG]     the on turn alone: each part, the bound, off/on
 #   benchmarks/gpu/run-parts.sh load [TAG]      the workload through bench --attach, 5 36k probes during it
 #   benchmarks/gpu/run-parts.sh all [TAG]       alone, then load, in one call (TAG names the step's files)
@@ -46,7 +48,7 @@ parts() {   # STEP, on_turn_parts.py options: STEP's files in /tmp/parts-runs/ST
 descs() {   # the servers' entry lines and their last NIXL reads' descriptor counts
   for role in prefill-0 decode-0; do
     echo "== $role"
-    pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-entry\|pdserve-ipc-sweep" | tail -4
+    pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-entry\|pdserve-ipc-sweep\|pdserve-fork\|pdserve-shm\|must use the .spawn" | tail -6
     pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-descs" | tail -12
   done
 }
