@@ -1,4 +1,4 @@
-"""The router's stop, when it still waits after its last turn ended, says on what (router/front/drain.py)."""
+"""The router's stop and what it waits on: bounded, and named when it hangs (front/drain.py, front/compose.py, legs/book.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,24 @@ def test_a_close_step_that_hangs_is_named_and_the_close_goes_on(caplog, monkeypa
     assert 0.35 < took < 2.0 and session_closed
     assert any(s.startswith("closing: stubborn went on 0.2s after its cancel, at stubborn (") for s in said), said
     assert "closing: the reuse store not closed after 0.2s; going on" in said
+
+
+def test_a_scrape_waits_for_store_replies_at_most_its_bound(caplog, monkeypatch):
+    """/metrics waits for answered turns' shared-store replies; one that never came held every scrape, and a
+    stopping router waits for its scrapes in flight (one suspect of the CI stop above). Now bounded."""
+    from pdserve.router.legs import book as book_mod
+    from pdserve.router.telemetry.metrics import RouterMetrics
+    monkeypatch.setattr(book_mod, "COUNTED_WAIT_S", 0.2)
+
+    async def scrape() -> float:
+        book = book_mod.TurnBook(store=None, metrics=RouterMetrics())
+        never = asyncio.get_running_loop().create_future()      # a put's reply that never comes
+        book.storing.add(never)
+        started = asyncio.get_running_loop().time()
+        await book.counted()
+        return asyncio.get_running_loop().time() - started
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+        took = asyncio.run(scrape())
+    assert 0.15 < took < 1.0
+    assert any("waited 0.2s for 1 shared-store repl(ies) that never came" in r.getMessage() for r in caplog.records)

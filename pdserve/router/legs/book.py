@@ -22,6 +22,8 @@ from pdserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("pdserve.router")
 
+COUNTED_WAIT_S = 5.0     # the longest a scrape waits for answered turns' store replies (each due within store_timeout)
+
 
 @dataclass(slots=True)
 class Finished:
@@ -133,6 +135,11 @@ class TurnBook:
 
     async def counted(self) -> None:
         """Wait for the turns answered but not yet counted (their shared store's reply; each ends within
-        the store's timeout): a scrape after an answer counts that answer's turn."""
+        the store's timeout): a scrape after an answer counts that answer's turn. Bounded all the same
+        (COUNTED_WAIT_S): a reply that never came would hold every scrape, and a stopping router waits for
+        its scrapes in flight."""
         if self.storing:
-            await asyncio.wait(list(self.storing))
+            _, late = await asyncio.wait(list(self.storing), timeout=COUNTED_WAIT_S)
+            if late:
+                log.warning("a scrape waited %gs for %d shared-store repl(ies) that never came: answered without "
+                            "their turns", COUNTED_WAIT_S, len(late))
