@@ -50,10 +50,15 @@ def name_created_segments(prefix: str) -> None:
     cls.__init__ = init
 
 
+def named_under(prefix: str, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """The segments whose name starts with `prefix` (one server's), in name order."""
+    return sorted(shm_dir.glob(prefix + "*"))
+
+
 def remove_left(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink every segment named under `prefix`; the names removed."""
     removed = []
-    for path in sorted(shm_dir.glob(prefix + "*")):
+    for path in named_under(prefix, shm_dir):
         try:
             path.unlink()
         except FileNotFoundError:       # its creator unlinked it meanwhile

@@ -246,9 +246,9 @@ def converse(cluster: dict, conv_id: str | None, turns: int, history: list,
 
 def shm_segments(cluster: dict, server: str) -> list[str]:
     """The shared-memory segments a server's processes made that still have a name (engine/shm_names.py)."""
-    from pdserve.engine.shm_names import SHM_DIR, owner_prefix
-    root = cluster["home"] / "clusters" / cluster["name"]
-    return sorted(p.name for p in SHM_DIR.glob(owner_prefix(f"{root}#{server}") + "*"))
+    from pdserve.engine.shm_names import named_under, owner_prefix
+    from pdserve.plan.build import marker
+    return [p.name for p in named_under(owner_prefix(marker(cluster["home"] / "clusters" / cluster["name"], server)))]
 
 
 def down_leaves_nothing(cluster: dict) -> None:

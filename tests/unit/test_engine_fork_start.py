@@ -56,9 +56,7 @@ print(start_children_by_fork(["x", "--model", "m"]))
 CpuPlatform.check_and_update_config(None)
 print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split()[-2:] == ["yes", "fork"]
+    assert run_code(code).stdout.split()[-2:] == ["yes", "fork"]
 
 
 def run_code(code: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.names import MARKER_ENV
-from pdserve.engine.shm_names import SHM_DIR, owner_prefix, remove_left
+from pdserve.engine.shm_names import SHM_DIR, named_under, owner_prefix, remove_left
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this system")
 
@@ -80,7 +80,7 @@ print("made", ring.name)
         said = res.stdout.splitlines()
         assert said[0] == f"pdserve-shm: unlinked 1 shared-memory segment(s) the previous server left: {prefix}dead0001"
         assert said[1].startswith("made " + prefix)
-        assert list(SHM_DIR.glob(prefix + "*")) == []             # its own, unlinked at exit
+        assert named_under(prefix) == []             # its own, unlinked at exit
         assert Path(SHM_DIR / unrelated.name).exists()
     finally:
         unrelated.close()
