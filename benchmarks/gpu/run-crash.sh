@@ -6,7 +6,8 @@
 #   benchmarks/gpu/run-crash.sh split     the streamed 36k on/off turn in parts, 5 times (measure.py split),
 #                                      and the off/on curve at 2k-4k around the 2048 threshold
 #   benchmarks/gpu/run-crash.sh faults    while a client sends a short chat every 0.25 s: SIGKILL decode-0,
-#                                      wait for `running`, then prefill-0 (faults.py on the running cluster)
+#                                      wait for `running`, then prefill-0 (faults.py on the running cluster;
+#                                      FAULTS_KILL=decode-0 kills only that one)
 #   benchmarks/gpu/run-crash.sh variant NAME K=V...   down, up again with these env settings on both servers
 #                                      (e.g. UCX_CUDA_IPC_CACHE=y; extra:K=V sets a kv_connector_extra_config
 #                                      key), split at 36k twice
@@ -36,7 +37,7 @@ case $1 in
     nvidia-smi --query-gpu=memory.used --format=csv
     logs split ;;
   faults)
-    FAULTS_ATTACH=1 FAULTS_KEEP=1 FAULTS_KILL=decode-0,prefill-0 timeout 560 \
+    FAULTS_ATTACH=1 FAULTS_KEEP=1 FAULTS_KILL=${FAULTS_KILL:-decode-0,prefill-0} timeout 560 \
       python3 "$code/benchmarks/gpu/faults.py" "$cfg" "$out" 200 | cut -c1-1500
     for role in prefill-0 decode-0; do      # what each survivor dropped of its dead peer's mappings
       pd logs "$name" "$role" -n 20000 2>/dev/null | grep -a "pdserve-ipc-sweep" | tail -3; done
