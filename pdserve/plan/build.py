@@ -14,6 +14,7 @@ from pdserve.engine.names import (CONTROL_TOKEN_ENV, CORES_ENV, DELAY_ENV, ENTRY
                                   VLLM_SERVER_MODULE)
 from pdserve.spec.load import SHARED_GPU_BUDGET, gpu_sharers, replica_devices, replica_ports
 from pdserve.plan.routers import reuse_file, router_plans, store_plans, store_url
+from pdserve.plan.engine_start import engine_start_settings
 from pdserve.plan.gpu_sharing import MPS_NAME, mps_client_settings, mps_plans
 
 from pdserve.engine.entry import own_cores
@@ -105,12 +106,13 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     mps = mps_client_settings(spec, role, cluster_dir)
-    transport = transport_settings(spec) + mps
-    env.update({t.name: t.value for t in transport})
+    runs_entry = program is server and server[2] == ENTRY_MODULE
+    chosen = transport_settings(spec) + mps + engine_start_settings(runs_entry, gpus)
+    env.update({t.name: t.value for t in chosen})
     env.update(host.env if host else {})
-    env.update(role.env)      # the most specific setting wins: preset < transport defaults < host < role
+    env.update(role.env)      # the most specific setting wins: preset < pdserve's defaults < host < role
     # What pdserve chose (not the user), with why: `pdserve plan` prints it.
-    defaults = {t.name: t.why for t in transport if env.get(t.name) == t.value
+    defaults = {t.name: t.why for t in chosen if env.get(t.name) == t.value
                 and t.name not in role.env and t.name not in (host.env if host else {})}
     env[MARKER_ENV] = marker(cluster_dir, name)
     env_from = {"VLLM_API_KEY": spec.router.api_key_env} if spec.router.api_key_env else {}

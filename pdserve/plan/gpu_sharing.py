@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from pdserve.plan.records import MARKER, MARKER_ENV, ProcessPlan, env_slot
-from pdserve.plan.transport import TransportSetting
+from pdserve.plan.transport import EnvDefault
 from pdserve.roles import MPS
 from pdserve.spec.schema import ClusterSpec, RoleSpec
 
@@ -43,13 +43,13 @@ def mps_dirs(cluster_dir: Path) -> tuple[str, str]:
     return f"{root}/pipe", f"{root}/log"
 
 
-def mps_client_settings(spec: ClusterSpec, role: RoleSpec, cluster_dir: Path) -> list[TransportSetting]:
+def mps_client_settings(spec: ClusterSpec, role: RoleSpec, cluster_dir: Path) -> list[EnvDefault]:
     """The environment that makes a server on a GPU a client of the cluster's daemon."""
     if not uses_mps(spec) or not role.gpus:
         return []
     pipe, log = mps_dirs(cluster_dir)
     why = "gpu_sharing: mps: a client of the cluster's MPS daemon, so servers sharing a GPU run on it at once"
-    return [TransportSetting(PIPE_ENV, pipe, why), TransportSetting(LOG_ENV, log, why)]
+    return [EnvDefault(PIPE_ENV, pipe, why), EnvDefault(LOG_ENV, log, why)]
 
 
 def mps_plans(spec: ClusterSpec, cluster_dir: Path, marker) -> list[ProcessPlan]:

@@ -22,26 +22,27 @@ from pdserve.spec.schema import ClusterSpec
 
 
 @dataclass(frozen=True)
-class TransportSetting:
+class EnvDefault:
+    """An environment variable pdserve sets on a server unless the user's env names it, and why."""
     name: str
     value: str
     why: str
 
 
-GET_ZCOPY = TransportSetting(
+GET_ZCOPY = EnvDefault(
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y",
     "UCX disables CUDA-IPC GET zero-copy where it sees no NVLink (one shared GPU, PCIe-only GPUs) and NIXL's "
     "READ is a GET: without it KV moves through UCX's TCP emulation, slower than recomputing (docs/gpu.md)")
 
 
-IPC_CACHE = TransportSetting(
+IPC_CACHE = EnvDefault(
     "UCX_CUDA_IPC_CACHE", "y",
     "each server maps its peer's KV cache over CUDA IPC once, not per transfer; a crashed peer's mappings are "
     "dropped by the survivor's engine entry, which turns the cache off on a UCX build it has not checked "
     "(docs/operations.md)")
 
 
-def transport_settings(spec: ClusterSpec) -> list[TransportSetting]:
+def transport_settings(spec: ClusterSpec) -> list[EnvDefault]:
     """The settings every server of this cluster gets unless its env says otherwise."""
     kv = spec.kv_transfer
     if kv.kv_buffer_device == "cuda" and "UCX" in kv.backends:

@@ -7,13 +7,13 @@ client_gone, nothing is stored."""
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 
 import pytest
 
-from tests.kits.vllm_cluster import SHARED, external_tokens, long_user_turn, metric, reuse_diagnosis
+from tests.kits.vllm_cluster import (SHARED, assert_engine_children_forked, external_tokens, long_user_turn, metric,
+                                    reuse_diagnosis)
 from tests.kits.vllm_cluster import status as status_of
 
 pytestmark = pytest.mark.e2e
@@ -27,14 +27,7 @@ def cluster(shared_cluster):
 
 
 def test_each_servers_engine_core_was_forked_without_a_copy_of_the_servers_socket(cluster):
-    """The e2e clusters set PDSERVE_ENGINE_FORK: each server's engine core is forked from the running server
-    (no second import of torch and vLLM) and closed its copy of the server's listening socket."""
-    servers = {p["name"]: p["pid"] for p in status_of(NAME)["processes"]}
-    for role in ("prefill-0", "decode-0"):
-        log = (cluster["home"] / "clusters" / cluster["name"] / "logs" / f"{role}.log").read_text(errors="replace")
-        assert "pdserve-fork: engine children by fork: yes" in log, role
-        forked = re.findall(r"pdserve-fork: pid (\d+) forked from (\d+), server sockets closed: (\d+)", log)
-        assert [closed for _, parent, closed in forked if int(parent) == servers[role]] == ["1"], (role, forked)
+    assert_engine_children_forked(cluster)
 
 
 def streamed_turn(client, messages: list) -> tuple[str, int, int | None]:

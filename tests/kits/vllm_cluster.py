@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.engine.names import FORK_ENV
 from pdserve.observe.promtext import scrape, total
 from pdserve.spec.load import DEFAULT_CONFIG
 from tests.kits.ports import free_ports
@@ -65,11 +64,10 @@ def status(name: str) -> dict:
 
 
 def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
-    """The embedded CPU default on free ports. `eager`: no torch.compile at start, the servers' engine core and
-    workers started by fork (engine/fork_start.py: a server starts in ~17 s instead of 45-65 s on 2 cores), and
-    the tiny model in float32 (this VM's CPU has AVX2 but no bf16 instructions: a 16k-token prefill takes 18 s
-    instead of 29 s; KV is then 2 KiB a token). Compile, spawn and bf16 are what one module, on the shipped
-    config, tests; the others test what runs after start."""
+    """The embedded CPU default on free ports. `eager`: no torch.compile at start (with the engine children
+    forked, pdserve's CPU default, a server starts in ~17 s) and the tiny model in float32 (this VM's CPU has
+    AVX2 but no bf16 instructions: a 16k-token prefill takes 18 s instead of 29 s; KV is then 2 KiB a token).
+    Compile and bf16 are what one module, on the shipped config, tests; the others test what runs after start."""
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
     # These tests assert that every later turn pulls from D. The cost model would (rightly) stop pulling
     # if a noisy 2-core box made one pull look slow; it has its own test with a controllable fake.
@@ -79,7 +77,6 @@ def base_config(name: str, ports: list[int], *, eager: bool) -> dict:
     if eager:
         for role in ("prefill", "decode"):
             cfg[role]["vllm_args"] = [*cfg[role]["vllm_args"], "--enforce-eager", "--dtype", EAGER_DTYPE]
-            cfg[role]["env"] = {**cfg[role].get("env", {}), FORK_ENV: "1"}
     return cfg
 
 
@@ -242,6 +239,17 @@ def converse(cluster: dict, conv_id: str | None, turns: int, history: list,
         rows.append(row)
     cluster["turns"].extend(rows)
     return rows
+
+
+def assert_engine_children_forked(cluster: dict) -> None:
+    """Each server's engine core was forked from the running server (pdserve's default for CPU servers: no
+    second import of torch and vLLM) and closed its copy of the server's listening socket."""
+    servers = {p["name"]: p["pid"] for p in status(cluster["name"])["processes"]}
+    for role in ("prefill-0", "decode-0"):
+        log = (cluster["home"] / "clusters" / cluster["name"] / "logs" / f"{role}.log").read_text(errors="replace")
+        assert "pdserve-fork: engine children by fork: yes" in log, role
+        forked = re.findall(r"pdserve-fork: pid (\d+) forked from (\d+), server sockets closed: (\d+)", log)
+        assert [closed for _, parent, closed in forked if int(parent) == servers[role]] == ["1"], (role, forked)
 
 
 def shm_segments(cluster: dict, server: str) -> list[str]:

