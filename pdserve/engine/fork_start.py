@@ -1,5 +1,5 @@
-"""A server's engine core and workers started by fork instead of spawn (FORK_ENV: the planner sets it on CPU
-servers, plan/engine_start.py; on GPUs opt-in).
+"""A server's engine core and workers started by fork instead of spawn (FORK_ENV: the planner sets it on every
+server pdserve's entry runs, plan/engine_start.py).
 
 vLLM's API server starts its engine core (and workers) with multiprocessing's spawn: on CPU because
 CpuPlatform sets VLLM_WORKER_MULTIPROC_METHOD, on GPUs because the CLI does when the variable is unset

@@ -258,13 +258,21 @@ def test_cpu_servers_of_the_entry_fork_their_engine_children_and_plan_says_why()
     assert FORK_ENV not in plan_of(GOOD).router.env
 
 
-def test_the_users_spawn_wins_and_gpu_servers_and_vllms_own_server_keep_spawn():
+def test_gpu_servers_of_the_entry_fork_too_and_plan_says_why():
+    """vLLM's CLI would spawn the engine core; measured forked on an H200 (docs/operations.md)."""
+    plan = plan_of(gpu_spec())
+    for name in ("prefill-0", "decode-0"):
+        proc = plan.by_name(name)
+        assert proc.argv[2] == ENTRY_MODULE and proc.env["CUDA_VISIBLE_DEVICES"]
+        assert proc.env[FORK_ENV] == "1" and "H200" in proc.defaults[FORK_ENV]
+    assert FORK_ENV not in plan.router.env
+
+
+def test_the_users_spawn_wins_and_vllms_own_server_keeps_spawn():
     data = with_("decode.env", {FORK_ENV: "0"})
     plan = plan_of(data)
     assert plan.by_name("decode-0").env[FORK_ENV] == "0" and FORK_ENV not in plan.by_name("decode-0").defaults
     assert plan.by_name("prefill-0").env[FORK_ENV] == "1"
-    for proc in plan_of(gpu_spec()).processes:                           # not measured on a GPU yet
-        assert FORK_ENV not in proc.env
     plain = with_("kv_transfer.bidirectional_kv_xfer", False, with_("prefill.cpus", DELETE, with_(
         "decode.cpus", DELETE, with_("kv_transfer.kv_buffer_device", "cuda"))))
     for name in ("prefill-0", "decode-0"):                              # vLLM's own server: nothing reads it
