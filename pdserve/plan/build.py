@@ -76,8 +76,9 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     bind = host.address if host else role.host
     python = (host.python if host else None) or python
     reuse = spec.kv_transfer.bidirectional_kv_xfer   # streamed handles + pulled counts need the entry's patches
-    server = [python, "-m", ENTRY_MODULE if delay or cpus or reuse else VLLM_SERVER_MODULE]
-    program = spec.server_command or server
+    entry = bool(delay or cpus or reuse)
+    program = spec.server_command or [python, "-m", ENTRY_MODULE if entry else VLLM_SERVER_MODULE]
+    runs_entry = entry and not spec.server_command      # a custom command is run as given
     argv = [*program,
             "--model", model,
             "--served-model-name", spec.model_name,
@@ -106,7 +107,6 @@ def _server_plan(spec: ClusterSpec, role_name: str, role: RoleSpec, i: int, pyth
     if spec.model.startswith(BUILTIN_MODEL_PREFIX):
         env["HF_HUB_OFFLINE"] = "1"   # a locally built model: never ask a hub
     mps = mps_client_settings(spec, role, cluster_dir)
-    runs_entry = program is server and server[2] == ENTRY_MODULE
     chosen = transport_settings(spec) + mps + engine_start_settings(runs_entry, gpus)
     env.update({t.name: t.value for t in chosen})
     env.update(host.env if host else {})

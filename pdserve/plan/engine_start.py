@@ -8,7 +8,7 @@ ways: docs/operations.md, "Faster starts".
 from __future__ import annotations
 
 from pdserve.engine.names import FORK_ENV
-from pdserve.plan.transport import EnvDefault
+from pdserve.plan.records import EnvDefault
 
 FORK_ON_CPU = EnvDefault(
     FORK_ENV, "1",

@@ -17,8 +17,7 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from pdserve.plan.records import MARKER, MARKER_ENV, ProcessPlan, env_slot
-from pdserve.plan.transport import EnvDefault
+from pdserve.plan.records import MARKER, MARKER_ENV, EnvDefault, ProcessPlan, env_slot
 from pdserve.roles import MPS
 from pdserve.spec.schema import ClusterSpec, RoleSpec
 

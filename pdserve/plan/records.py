@@ -12,6 +12,15 @@ from pdserve.roles import ROLE_ORDER, ROUTER
 from pdserve.spec.schema import LauncherKind
 
 
+@dataclass(frozen=True)
+class EnvDefault:
+    """An environment variable pdserve sets on a server unless the user's env names it, and why (the reason
+    `pdserve plan` prints): transport, MPS and engine-start settings."""
+    name: str
+    value: str
+    why: str
+
+
 # Host name of the machine `pdserve up` runs on: the router, and every server of a cluster without `hosts:`.
 LOCAL_HOST = "local"
 

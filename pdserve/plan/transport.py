@@ -16,17 +16,8 @@ peer's mappings itself (engine/ipc_sweep.py), and turns the cache off on a UCX b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from pdserve.plan.records import EnvDefault
 from pdserve.spec.schema import ClusterSpec
-
-
-@dataclass(frozen=True)
-class EnvDefault:
-    """An environment variable pdserve sets on a server unless the user's env names it, and why."""
-    name: str
-    value: str
-    why: str
 
 
 GET_ZCOPY = EnvDefault(

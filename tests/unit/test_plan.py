@@ -278,6 +278,9 @@ def test_the_users_spawn_wins_and_vllms_own_server_keeps_spawn():
     for name in ("prefill-0", "decode-0"):                              # vLLM's own server: nothing reads it
         proc = plan_of(plain).by_name(name)
         assert proc.argv[2] == VLLM_SERVER_MODULE and FORK_ENV not in proc.env
+    custom = plan_of(with_("server_command", ["numactl", "-N0", "vllm", "serve"]))
+    for name in ("prefill-0", "decode-0"):                              # a custom command is run as given
+        assert custom.by_name(name).argv[0] == "numactl" and FORK_ENV not in custom.by_name(name).env
 
 
 def test_stored_plans_without_defaults_still_load():
